@@ -1,0 +1,31 @@
+# Quick start: `make demo` and `make test` work on a fresh machine with only Python 3.11.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow venv clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# One install of the package with its test and parity extras; re-run when pyproject changes.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e '.[test,parity]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m models.deepseek_v4.demo
+
+test: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache
