@@ -104,11 +104,14 @@ def _read_header(path: str) -> tuple[dict[str, Any], int, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes < 8-byte header length)")
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file ({size} bytes < the 8-byte header length)"
+                )
             n = int.from_bytes(head, "little")
             if n > size - 8:
                 raise CheckpointError(
-                    f"{path}: header length {n} overruns the file (file has {size} bytes, at most {size - 8} for the header)"
+                    f"{path}: header length {n} overruns the file "
+                    f"(file has {size} bytes, at most {size - 8} for the header)"
                 )
             if n > _MAX_HEADER:
                 raise CheckpointError(f"{path}: header length {n} exceeds the {_MAX_HEADER}-byte limit")
@@ -156,7 +159,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if tag not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{where}: unknown dtype {tag!r}; supported: {sorted(SAFETENSORS_DTYPES)}")
         shape = info.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
             raise CheckpointError(f"{where}: shape {shape!r} must be a list of non-negative integers")
         offs = info.get("data_offsets")
         if (
@@ -177,7 +182,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         nbytes = math.prod(shape) * dt.itemsize
         if e - b != nbytes:
             raise CheckpointError(
-                f"{where}: {e - b} bytes at data_offsets [{b}, {e}] but dtype {tag} x shape {tuple(shape)} needs {nbytes}"
+                f"{where}: {e - b} bytes at data_offsets [{b}, {e}] "
+                f"but dtype {tag} x shape {tuple(shape)} needs {nbytes}"
             )
         specs.append((b, e, name, dt, tuple(shape)))
     ordered = sorted(specs, key=lambda s: (s[0], s[1]))
@@ -215,7 +221,7 @@ def write_safetensors(
             raise CheckpointError(f"{path}: tensor name {name!r} must be a str other than '__metadata__'")
         a = np.asarray(a)
         tag = _tag_of(name, a)
-        a = np.ascontiguousarray(a, dtype=SAFETENSORS_DTYPES[tag])  # little-endian, C order
+        a = np.asarray(a, dtype=SAFETENSORS_DTYPES[tag], order="C")  # little-endian, C order (0-d stays 0-d)
         arrays.append((name, tag, a))
     arrays.sort(key=lambda t: (-t[2].dtype.itemsize, t[0]))
     header: dict[str, Any] = {}
@@ -410,11 +416,15 @@ def dequantize(
         q = weight.astype(np.float32)
         is_fp8 = True
     else:
-        raise CheckpointError(f"{name}: dtype {weight.dtype} is not quantized (expected float8_e4m3fn, float8_e5m2, int8/uint8 FP4)")
+        raise CheckpointError(
+            f"{name}: dtype {weight.dtype} is not quantized (expected float8_e4m3fn, float8_e5m2, int8/uint8 FP4)"
+        )
     s = _scale_to_f32(scale, name)
     if q.ndim < 2:
         if s.size != 1:
-            raise CheckpointError(f"{name}: a {q.ndim}-D quantized weight needs a single-element scale, got {scale.shape}")
+            raise CheckpointError(
+                f"{name}: a {q.ndim}-D quantized weight needs a single-element scale, got {tuple(scale.shape)}"
+            )
         return q * s.reshape(())
     if s.size == 1:
         return q * s.reshape(())
@@ -456,8 +466,8 @@ def read_config(path: str | os.PathLike) -> DeepseekV4Config:
         return DeepseekV4Config.from_json_file(cfg_path)
     except ConfigError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: cannot parse: {e}") from e
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{cfg_path}: cannot parse: {type(e).__name__}: {e}") from e
 
 
 def _quant_config(directory: str, cfg: DeepseekV4Config) -> tuple[str | None, tuple[int, int] | None]:
@@ -577,20 +587,38 @@ def read_checkpoint(
             raw[canon] = (origin, tensors[src])
 
     # pair block scales with their weights and dequantize
+    expected = expected_tensors(cfg)
     values: dict[str, np.ndarray] = {}
     origins: dict[str, str] = {}
+    failed: set[str] = set()  # reported already: not also "missing"
+    failed_fused: list[tuple[str, tuple[str, ...]]] = []  # (experts prefix, (".w1.weight", ...))
     scales = {k: v for k, v in raw.items() if k.endswith(".scale")}
     for k, (origin, a) in raw.items():
-        if k in scales:
+        if k.endswith(".scale"):
             continue
         base = k[: -len(".weight")] if k.endswith(".weight") else k
         sc = scales.pop(base + ".scale", None)
+        problem = None
         if sc is not None:
             try:
                 a = dequantize(a, sc[1], block_size=block, name=k)
             except CheckpointError as e:
-                problems.append(f"bad scale: {e}")
-                continue
+                problem = f"bad scale: {e} (scale from {sc[0]})"
+        elif a.dtype in _FP8_DTYPES or (
+            a.dtype in _FP4_DTYPES and (expected.get(k, (None, FLOAT))[1] == FLOAT or k.endswith(_FUSED))
+        ):
+            problem = (
+                f"no scale: {k!r} (from {origin}) is stored as {a.dtype} {_fmt_shape(a.shape)}, a quantized "
+                f"weight without its .scale / .weight_scale_inv"
+            )
+        if problem is not None:
+            problems.append(problem)
+            if k.endswith(_FUSED):
+                gate_up = k.endswith("gate_up_proj")
+                ws = (".w1.weight", ".w3.weight") if gate_up else (".w2.weight",)
+                failed_fused.append((k[: -len("gate_up_proj" if gate_up else "down_proj")], ws))
+            failed.add(k)
+            continue
         values[k], origins[k] = a, origin
     for k, (origin, _) in scales.items():
         problems.append(f"unexpected: {k!r} (from {origin}) is a block scale without a weight")
@@ -598,14 +626,17 @@ def read_checkpoint(
     # split fused experts
     for k in [k for k in values if k.endswith(_FUSED)]:
         a, origin = values.pop(k), origins.pop(k)
-        prefix = k[: -len("gate_up_proj")] if k.endswith("gate_up_proj") else k[: -len("down_proj")]
-        if a.ndim != 3 or (k.endswith("gate_up_proj") and a.shape[1] % 2):
+        gate_up = k.endswith("gate_up_proj")
+        prefix = k[: -len("gate_up_proj")] if gate_up else k[: -len("down_proj")]
+        if a.ndim != 3 or (gate_up and a.shape[1] % 2):
             problems.append(
-                f"shape: {k!r} (from {origin}) must be [E, 2I, D] (gate_up) or [E, D, I] (down), got {_fmt_shape(a.shape)}"
+                f"shape: {k!r} (from {origin}) must be [E, 2I, D] (gate_up) or [E, D, I] (down), "
+                f"got {_fmt_shape(a.shape)}"
             )
+            failed_fused.append((prefix, (".w1.weight", ".w3.weight") if gate_up else (".w2.weight",)))
             continue
         for e in range(a.shape[0]):
-            if k.endswith("gate_up_proj"):
+            if gate_up:
                 half = a.shape[1] // 2
                 parts = {"w1": a[e, :half], "w3": a[e, half:]}
             else:
@@ -617,7 +648,6 @@ def read_checkpoint(
                     continue
                 values[name], origins[name] = v, f"{origin}[{e}]"
 
-    expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings and "head.weight" in values and "embed.weight" in values:
         if values["head.weight"].shape == values["embed.weight"].shape and np.array_equal(
             values["head.weight"], values["embed.weight"]
@@ -625,17 +655,20 @@ def read_checkpoint(
             del values["head.weight"]
     for k, (shape, kind) in expected.items():
         if k not in values:
+            if k in failed or any(k.startswith(p) and k.endswith(ws) for p, ws in failed_fused):
+                continue
             problems.append(f"missing: {k!r} (expected shape {_fmt_shape(shape)})")
             continue
         a = values[k]
         if tuple(a.shape) != tuple(shape):
-            problems.append(f"shape: {k!r} (from {origins[k]}) expected {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}")
+            problems.append(
+                f"shape: {k!r} (from {origins[k]}) expected {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}"
+            )
         if kind == INT and a.dtype not in _INT_DTYPES:
             problems.append(f"dtype: {k!r} (from {origins[k]}) must be int32 or int64, got {a.dtype}")
         elif kind == FLOAT and a.dtype not in _PLAIN_FLOATS:
-            why = " (quantized weight without its .scale / .weight_scale_inv)" if a.dtype in _FP8_DTYPES + _FP4_DTYPES else ""
             problems.append(
-                f"dtype: {k!r} (from {origins[k]}) must be float32, bfloat16, float16 or block-quantized, got {a.dtype}{why}"
+                f"dtype: {k!r} (from {origins[k]}) must be float32, bfloat16, float16 or block-quantized, got {a.dtype}"
             )
     for k in sorted(set(values) - set(expected)):
         problems.append(f"unexpected: {k!r} (from {origins[k]}, shape {_fmt_shape(values[k].shape)})")
