@@ -1,0 +1,103 @@
+"""TPU (Mosaic) helpers: DMA K=V rows of a paged pool from HBM into VMEM and fold them.
+
+Pools stay in HBM (`memory_space=ANY`); page tables are flattened int32 arrays in SMEM (scalar
+prefetch), so sequence b's logical page i is `page_table_ref[b * pages_per_seq + i % pages_per_seq]`.
+A DMA is started only for a page (or a selected row) that holds at least one attended row, so the
+kernel never reads the others. Refs are indexed (`.at[...]`, `ref[slot]`), never reshaped.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+from pallas_kernels import online_softmax
+
+
+def fold_page_range(
+    state: online_softmax.SoftmaxState,
+    q,  # [heads, D]
+    pool_hbm_ref,  # HBM [num_pages, page_size, D]
+    page_table_ref,  # SMEM int32[batch * pages_per_seq]
+    table_offset,  # int32 scalar: b * pages_per_seq
+    lo,  # int32 scalar: first entry (inclusive)
+    hi,  # int32 scalar: last entry (exclusive)
+    page_buf,  # VMEM [2, page_size, D]: double buffer
+    sems,  # DMA semaphores [2]
+    *,
+    pages_per_seq: int,
+    scale: float,
+) -> online_softmax.SoftmaxState:
+  """Folds entries [lo, hi) of one sequence, page by page, prefetching page j+1 while folding j."""
+  page_size = page_buf.shape[1]
+  first_page = lax.div(lo, page_size)  # lo >= 0; lax.div, not //, which needs sign()
+  num_pages = jnp.maximum(pl.cdiv(hi, page_size) - first_page, 0)
+
+  def page_copy(j, slot):
+    page = page_table_ref[table_offset + lax.rem(first_page + j, pages_per_seq)]
+    return pltpu.make_async_copy(pool_hbm_ref.at[page], page_buf.at[slot], sems.at[slot])
+
+  @pl.when(num_pages > 0)
+  def _prefetch_first():
+    page_copy(0, 0).start()
+
+  def body(j, carry):
+    slot = lax.rem(j, 2)
+
+    @pl.when(j + 1 < num_pages)
+    def _prefetch_next():
+      page_copy(j + 1, 1 - slot).start()
+
+    page_copy(j, slot).wait()
+    base = (first_page + j) * page_size
+    row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
+    col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
+    # Rows of the page outside [lo, hi) may be unwritten slots: zero them so they cannot be NaN.
+    kv = page_buf[slot]  # [page_size, D]
+    kv = jnp.where((row_pos >= lo) & (row_pos < hi), kv, jnp.zeros_like(kv))
+    valid = (col_pos >= lo) & (col_pos < hi)
+    return online_softmax.fold_block(carry, q, kv, valid, scale)
+
+  return lax.fori_loop(0, num_pages, body, state)
+
+
+def fold_selected_rows(
+    state: online_softmax.SoftmaxState,
+    q,  # [heads, D]
+    pool_hbm_ref,  # HBM [num_pages, page_size, D]
+    page_table_ref,  # SMEM int32[batch * pages_per_seq]
+    table_offset,  # int32 scalar: b * pages_per_seq
+    indices_smem_ref,  # SMEM int32[topk_padded]: selected entries, -1 = none
+    indices_vmem_ref,  # VMEM int32[num_chunks, block_k]: the same indices, as vectors
+    num_visible,  # int32 scalar: entries >= this are skipped like -1
+    row_buf,  # VMEM [block_k, D]: zeroed by the caller before the first call
+    sem,  # DMA semaphore
+    *,
+    pages_per_seq: int,
+    scale: float,
+) -> online_softmax.SoftmaxState:
+  """Folds selected entries, block_k at a time: one row DMA per valid index, none for -1."""
+  block_k = row_buf.shape[0]
+  page_size = pool_hbm_ref.shape[1]
+  num_chunks = indices_vmem_ref.shape[0]
+
+  def row_copy(entry, r):
+    page = page_table_ref[table_offset + lax.rem(lax.div(entry, page_size), pages_per_seq)]
+    return pltpu.make_async_copy(
+        pool_hbm_ref.at[page, pl.ds(lax.rem(entry, page_size), 1)], row_buf.at[pl.ds(r, 1)], sem)
+
+  def body(c, carry):
+    entries = [indices_smem_ref[c * block_k + r] for r in range(block_k)]
+    oks = [(e >= 0) & (e < num_visible) for e in entries]
+    for r in range(block_k):
+      pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).start())
+    for r in range(block_k):
+      pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).wait())
+    # Rows of skipped indices still hold zeros or rows of an earlier chunk: finite, and masked.
+    chunk = indices_vmem_ref[pl.ds(c, 1), :]  # [1, block_k]
+    valid = (chunk >= 0) & (chunk < num_visible)
+    return online_softmax.fold_block(carry, q, row_buf[...], valid, scale)
+
+  return lax.fori_loop(0, num_chunks, body, state)
