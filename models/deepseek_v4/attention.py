@@ -1,0 +1,159 @@
+"""DeepSeek-V4 attention block: low-rank queries, shared K=V single-head MQA, partial interleaved RoPE,
+per-head sinks, a sliding-window branch on every layer, compressed entries on CSA/HCA layers (all
+causal entries for HCA, indexer top-k for CSA), inverse RoPE on the output, grouped low-rank output.
+
+Stateless (`Attention.__call__`) computes everything from the whole sequence. The projection pieces
+(`queries`, `shared_kv`, `project_output`) are separate so that a cached path reuses them exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .compressor import (
+    Indexer,
+    causal_entry_limit,
+    compressor_from_tensors,
+    indexer_scores,
+    select_topk,
+)
+from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .norms import linear, rms_norm, unweighted_rms_norm
+from .rope import apply_rope
+
+
+def attend_with_sinks(
+    q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sinks: jnp.ndarray, scale: float
+) -> jnp.ndarray:
+    """One softmax over keys and a per-head sink logit; K = V (shared single head).
+
+    q: [B, T, H, D]; keys: [B, K, D] (also the values); bias: [B, T, K] with 0 (visible) or -inf;
+    sinks: float32[H]. Returns [B, T, H, D] in q.dtype. The sink joins the denominator only.
+    """
+    logits = jnp.einsum("bthd,bkd->bthk", q, keys.astype(q.dtype)) * jnp.asarray(scale, q.dtype)
+    logits = logits + bias[:, :, None, :].astype(logits.dtype)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], logits.shape[:-1] + (1,))
+    combined = jnp.concatenate([logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), sink], axis=-1)
+    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(combined, axis=-1)[..., :-1].astype(keys.dtype)
+    return jnp.einsum("bthk,bkd->bthd", probs, keys).astype(q.dtype)
+
+
+def sliding_window_bias(q_positions: jnp.ndarray, k_positions: jnp.ndarray, window: int) -> jnp.ndarray:
+    """0 where key position p satisfies t - window < p <= t, else -inf. [..., Tq] x [..., Tk] -> [..., Tq, Tk]."""
+    t = q_positions[..., :, None]
+    p = k_positions[..., None, :]
+    return jnp.where((p <= t) & (p > t - window), 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def selection_bias(indices: jnp.ndarray, n_entries: int) -> jnp.ndarray:
+    """int32[B, S, k] entry indices (-1 = none) -> float32[B, S, n_entries], 0 at selected, -inf elsewhere."""
+    b, s, k = indices.shape
+    safe = jnp.where(indices >= 0, indices, n_entries)
+    base = jnp.full((b, s, n_entries + 1), -jnp.inf, jnp.float32)
+    bi = jnp.arange(b)[:, None, None]
+    si = jnp.arange(s)[None, :, None]
+    return base.at[bi, si, safe].set(0.0)[..., :n_entries]
+
+
+class Attention(nnx.Module):
+    """One DeepSeek-V4 attention block (weights under `layers.N.attn.`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}.attn."
+        f32 = jnp.float32
+        self.layer_type = cfg.layer_types[layer]
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_window
+        self.o_groups = cfg.o_groups
+        self.o_lora_rank = cfg.o_lora_rank
+        self.eps = cfg.rms_norm_eps
+        self.rope_family = "main" if self.layer_type == SLIDING else "compress"
+        self.wq_a = nnx.Param(jnp.asarray(tensors[p + "wq_a.weight"], dtype))
+        self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], f32))
+        self.wq_b = nnx.Param(jnp.asarray(tensors[p + "wq_b.weight"], dtype))
+        self.wkv = nnx.Param(jnp.asarray(tensors[p + "wkv.weight"], dtype))
+        self.norm = nnx.Param(jnp.asarray(tensors[p + "norm.weight"], f32))
+        self.wo_a = nnx.Param(jnp.asarray(tensors[p + "wo_a.weight"], dtype))
+        self.wo_b = nnx.Param(jnp.asarray(tensors[p + "wo_b.weight"], dtype))
+        self.attn_sink = nnx.Param(jnp.asarray(tensors[p + "attn_sink"], f32))
+        compressor = indexer = None
+        if self.layer_type in (CSA, HCA):
+            self.ratio = cfg.compress_rate(layer)
+            compressor = compressor_from_tensors(
+                tensors, p + "compressor.", cfg, ratio=self.ratio, head_dim=cfg.head_dim,
+                overlap=self.layer_type == CSA, dtype=dtype,
+            )
+        if self.layer_type == CSA:
+            index_compressor = compressor_from_tensors(
+                tensors, p + "indexer.compressor.", cfg, ratio=self.ratio, head_dim=cfg.index_head_dim,
+                overlap=True, dtype=dtype,
+            )
+            indexer = Indexer(
+                index_compressor,
+                jnp.asarray(tensors[p + "indexer.wq_b.weight"], dtype),
+                jnp.asarray(tensors[p + "indexer.weights_proj.weight"], dtype),
+                n_heads=cfg.index_n_heads,
+                head_dim=cfg.index_head_dim,
+                topk=cfg.index_topk,
+            )
+        self.compressor = nnx.data(compressor)
+        self.indexer = nnx.data(indexer)
+
+    # ----------------------------------------------------------------- pieces
+    def queries(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [B, T, hidden] -> (q [B, T, H, head_dim] roped, q_residual [B, T, q_lora_rank])."""
+        b, t, _ = x.shape
+        q_residual = rms_norm(linear(x, self.wq_a.value), self.q_norm.value, self.eps)
+        q = linear(q_residual, self.wq_b.value).reshape(b, t, self.num_heads, self.head_dim)
+        q = unweighted_rms_norm(q, self.eps)
+        return apply_rope(q, cos[:, :, None], sin[:, :, None]), q_residual
+
+    def shared_kv(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+        """x [B, T, hidden] -> roped K=V rows [B, T, head_dim] (the SWA object's content)."""
+        kv = rms_norm(linear(x, self.wkv.value), self.norm.value, self.eps)
+        return apply_rope(kv, cos, sin)
+
+    def project_output(self, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+        """o [B, T, H, head_dim] -> [B, T, hidden]: inverse RoPE at the query position, grouped o_a, o_b."""
+        b, t = o.shape[:2]
+        o = apply_rope(o, cos[:, :, None], -sin[:, :, None])
+        g = self.o_groups
+        grouped = o.reshape(b, t, g, -1)
+        w = self.wo_a.value.astype(o.dtype).reshape(g, self.o_lora_rank, -1)
+        mixed = jnp.einsum("btgi,gri->btgr", grouped, w).reshape(b, t, g * self.o_lora_rank)
+        return linear(mixed, self.wo_b.value)
+
+    # --------------------------------------------------------------- stateless
+    def __call__(
+        self, x: jnp.ndarray, positions: jnp.ndarray, rope: dict, freqs: dict[str, np.ndarray]
+    ) -> jnp.ndarray:
+        """Stateless attention over the whole sequence. x [B, T, hidden] (already normed),
+        positions int32[B, T] (0..T-1), rope[family] = (cos, sin) float32[B, T, rope_dim // 2]."""
+        cos, sin = rope[self.rope_family]
+        q, q_residual = self.queries(x, cos, sin)
+        kv = self.shared_kv(x, cos, sin)
+        bias = sliding_window_bias(positions, positions, self.window)  # [B, T, T]
+        keys = kv
+        if self.compressor is not None:
+            compressed = self.compressor.compress_prefix(x, freqs["compress"], self.eps)  # [B, n, D]
+            n = compressed.shape[1]
+            limit = causal_entry_limit(positions, self.ratio)  # [B, T]
+            if self.indexer is None:  # HCA: every causal entry
+                entry = jnp.arange(n, dtype=jnp.int32)
+                cbias = jnp.where(entry[None, None, :] < limit[..., None], 0.0, -jnp.inf).astype(jnp.float32)
+            else:  # CSA: the indexer's top-k among causal entries
+                ccos, csin = rope["compress"]
+                iq = self.indexer.queries(q_residual, ccos, csin)
+                ikeys = self.indexer.compressor.compress_prefix(x, freqs["compress"], self.eps)
+                scores = indexer_scores(iq, self.indexer.head_weights(x), ikeys, self.indexer.head_dim)
+                picks = select_topk(scores, limit, self.indexer.topk)
+                cbias = selection_bias(picks, n)
+            keys = jnp.concatenate([kv, compressed.astype(kv.dtype)], axis=1)
+            bias = jnp.concatenate([bias, cbias], axis=-1)
+        o = attend_with_sinks(q, keys, bias, self.attn_sink.value, self.head_dim**-0.5)
+        return self.project_output(o, cos, sin)

@@ -1,0 +1,187 @@
+"""KV compressors of CSA and HCA layers, and the lightning indexer of CSA layers.
+
+A compressor turns every `m` source tokens into one compressed entry (the article's COMPRESSED
+object): per window, a softmax over the window's gate logits (+ a learned position bias `ape`)
+weights the projected rows, the weighted sum is RMS-normed and roped at the window's first
+absolute position.
+
+* HCA (`overlap=False`): non-overlapping windows of m tokens, projection width `head_dim`.
+* CSA (`overlap=True`): projection width `2 * head_dim` holding two series Ca | Cb. Entry w pools
+  window w-1's Ca slice together with window w's Cb slice (width 2m, stride m). Window 0's Ca half
+  comes from the previous call's last window (`prior`), or is empty (gate -inf) at the start.
+
+The functions here are pure; `compress_windows` is what both the stateless forward and hkv's
+cached path call, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import DeepseekV4Config
+from .norms import linear, rms_norm
+from .rope import apply_rope, cos_sin
+
+
+def compress_windows(
+    kv: jnp.ndarray,
+    gate: jnp.ndarray,
+    ape: jnp.ndarray,
+    norm_weight: jnp.ndarray,
+    first_position: jnp.ndarray | int,
+    *,
+    ratio: int,
+    head_dim: int,
+    overlap: bool,
+    freqs: np.ndarray,
+    eps: float,
+    prior_kv: jnp.ndarray | None = None,
+    prior_gate: jnp.ndarray | None = None,
+) -> jnp.ndarray:
+    """Pool complete windows into compressed entries.
+
+    kv, gate: [B, n_windows * ratio, width] projected rows of whole windows (width = 2*head_dim
+      when `overlap` else head_dim). ape: float32[ratio, width]. norm_weight: float32[head_dim].
+    first_position: absolute position of the first row (a multiple of `ratio`), scalar or int[B].
+    prior_kv / prior_gate: [B, ratio, head_dim] Ca slice (gate already biased by ape) of the
+      window just before `kv` — only for `overlap`; None means "no earlier window" (weight 0).
+    Returns [B, n_windows, head_dim] in kv.dtype, roped at positions first_position + w*ratio.
+    """
+    b, rows, width = kv.shape
+    nw = rows // ratio
+    chunk_kv = kv.reshape(b, nw, ratio, width)
+    chunk_gate = gate.reshape(b, nw, ratio, width) + ape  # promotes to float32 like torch
+    if overlap:
+        ca_kv, cb_kv = chunk_kv[..., :head_dim], chunk_kv[..., head_dim:]
+        ca_gate, cb_gate = chunk_gate[..., :head_dim], chunk_gate[..., head_dim:]
+        if prior_kv is None:
+            prior_kv = jnp.zeros((b, ratio, head_dim), chunk_kv.dtype)
+            prior_gate = jnp.full((b, ratio, head_dim), -jnp.inf, chunk_gate.dtype)
+        prev_kv = jnp.concatenate([prior_kv[:, None].astype(chunk_kv.dtype), ca_kv[:, :-1]], axis=1)
+        prev_gate = jnp.concatenate([prior_gate[:, None].astype(chunk_gate.dtype), ca_gate[:, :-1]], axis=1)
+        chunk_kv = jnp.concatenate([prev_kv, cb_kv], axis=2)  # [B, nw, 2*ratio, head_dim]
+        chunk_gate = jnp.concatenate([prev_gate, cb_gate], axis=2)
+    weights = jax.nn.softmax(chunk_gate.astype(jnp.float32), axis=2).astype(chunk_kv.dtype)
+    pooled = jnp.sum(chunk_kv * weights, axis=2)
+    compressed = rms_norm(pooled, norm_weight, eps)
+    first = jnp.asarray(first_position, jnp.int32).reshape(-1, 1)  # [B or 1, 1]
+    positions = first + jnp.arange(nw, dtype=jnp.int32)[None, :] * ratio
+    cos, sin = cos_sin(positions, freqs)
+    return apply_rope(compressed, cos, sin)
+
+
+def causal_entry_limit(positions: jnp.ndarray, ratio: int) -> jnp.ndarray:
+    """Number of compressed entries visible to a query at each absolute position: (t + 1) // ratio."""
+    return (positions + 1) // ratio
+
+
+class Compressor(nnx.Module):
+    """Weights of one compressor (`attn.compressor.*` or `attn.indexer.compressor.*`).
+
+    wkv, wgate: [width, hidden]; ape: float32[ratio, width]; norm: float32[head_dim].
+    """
+
+    def __init__(self, wkv, wgate, ape, norm, *, ratio: int, head_dim: int, overlap: bool):
+        self.wkv = nnx.Param(wkv)
+        self.wgate = nnx.Param(wgate)
+        self.ape = nnx.Param(ape)
+        self.norm = nnx.Param(norm)
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.overlap = overlap
+
+    def project(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [B, T, hidden] -> (kv, gate), each [B, T, width]."""
+        return linear(x, self.wkv.value), linear(x, self.wgate.value)
+
+    def compress_prefix(self, x: jnp.ndarray, freqs: np.ndarray, eps: float) -> jnp.ndarray:
+        """Stateless: compress every complete window of x [B, T, hidden] -> [B, T // ratio, head_dim]."""
+        kv, gate = self.project(x)
+        usable = (x.shape[1] // self.ratio) * self.ratio
+        return compress_windows(
+            kv[:, :usable],
+            gate[:, :usable],
+            self.ape.value,
+            self.norm.value,
+            0,
+            ratio=self.ratio,
+            head_dim=self.head_dim,
+            overlap=self.overlap,
+            freqs=freqs,
+            eps=eps,
+        )
+
+
+class Indexer(nnx.Module):
+    """Lightning indexer of a CSA layer: its own overlapping compressor at `index_head_dim`, a query
+    projection from the attention's q low-rank residual, and ReLU-weighted head scores.
+
+    wq_b: [n_heads * index_head_dim, q_lora_rank]; weights_proj: [n_heads, hidden].
+    """
+
+    def __init__(self, compressor: Compressor, wq_b, weights_proj, *, n_heads: int, head_dim: int, topk: int):
+        self.compressor = compressor
+        self.wq_b = nnx.Param(wq_b)
+        self.weights_proj = nnx.Param(weights_proj)
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.topk = topk
+
+    def queries(self, q_residual: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+        """q_residual [B, S, q_lora_rank] -> roped indexer queries [B, S, n_heads, index_head_dim].
+        cos/sin: [B, S, rope_dim // 2] of the `compress` family at the query positions."""
+        b, s, _ = q_residual.shape
+        q = linear(q_residual, self.wq_b.value).reshape(b, s, self.n_heads, self.head_dim)
+        return apply_rope(q, cos[:, :, None], sin[:, :, None])
+
+    def head_weights(self, x: jnp.ndarray) -> jnp.ndarray:
+        """x [B, S, hidden] -> float32[B, S, n_heads] per-head score weights (already scaled)."""
+        return linear(x, self.weights_proj.value).astype(jnp.float32) * (self.n_heads**-0.5)
+
+
+def indexer_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray, head_dim: int) -> jnp.ndarray:
+    """Lightning-indexer scores  sum_h w[h] * relu(q_h . k_s) / sqrt(head_dim).
+
+    q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh] -> float32[B, S, N].
+    """
+    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    scores = jax.nn.relu(dots) * (head_dim**-0.5)
+    return jnp.sum(scores * weights[..., None], axis=2)
+
+
+def select_topk(scores: jnp.ndarray, limit: jnp.ndarray, k: int) -> jnp.ndarray:
+    """Top-k entries per query with causal masking.
+
+    scores: float32[B, S, N]; limit: int[B, S] number of entries each query may see.
+    Returns int32[B, S, k] indices, best first; ties break by the LOWEST index first (`lax.top_k`
+    is stable); picks that fall on masked entries, and slots beyond N, are -1.
+    """
+    n = scores.shape[-1]
+    entry = jnp.arange(n, dtype=jnp.int32)
+    masked = jnp.where(entry[None, None, :] < limit[..., None], scores, -jnp.inf)
+    kk = min(k, n)
+    if kk == 0:
+        return jnp.full(scores.shape[:-1] + (k,), -1, jnp.int32)
+    _, idx = jax.lax.top_k(masked, kk)
+    idx = jnp.where(idx < limit[..., None], idx, -1).astype(jnp.int32)
+    if kk < k:
+        idx = jnp.concatenate([idx, jnp.full(idx.shape[:-1] + (k - kk,), -1, jnp.int32)], axis=-1)
+    return idx
+
+
+def compressor_from_tensors(
+    tensors: dict, prefix: str, cfg: DeepseekV4Config, *, ratio: int, head_dim: int, overlap: bool, dtype
+) -> Compressor:
+    """Build a `Compressor` from canonical tensors under `prefix` (e.g. "layers.1.attn.compressor.")."""
+    return Compressor(
+        jnp.asarray(tensors[prefix + "wkv.weight"], dtype),
+        jnp.asarray(tensors[prefix + "wgate.weight"], dtype),
+        jnp.asarray(tensors[prefix + "ape"], jnp.float32),
+        jnp.asarray(tensors[prefix + "norm.weight"], jnp.float32),
+        ratio=ratio,
+        head_dim=head_dim,
+        overlap=overlap,
+    )

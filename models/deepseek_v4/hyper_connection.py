@@ -1,0 +1,72 @@
+"""Manifold-constrained hyper-connections (mHC): the residual is `hc_mult` parallel streams.
+
+Before a block the streams collapse into one input (`pre` weights); after it the block output is
+expanded back (`post`) and added to the streams mixed by `comb`, a matrix projected towards the
+doubly-stochastic manifold by Sinkhorn-Knopp iterations. All in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .norms import unweighted_rms_norm
+
+
+class HyperConnection(nnx.Module):
+    """fn: float32[(2 + N) * N, N * hidden]; base: float32[(2 + N) * N]; scale: float32[3]."""
+
+    def __init__(self, fn, base, scale, *, hc_mult: int, iters: int, eps: float, norm_eps: float):
+        self.fn = nnx.Param(jnp.asarray(fn, jnp.float32))
+        self.base = nnx.Param(jnp.asarray(base, jnp.float32))
+        self.scale = nnx.Param(jnp.asarray(scale, jnp.float32))
+        self.hc_mult = hc_mult
+        self.iters = iters
+        self.eps = eps
+        self.norm_eps = norm_eps
+
+    def __call__(self, streams: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+        """streams [B, T, N, hidden] -> (post f32[B, T, N], comb f32[B, T, N, N], collapsed [B, T, hidden])."""
+        b, t, n, _ = streams.shape
+        flat = unweighted_rms_norm(streams.reshape(b, t, -1).astype(jnp.float32), self.norm_eps)
+        mixes = jnp.einsum("bti,oi->bto", flat, self.fn.value)
+        pre_w, post_w, comb_w = mixes[..., :n], mixes[..., n : 2 * n], mixes[..., 2 * n :]
+        base = self.base.value
+        pre_b, post_b, comb_b = base[:n], base[n : 2 * n], base[2 * n :]
+        s = self.scale.value
+        pre = jax.nn.sigmoid(pre_w * s[0] + pre_b) + self.eps
+        post = 2 * jax.nn.sigmoid(post_w * s[1] + post_b)
+        comb = jax.nn.softmax(comb_w.reshape(b, t, n, n) * s[2] + comb_b.reshape(n, n), axis=-1) + self.eps
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + self.eps)
+            comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+        collapsed = jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)
+        return post, comb, collapsed
+
+
+def merge(post: jnp.ndarray, comb: jnp.ndarray, block_out: jnp.ndarray, streams: jnp.ndarray) -> jnp.ndarray:
+    """New streams = post ⊗ block_out + combᵀ · streams.  [B,T,N], [B,T,N,N], [B,T,D], [B,T,N,D] -> [B,T,N,D]."""
+    dt = streams.dtype
+    expanded = post.astype(dt)[..., None] * block_out[..., None, :]
+    mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), streams)
+    return expanded + mixed
+
+
+class HyperHead(nnx.Module):
+    """Final collapse of the N streams before the output norm. fn [N, N*hidden], base [N], scale [1]."""
+
+    def __init__(self, fn, base, scale, *, eps: float, norm_eps: float):
+        self.fn = nnx.Param(jnp.asarray(fn, jnp.float32))
+        self.base = nnx.Param(jnp.asarray(base, jnp.float32))
+        self.scale = nnx.Param(jnp.asarray(scale, jnp.float32))
+        self.eps = eps
+        self.norm_eps = norm_eps
+
+    def __call__(self, streams: jnp.ndarray) -> jnp.ndarray:
+        b, t, n, _ = streams.shape
+        flat = unweighted_rms_norm(streams.reshape(b, t, -1).astype(jnp.float32), self.norm_eps)
+        mixes = jnp.einsum("bti,oi->bto", flat, self.fn.value)
+        pre = jax.nn.sigmoid(mixes * self.scale.value[0] + self.base.value) + self.eps
+        return jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)

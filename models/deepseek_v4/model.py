@@ -1,0 +1,175 @@
+"""The DeepSeek-V4 model in Flax NNX and its stateless forward — the definition of truth for hkv.
+
+`DeepseekV4(cfg, tensors, dtype)` builds the model from canonical checkpoint tensors (see
+`tensor_layout.py`); `init(cfg, seed)` makes random ones; `load(path)` reads an HF-format directory.
+Calling the model on int32[B, T] token ids returns float32[B, T, vocab] logits; no cache is
+involved, every position is computed from the whole prefix. It is jit-compatible (`forward_fn`).
+
+Numerics follow transformers 5.24 `modeling_deepseek_v4.py`: norms, hyper-connections, sinks,
+compressor position biases and the router bias stay float32 whatever `dtype` the rest has.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import Attention
+from .config import DeepseekV4Config
+from .hyper_connection import HyperConnection, HyperHead, merge
+from .moe import MoE
+from .norms import linear, rms_norm
+from .rope import cos_sin, inv_freq
+from .tensor_layout import INT, expected_tensors
+
+
+class DecoderLayer(nnx.Module):
+    """Attention block and MoE block, each wrapped by a hyper-connection (weights under `layers.N.`)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}."
+        hc = dict(hc_mult=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = nnx.Param(jnp.asarray(tensors[p + "attn_norm.weight"], jnp.float32))
+        self.ffn_norm = nnx.Param(jnp.asarray(tensors[p + "ffn_norm.weight"], jnp.float32))
+        self.hc_attn = HyperConnection(tensors[p + "hc_attn_fn"], tensors[p + "hc_attn_base"],
+                                       tensors[p + "hc_attn_scale"], **hc)
+        self.hc_ffn = HyperConnection(tensors[p + "hc_ffn_fn"], tensors[p + "hc_ffn_base"],
+                                      tensors[p + "hc_ffn_scale"], **hc)
+        self.attn = Attention(cfg, layer, tensors, dtype)
+        self.ffn = MoE(cfg, layer, tensors, dtype)
+
+    def ffn_block(self, streams: jnp.ndarray, token_ids: jnp.ndarray) -> jnp.ndarray:
+        """The MoE half of the layer: streams [B, T, N, hidden] -> new streams."""
+        post, comb, collapsed = self.hc_ffn(streams)
+        out = self.ffn(rms_norm(collapsed, self.ffn_norm.value, self.eps), token_ids)
+        return merge(post, comb, out, streams)
+
+    def __call__(self, streams, token_ids, positions, rope, freqs):
+        post, comb, collapsed = self.hc_attn(streams)
+        out = self.attn(rms_norm(collapsed, self.attn_norm.value, self.eps), positions, rope, freqs)
+        streams = merge(post, comb, out, streams)
+        return self.ffn_block(streams, token_ids)
+
+
+class DeepseekV4(nnx.Module):
+    """DeepSeek-V4 causal LM. `model(tokens int32[B, T]) -> float32[B, T, vocab]` (stateless)."""
+
+    def __init__(self, cfg: DeepseekV4Config, tensors: dict, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Param(jnp.asarray(tensors["embed.weight"], dtype))
+        head = tensors["embed.weight"] if cfg.tie_word_embeddings else tensors["head.weight"]
+        self.head = nnx.Param(jnp.asarray(head, dtype))
+        self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], jnp.float32))
+        self.hc_head = HyperHead(tensors["hc_head_fn"], tensors["hc_head_base"], tensors["hc_head_scale"],
+                                 eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        self.layers = nnx.List([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
+        # Static (hashable) copies of the float32 inverse frequencies; exact round trip via float.
+        self._freqs = tuple((fam, tuple(float(v) for v in inv_freq(cfg, fam))) for fam in ("main", "compress"))
+
+    @property
+    def freqs(self) -> dict[str, np.ndarray]:
+        """{"main" | "compress": float32[rope_dim // 2]} inverse RoPE frequencies."""
+        return {fam: np.asarray(v, np.float32) for fam, v in self._freqs}
+
+    # ------------------------------------------------------------ shared pieces
+    def rope_tables(self, positions: jnp.ndarray) -> dict[str, tuple[jnp.ndarray, jnp.ndarray]]:
+        """positions int32[B, T] -> {family: (cos, sin)} float32[B, T, rope_dim // 2]."""
+        return {
+            fam: cos_sin(positions, self.freqs[fam], self.cfg.rope_for[fam].attention_factor)
+            for fam in ("main", "compress")
+        }
+
+    def embed_streams(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        """int32[B, T] -> residual streams [B, T, hc_mult, hidden]."""
+        x = self.embed.value[tokens]
+        return jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (self.cfg.hc_mult, x.shape[-1]))
+
+    def logits(self, streams: jnp.ndarray) -> jnp.ndarray:
+        """Final streams [B, T, N, hidden] -> float32[B, T, vocab]."""
+        h = rms_norm(self.hc_head(streams), self.norm.value, self.cfg.rms_norm_eps)
+        return linear(h, self.head.value).astype(jnp.float32)
+
+    def check_tokens(self, tokens) -> None:
+        """Raise ValueError for token ids outside [0, vocab_size) or a bad shape (host-side check)."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 2:
+            raise ValueError(f"tokens.shape={arr.shape} must be [batch, T]")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.cfg.vocab_size):
+            raise ValueError(
+                f"token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={self.cfg.vocab_size})"
+            )
+
+    # ---------------------------------------------------------------- forward
+    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t]."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        rope = self.rope_tables(positions)
+        streams = self.embed_streams(tokens)
+        for layer in self.layers:
+            streams = layer(streams, tokens, positions, rope, self.freqs)
+        return self.logits(streams)
+
+
+def forward_fn(model: DeepseekV4) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    """A jitted stateless forward `tokens int32[B, T] -> float32[B, T, vocab]` closed over `model`'s
+    weights (one compilation per input shape). Token ids are validated on the host first."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    def call(tokens):
+        model.check_tokens(tokens)
+        return run(state, jnp.asarray(tokens, jnp.int32))
+
+    return call
+
+
+def random_tensors(cfg: DeepseekV4Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random canonical tensors for `cfg` (float32), initialised like transformers' `_init_weights`:
+    normal(0, 0.02) for matrices, ones for norm weights and mHC scales, zeros for biases, sinks and
+    position biases, and a random token->expert table for hash layers. Deterministic in `seed`."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, (shape, kind) in expected_tensors(cfg).items():
+        if kind == INT:  # tid2eid: k distinct experts per token
+            perm = np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)
+            out[name] = perm[:, : shape[1]].astype(np.int64)
+        elif name.endswith("norm.weight") or name.endswith("_scale"):
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
+            out[name] = np.zeros(shape, np.float32)
+        else:
+            out[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
+    return out
+
+
+def init(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.float32) -> DeepseekV4:
+    """A DeepSeek-V4 with random weights (see `random_tensors`), e.g. `init(tiny_config(), 0)`."""
+    return DeepseekV4(cfg, random_tensors(cfg, seed), dtype)
+
+
+def load(path: str | os.PathLike, dtype=jnp.bfloat16, progress: Callable[[str], None] | None = None) -> DeepseekV4:
+    """Load an HF-format DeepSeek-V4 directory (`config.json` + `*.safetensors`, sharded or not).
+
+    Tensor names may follow the original DeepSeek release, transformers' `save_pretrained`, or
+    transformers' in-memory names. FP8 (block-scaled e4m3) and FP4 (e2m1 experts) weights are
+    dequantized on load; other quantizations are rejected by name. Missing, unexpected or
+    mis-shaped tensors raise `CheckpointError` naming each one. Weights are cast to `dtype`
+    (norms, mHC, sinks, position biases and router biases stay float32).
+    """
+    from .checkpoint import read_checkpoint, read_config
+
+    cfg = read_config(path)
+    tensors = read_checkpoint(path, cfg, progress=progress)
+    return DeepseekV4(cfg, tensors, dtype)

@@ -1,0 +1,100 @@
+"""DeepSeek-V4 mixture of experts: hash-routed (`tid2eid[token]`) or top-k routed experts, plus one
+shared expert; SwiGLU with `swiglu_limit` clamps (gate clamped above, up clamped both sides).
+
+Routed experts run as one grouped matmul (`jax.lax.ragged_dot`) over (token, slot) pairs sorted by
+expert, so cost scales with tokens x top-k, not tokens x experts, and shapes stay static.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import HASH_MOE, DeepseekV4Config
+from .norms import linear
+
+
+def score(logits: jnp.ndarray, scoring_func: str) -> jnp.ndarray:
+    """Router scores from logits [N, E]: sqrt(softplus), softmax over experts, or sigmoid."""
+    if scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if scoring_func == "softmax":
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    raise ValueError(f"{scoring_func=} must be one of sqrtsoftplus, softmax, sigmoid")
+
+
+def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
+    """silu(min(gate, limit)) * clip(up, -limit, limit)."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared expert of layer `layer` (weights under `layers.N.ffn.`).
+
+    Stacked expert weights: w_gate, w_up [E, hidden, inter]; w_down [E, inter, hidden].
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}.ffn."
+        e = cfg.n_routed_experts
+        self.is_hash = cfg.mlp_layer_types[layer] == HASH_MOE
+        self.top_k = cfg.num_experts_per_tok
+        self.n_experts = e
+        self.scoring_func = cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.limit = cfg.swiglu_limit
+        self.gate = nnx.Param(jnp.asarray(tensors[p + "gate.weight"], dtype))
+        if self.is_hash:
+            self.tid2eid = nnx.Variable(jnp.asarray(np.asarray(tensors[p + "gate.tid2eid"]), jnp.int32))
+        else:
+            self.bias = nnx.Param(jnp.asarray(tensors[p + "gate.bias"], jnp.float32))
+
+        def stack(w: str) -> np.ndarray:
+            return np.stack([np.asarray(tensors[p + f"experts.{i}.{w}.weight"]).T for i in range(e)])
+
+        self.w_gate = nnx.Param(jnp.asarray(stack("w1"), dtype))
+        self.w_up = nnx.Param(jnp.asarray(stack("w3"), dtype))
+        self.w_down = nnx.Param(jnp.asarray(stack("w2"), dtype))
+        self.shared_w1 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w1.weight"], dtype))
+        self.shared_w2 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w2.weight"], dtype))
+        self.shared_w3 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w3.weight"], dtype))
+
+    def route(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [N, hidden], token_ids int[N] -> (weights [N, k], expert ids int32[N, k])."""
+        scores = score(linear(x, self.gate.value), self.scoring_func)
+        if self.is_hash:
+            idx = self.tid2eid.value[token_ids]
+        else:
+            biased = scores.astype(jnp.float32) + self.bias.value
+            _, idx = jax.lax.top_k(biased, self.top_k)
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return w * self.scaling, idx.astype(jnp.int32)
+
+    def experts(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """Weighted sum of the selected experts' outputs. x [N, hidden] -> [N, hidden]."""
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = x[order // k]
+        sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
+        g = jax.lax.ragged_dot(rows, self.w_gate.value.astype(x.dtype), sizes)
+        u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
+        y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
+        out = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+        return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).astype(x.dtype)
+
+    def shared(self, x: jnp.ndarray) -> jnp.ndarray:
+        return linear(swiglu(linear(x, self.shared_w1.value), linear(x, self.shared_w3.value), self.limit),
+                      self.shared_w2.value)
+
+    def __call__(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> jnp.ndarray:
+        """x [B, T, hidden], token_ids int[B, T] -> [B, T, hidden]."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        weights, idx = self.route(flat, token_ids.reshape(-1))
+        return (self.experts(flat, weights, idx) + self.shared(flat)).reshape(b, t, d)
