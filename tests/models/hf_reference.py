@@ -1,0 +1,40 @@
+"""Build tiny random DeepSeek-V4 models with transformers itself (the public reference), for parity tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import DeepseekV4Config as HFConfig
+from transformers import DeepseekV4ForCausalLM
+
+from models.deepseek_v4 import DeepseekV4Config
+
+
+def build_hf_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:
+    """A transformers DeepSeek-V4 for `cfg` with EVERY parameter and buffer randomised (sinks, position
+    biases, mHC bases, router biases, hash tables too), so no code path hides behind a zero init."""
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(HFConfig(**cfg.to_hf_dict())).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.ndim == 1 or name.endswith("position_bias"):
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(0.06 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def save_hf_model(model: DeepseekV4ForCausalLM, path: str | os.PathLike, **kwargs) -> None:
+    """`save_pretrained` into `path` (kwargs e.g. max_shard_size for sharded checkpoints)."""
+    model.save_pretrained(str(path), **kwargs)
