@@ -41,7 +41,7 @@ def init_state(sinks: jax.Array, head_dim: int) -> SoftmaxState:
   return SoftmaxState(o=o, m=sinks, l=l)
 
 
-def _dot_precision(dtype) -> lax.Precision:
+def dot_precision(dtype) -> lax.Precision:
   # f32 pools get true f32 products (not TF32); bf16 uses the native bf16 x bf16 -> f32 path.
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
@@ -54,7 +54,7 @@ def fold_block(
     scale: float,
 ) -> SoftmaxState:
   """Folds one block of K=V rows into the running softmax state."""
-  precision = _dot_precision(kv.dtype)
+  precision = dot_precision(kv.dtype)
   logits = lax.dot_general(
       q, kv, (((1,), (1,)), ((), ())), precision=precision,
       preferred_element_type=jnp.float32) * scale  # [heads, block]
@@ -89,7 +89,7 @@ def attend_rows_reference(
 ) -> jax.Array:
   """softmax([q.k_j * scale for valid j] ++ [sink_h]) @ [v_j] ++ [0], all in f32; q.dtype out."""
   batch, heads, _ = q.shape
-  precision = _dot_precision(rows.dtype)
+  precision = dot_precision(rows.dtype)
   rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
   logits = jnp.einsum("bhd,bnd->bhn", q, rows, precision=precision,
                       preferred_element_type=jnp.float32) * scale

@@ -16,21 +16,25 @@ import jax.numpy as jnp
 from pallas_kernels import online_softmax
 
 
-def fold_page_range(
-    state: online_softmax.SoftmaxState,
-    q,  # [heads, D]
+def scan_pages(
     pool_hbm_ref,  # HBM [num_pages, page_size, D]
     page_table_ref,  # SMEM int32[batch * pages_per_seq]
     table_offset,  # int32 scalar: b * pages_per_seq
-    lo,  # int32 scalar: first entry (inclusive)
+    lo,  # int32 scalar: first entry (inclusive), >= 0
     hi,  # int32 scalar: last entry (exclusive)
     page_buf,  # VMEM [2, page_size, D]: double buffer
     sems,  # DMA semaphores [2]
+    fn,  # fn(j, base, page [page_size, D], carry) -> carry
+    init,
     *,
     pages_per_seq: int,
-    scale: float,
-) -> online_softmax.SoftmaxState:
-  """Folds entries [lo, hi) of one sequence, page by page, prefetching page j+1 while folding j."""
+):
+  """Runs `fn` on every page overlapping entries [lo, hi), DMA-ing page j+1 while `fn` runs on j.
+
+  `j` counts pages from the one holding `lo`; `base` is the entry index of the page's first row.
+  Rows of a page outside [lo, hi) are whatever the page holds (possibly never written): `fn`
+  masks them. Pages that do not overlap [lo, hi) are never copied.
+  """
   page_size = page_buf.shape[1]
   first_page = lax.div(lo, page_size)  # lo >= 0; lax.div, not //, which needs sign()
   num_pages = jnp.maximum(pl.cdiv(hi, page_size) - first_page, 0)
@@ -51,16 +55,39 @@ def fold_page_range(
       page_copy(j + 1, 1 - slot).start()
 
     page_copy(j, slot).wait()
-    base = (first_page + j) * page_size
+    return fn(j, (first_page + j) * page_size, page_buf[slot], carry)
+
+  return lax.fori_loop(0, num_pages, body, init)
+
+
+def fold_page_range(
+    state: online_softmax.SoftmaxState,
+    q,  # [heads, D]
+    pool_hbm_ref,  # HBM [num_pages, page_size, D]
+    page_table_ref,  # SMEM int32[batch * pages_per_seq]
+    table_offset,  # int32 scalar: b * pages_per_seq
+    lo,  # int32 scalar: first entry (inclusive)
+    hi,  # int32 scalar: last entry (exclusive)
+    page_buf,  # VMEM [2, page_size, D]: double buffer
+    sems,  # DMA semaphores [2]
+    *,
+    pages_per_seq: int,
+    scale: float,
+) -> online_softmax.SoftmaxState:
+  """Folds entries [lo, hi) of one sequence into the softmax state, page by page."""
+  page_size = page_buf.shape[1]
+
+  def fold_page(j, base, kv, carry):
+    del j
     row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
     col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
     # Rows of the page outside [lo, hi) may be unwritten slots: zero them so they cannot be NaN.
-    kv = page_buf[slot]  # [page_size, D]
     kv = jnp.where((row_pos >= lo) & (row_pos < hi), kv, jnp.zeros_like(kv))
     valid = (col_pos >= lo) & (col_pos < hi)
     return online_softmax.fold_block(carry, q, kv, valid, scale)
 
-  return lax.fori_loop(0, num_pages, body, state)
+  return scan_pages(pool_hbm_ref, page_table_ref, table_offset, lo, hi, page_buf, sems,
+                    fold_page, state, pages_per_seq=pages_per_seq)
 
 
 def fold_selected_rows(
@@ -69,7 +96,7 @@ def fold_selected_rows(
     pool_hbm_ref,  # HBM [num_pages, page_size, D]
     page_table_ref,  # SMEM int32[batch * pages_per_seq]
     table_offset,  # int32 scalar: b * pages_per_seq
-    indices_smem_ref,  # SMEM int32[topk_padded]: selected entries, -1 = none
+    indices_smem_ref,  # SMEM int32[1, topk_padded]: selected entries, -1 = none
     indices_vmem_ref,  # VMEM int32[num_chunks, block_k]: the same indices, as vectors
     num_visible,  # int32 scalar: entries >= this are skipped like -1
     row_buf,  # VMEM [block_k, D]: zeroed by the caller before the first call
@@ -89,7 +116,7 @@ def fold_selected_rows(
         pool_hbm_ref.at[page, pl.ds(lax.rem(entry, page_size), 1)], row_buf.at[pl.ds(r, 1)], sem)
 
   def body(c, carry):
-    entries = [indices_smem_ref[c * block_k + r] for r in range(block_k)]
+    entries = [indices_smem_ref[0, c * block_k + r] for r in range(block_k)]
     oks = [(e >= 0) & (e < num_visible) for e in entries]
     for r in range(block_k):
       pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).start())

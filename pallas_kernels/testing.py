@@ -99,3 +99,52 @@ TOLERANCES = {
     "float32": dict(atol=1e-5, rtol=1e-5),
     "bfloat16": dict(atol=2e-2, rtol=2e-2),
 }
+
+
+def window_case(rng: np.random.Generator, dtype, lengths: np.ndarray, *, heads: int, head_dim: int,
+                page_size: int, window: int, pages_per_seq: int, num_pages: int,
+                poison_outside_window: bool = True, with_sinks: bool = True) -> dict:
+  """Random decode inputs for a sliding-window layer.
+
+  Rows before each window are NaN and pages wholly before it unallocated (-1) when
+  `poison_outside_window`, so a kernel that reads outside the window produces NaN (or, in the TPU
+  interpreter, an out-of-bounds error). Returns numpy arrays: q, window_pool, window_page_table,
+  lengths, sinks (None without sinks) and window_rows (per-sequence list of attended rows).
+  """
+  batch = len(lengths)
+  dense = rng.standard_normal((batch, pages_per_seq * page_size, head_dim)).astype(dtype)
+  starts = np.maximum(lengths - window, 0)
+  window_rows = [dense[b, starts[b]:lengths[b]].copy() for b in range(batch)]
+  keep = None
+  if poison_outside_window:
+    for b in range(batch):
+      dense[b, : starts[b]] = np.nan
+    keep = lambda b, lp: (lp + 1) * page_size > starts[b]
+  pool, page_table = page_rows(dense, lengths, page_size=page_size, pages_per_seq=pages_per_seq,
+                               num_pages=num_pages, rng=rng, keep=keep)
+  return dict(
+      q=rng.standard_normal((batch, heads, head_dim)).astype(dtype),
+      window_pool=pool, window_page_table=page_table, lengths=np.asarray(lengths, np.int32),
+      sinks=(rng.standard_normal(heads) * 2).astype(np.float32) if with_sinks else None,
+      window_rows=window_rows)
+
+
+def entry_case(rng: np.random.Generator, dtype, used: list[np.ndarray], n_written: np.ndarray, *,
+               dim: int, page_size: int, pages_per_seq: int, num_pages: int) -> dict:
+  """A randomly paged pool of per-sequence entries (compressed K=V rows or index keys).
+
+  Only the entries listed in `used[b]` hold finite values: every other written entry is NaN, and
+  pages holding no used entry are unallocated (-1), so reading anything else shows up. Returns
+  numpy arrays pool, page_table, n_written and dense ([batch, capacity, dim], entry values).
+  """
+  batch = len(used)
+  capacity = pages_per_seq * page_size
+  values = rng.standard_normal((batch, capacity, dim)).astype(dtype)
+  dense = np.full_like(values, np.nan)
+  for b in range(batch):
+    dense[b, used[b]] = values[b, used[b]]
+  used_pages = [set(int(e) // page_size for e in used[b]) for b in range(batch)]
+  pool, page_table = page_rows(dense, n_written, page_size=page_size, pages_per_seq=pages_per_seq,
+                               num_pages=num_pages, rng=rng, keep=lambda b, lp: lp in used_pages[b])
+  return dict(pool=pool, page_table=page_table, n_written=np.asarray(n_written, np.int32),
+              dense=dense)

@@ -23,27 +23,15 @@ def _tol(dtype):
 
 def make_case(seed, dtype, lengths=LENGTHS, *, poison_outside_window=False, with_sinks=True):
   """Random q, sinks and a randomly paged window pool; returns jnp inputs and the f64 oracle."""
-  rng = np.random.default_rng(seed)
-  batch = len(lengths)
-  dense = rng.standard_normal((batch, PAGES_PER_SEQ * PAGE_SIZE, HEAD_DIM)).astype(dtype)
-  starts = np.maximum(lengths - WINDOW, 0)
-  keep = None
-  if poison_outside_window:
-    # Rows before the window are NaN and pages wholly before it are not allocated (table = -1).
-    for b in range(batch):
-      dense[b, : starts[b]] = np.nan
-    keep = lambda b, lp: (lp + 1) * PAGE_SIZE > starts[b]
-  pool, page_table = testing.page_rows(dense, lengths, page_size=PAGE_SIZE,
-                                       pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES, rng=rng,
-                                       keep=keep)
-  q = rng.standard_normal((batch, HEADS, HEAD_DIM)).astype(dtype)
-  sinks = (rng.standard_normal(HEADS) * 2).astype(np.float32) if with_sinks else None
-  scale = HEAD_DIM**-0.5
+  case = testing.window_case(np.random.default_rng(seed), dtype, lengths, heads=HEADS,
+                             head_dim=HEAD_DIM, page_size=PAGE_SIZE, window=WINDOW,
+                             pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES,
+                             poison_outside_window=poison_outside_window, with_sinks=with_sinks)
   oracle = np.stack([
-      testing.softmax_with_sinks_np(q[b], dense[b, starts[b]:lengths[b]], sinks, scale)
-      for b in range(batch)])
-  args = (jnp.asarray(q), jnp.asarray(pool), jnp.asarray(page_table), jnp.asarray(lengths),
-          None if sinks is None else jnp.asarray(sinks))
+      testing.softmax_with_sinks_np(case["q"][b], rows, case["sinks"], HEAD_DIM**-0.5)
+      for b, rows in enumerate(case["window_rows"])])
+  args = tuple(None if case[n] is None else jnp.asarray(case[n])
+               for n in ("q", "window_pool", "window_page_table", "lengths", "sinks"))
   return args, oracle
 
 
