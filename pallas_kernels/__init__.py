@@ -1,0 +1,75 @@
+"""Pallas kernels for the paged pools of a hybrid-attention KV cache (DeepSeek-V4 layout).
+
+Array in, array out; nothing here knows about hkv. Every op has a Pallas GPU kernel (Triton
+lowering), a Pallas TPU kernel (Mosaic), and a plain-jnp reference, behind one public function:
+
+    paged_gather(pool, page_table, lengths)                                  -> [B, P*ps, D]
+    swa_decode_attention(q, window_pool, window_page_table, lengths, sinks, *, window)
+    hca_decode_attention(q, window_pool, window_page_table, lengths, sinks,
+                         compressed_pool, compressed_page_table, n_compressed,
+                         *, window, compress_ratio)                          -> [B, H, D]
+    csa_decode_attention(q, window_pool, window_page_table, lengths, sinks,
+                         compressed_pool, compressed_page_table, n_compressed, topk_indices,
+                         *, window, compress_ratio)                          -> [B, H, D]
+    indexer_scores(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
+                   *, compress_ratio)                                         -> f32[B, C]
+    indexer_topk(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
+                 *, k, compress_ratio)                                        -> int32[B, k]
+
+All also take `backend: str | None = None` ("gpu", "tpu", "reference"; None = by
+`jax.default_backend()`, the reference on CPU) and `interpret: bool = False` (run the Pallas kernel
+in the interpreter); see `pallas_kernels.dispatch`. All are jitted with static shapes: lengths,
+counts and indices are data, so one compile serves every step of a shape bucket.
+
+Layout (the cache adopts it):
+
+* A pool is `[num_pages, page_size, dim]`, one per layer and object (window K=V rows, compressed
+  entries, index keys). Pools of different layers are separate arrays (a tuple/list in the cache
+  pytree), not one stacked `[layers, ...]` array: a kernel takes a whole pool by reference, and
+  slicing a layer out of a stacked array inside jit can materialize a copy of the whole layer.
+* A page table is `int32[batch, pages_per_seq]`: logical page i of sequence b is physical page
+  `page_table[b, i]`. Entries of logical pages a kernel does not need are never read and may hold
+  anything (-1 for unallocated).
+* Window rows are addressed by absolute position: token p of sequence b is row p % page_size of
+  logical page p // page_size, looked up at `window_page_table[b, (p // page_size) % pages_per_seq]`.
+  A table covering the whole context works unchanged; a short table (>= cdiv(window - 1,
+  page_size) + 1 entries) is a ring of window pages the cache recycles.
+* Compressed entry w (and index key w) is row w % page_size of logical page w // page_size of its
+  own pool and page table; `n_compressed` / `n_entries` count the entries written per sequence.
+* `lengths[b]` counts the tokens of sequence b including the one being decoded (its K=V row must
+  already be written); 0 marks an empty batch slot, which reads nothing and returns zeros.
+* q and every pool of one call share a dtype (bf16 or f32); sinks are f32; softmax accumulates in
+  f32 and the output has q's dtype.
+"""
+
+from pallas_kernels.csa_decode import csa_decode_attention
+from pallas_kernels.csa_decode import csa_decode_attention_reference
+from pallas_kernels.dispatch import BACKENDS
+from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.hca_decode import hca_decode_attention
+from pallas_kernels.hca_decode import hca_decode_attention_reference
+from pallas_kernels.indexer_topk import indexer_scores
+from pallas_kernels.indexer_topk import indexer_scores_reference
+from pallas_kernels.indexer_topk import indexer_topk
+from pallas_kernels.indexer_topk import indexer_topk_reference
+from pallas_kernels.paged_gather import paged_gather
+from pallas_kernels.paged_gather import paged_gather_reference
+from pallas_kernels.swa_decode import swa_decode_attention
+from pallas_kernels.swa_decode import swa_decode_attention_reference
+
+__all__ = [
+    "BACKENDS",
+    "csa_decode_attention",
+    "csa_decode_attention_reference",
+    "hca_decode_attention",
+    "hca_decode_attention_reference",
+    "indexer_scores",
+    "indexer_scores_reference",
+    "indexer_topk",
+    "indexer_topk_reference",
+    "paged_gather",
+    "paged_gather_reference",
+    "resolve_backend",
+    "swa_decode_attention",
+    "swa_decode_attention_reference",
+]

@@ -1,0 +1,66 @@
+"""The kernels lower for their real targets at DeepSeek-V4-Flash shapes, without a device.
+
+`jit(...).trace(...).lower(lowering_platforms=...)` runs the Pallas Triton lowering (GPU) and the
+Mosaic lowering (TPU) on CPU. That catches what interpret mode cannot: non-power-of-two Triton
+blocks, unsupported ops, Mosaic block-shape and DMA-shape rules. It does not run the Triton/Mosaic
+compilers that follow (ptxas, the TPU backend), which only the device checks exercise.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.csa_decode import csa_decode_attention
+from pallas_kernels.hca_decode import hca_decode_attention
+from pallas_kernels.indexer_topk import indexer_topk
+from pallas_kernels.paged_gather import paged_gather
+from pallas_kernels.swa_decode import swa_decode_attention
+
+# DeepSeek-V4-Flash attention layer, 3 sequences, 64K-token capacity, 64-row pages; pool sizes are
+# deliberately not powers of two.
+BATCH, HEADS, HEAD_DIM, WINDOW, PAGE = 3, 64, 512, 128, 64
+CONTEXT, CSA_RATIO, HCA_RATIO, TOPK, IDX_HEADS, IDX_DIM = 65536, 4, 128, 512, 64, 128
+TARGETS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
+
+
+def _s(shape, dtype=jnp.int32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _inputs(dtype):
+  window = (_s((BATCH, HEADS, HEAD_DIM), dtype), _s((300, PAGE, HEAD_DIM), dtype),
+            _s((BATCH, CONTEXT // PAGE)), _s((BATCH,)), _s((HEADS,), jnp.float32))
+  csa_pages = CONTEXT // CSA_RATIO // PAGE
+  csa = (_s((BATCH * csa_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, csa_pages)), _s((BATCH,)))
+  hca_pages = CONTEXT // HCA_RATIO // PAGE
+  hca = (_s((BATCH * hca_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, hca_pages)), _s((BATCH,)))
+  indexer = (_s((BATCH, IDX_HEADS, IDX_DIM), dtype), _s((BATCH, IDX_HEADS), dtype),
+             _s((BATCH * csa_pages + 5, PAGE, IDX_DIM), dtype), _s((BATCH, csa_pages)),
+             _s((BATCH,)), _s((BATCH,)))
+  return window, csa, hca, indexer
+
+
+def _ops(backend, dtype):
+  window, csa, hca, indexer = _inputs(dtype)
+  return {
+      "paged_gather": (lambda *a: paged_gather(*a, backend=backend),
+                       (window[1], window[2], window[3])),
+      "swa": (lambda *a: swa_decode_attention(*a, window=WINDOW, backend=backend), window),
+      "hca": (lambda *a: hca_decode_attention(*a, window=WINDOW, compress_ratio=HCA_RATIO,
+                                              backend=backend), window + hca),
+      "csa": (lambda *a: csa_decode_attention(*a, window=WINDOW, compress_ratio=CSA_RATIO,
+                                              backend=backend),
+              window + csa + (_s((BATCH, TOPK)),)),
+      "indexer": (lambda *a: indexer_topk(*a, k=TOPK, compress_ratio=CSA_RATIO, backend=backend),
+                  indexer),
+  }
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("op", ["paged_gather", "swa", "hca", "csa", "indexer"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_the_platform_kernel(platform, op, dtype):
+  backend, custom_call = TARGETS[platform]
+  fn, args = _ops(backend, dtype)[op]
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  assert custom_call in text
