@@ -1,0 +1,29 @@
+"""hkv: the KV cache of hybrid-attention LLMs as one immutable pytree with pure transitions.
+
+    spec      = CacheSpec(...)                       # what each layer keeps (models build it)
+    layout    = CacheLayout(spec, CacheConfig(slots=4, max_context=8192))
+    cache     = init_cache(layout)
+    cache, slot, status = transitions.claim_slot(layout, cache)
+    check_invariants(layout, cache)                  # declared state == actual state
+    engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
+"""
+
+from .invariants import InvariantError, check_invariants
+from .spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
+from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, init_cache
+
+__all__ = [
+    "CacheConfig",
+    "CacheLayout",
+    "CacheSpec",
+    "CompressorSpec",
+    "Group",
+    "HybridCache",
+    "InvariantError",
+    "LayerSpec",
+    "ObjectKind",
+    "Residency",
+    "Status",
+    "check_invariants",
+    "init_cache",
+]

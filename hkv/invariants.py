@@ -1,0 +1,110 @@
+"""`check_invariants`: proves the declared cache state equals the actual state (host-side, numpy).
+
+Usable after every transition in tests. It checks, per group: refcounts equal page-table references,
+no page mapped twice, free + used == capacity, every mapping carries its page's current generation
+(a reused page is never mistaken for the old one); per slot: exactly the pages its length needs are
+mapped (SWA pages that left the window are released), lengths within capacity, inactive slots own
+nothing; the state table's window bounds, object form bits, residency and indexer versions match
+the lengths; TAIL rows beyond the open window are empty and the overlap slice exists iff a window
+has closed.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .spec import ObjectKind
+from .state import CacheLayout, HybridCache, Residency
+from .transitions import block_forms
+
+
+class InvariantError(AssertionError):
+    """The cache's declared state and actual state disagree; the message says where."""
+
+
+def _fail(msg: str) -> None:
+    raise InvariantError(msg)
+
+
+def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
+    """Raise `InvariantError` naming the first violated invariant; return None when all hold."""
+    c = jax.device_get(cache)
+    ps = layout.page_size
+    lengths = np.asarray(c.lengths)
+    active = np.asarray(c.active)
+    if (lengths < 0).any() or (lengths > layout.config.max_context).any():
+        _fail(f"lengths {lengths.tolist()} outside [0, max_context={layout.config.max_context}]")
+    if (lengths[~active] != 0).any():
+        _fail(f"inactive slots {np.nonzero(~active & (lengths != 0))[0].tolist()} have nonzero length")
+    for gi, grp in enumerate(layout.groups):
+        g = c.groups[gi]
+        pt, pg = np.asarray(g.page_table), np.asarray(g.page_gen)
+        rc, gen = np.asarray(g.refcount), np.asarray(g.generation)
+        p = rc.shape[0]
+        mapped = pt[pt >= 0]
+        if (mapped >= p).any():
+            _fail(f"group {gi}: page ids {mapped[mapped >= p].tolist()} beyond pool of {p}")
+        refs = np.bincount(mapped, minlength=p)
+        if (rc < 0).any():
+            _fail(f"group {gi}: negative refcounts at pages {np.nonzero(rc < 0)[0].tolist()}")
+        if not (refs == rc).all():
+            bad = np.nonzero(refs != rc)[0][:8].tolist()
+            _fail(f"group {gi}: refcount != references at pages {bad}: {rc[bad].tolist()} vs {refs[bad].tolist()}")
+        if (refs > 1).any():
+            _fail(f"group {gi}: pages owned twice: {np.nonzero(refs > 1)[0][:8].tolist()}")
+        if int((rc == 0).sum() + (rc > 0).sum()) != p:
+            _fail(f"group {gi}: free + used != capacity {p}")
+        s_idx, l_idx = np.nonzero(pt >= 0)
+        stale = pg[s_idx, l_idx] != gen[pt[s_idx, l_idx]]
+        if stale.any():
+            _fail(f"group {gi}: slot {s_idx[stale][0]} logical page {l_idx[stale][0]} maps a page of an "
+                  f"older generation")
+        for s in range(layout.slots):
+            row = pt[s]
+            if not active[s]:
+                if (row >= 0).any():
+                    _fail(f"group {gi}: inactive slot {s} still maps pages")
+                continue
+            n = int(lengths[s])
+            hi = n // grp.unit
+            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
+            need = np.zeros(row.shape, bool)
+            need[lo // ps: (hi + ps - 1) // ps] = True
+            if not (row[need] >= 0).all():
+                _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} misses pages for rows [{lo}, {hi})")
+            if (row[~need] >= 0).any():
+                extra = np.nonzero((row >= 0) & ~need)[0].tolist()
+                _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} maps unneeded logical pages {extra}")
+    tb = c.table
+    keep = [g.keep for g in layout.groups if g.kind == ObjectKind.SWA and g.keep is not None]
+    want_start = np.maximum(lengths - min(keep), 0) if keep else np.zeros_like(lengths)
+    act_start, act_end = np.asarray(tb.swa_start), np.asarray(tb.swa_end)
+    if not (act_end[active] == lengths[active]).all() or not (act_start[active] == want_start[active]).all():
+        _fail(f"SWA window bounds {list(zip(act_start.tolist(), act_end.tolist()))} do not match lengths "
+              f"{lengths.tolist()} (want starts {want_start.tolist()})")
+    form = np.asarray(block_forms(layout, lengths))
+    if not (np.asarray(tb.form) == form).all():
+        s, b = np.argwhere(np.asarray(tb.form) != form)[0]
+        _fail(f"state table form of slot {s} block {b} is {tb.form[s, b]:#x}, expected {form[s, b]:#x}")
+    res = np.asarray(tb.residency)
+    want_res = np.where(form > 0, Residency.DEVICE, Residency.ABSENT)
+    if not (res == want_res).all():
+        _fail("state table residency disagrees with the objects held on device")
+    written = np.arange(layout.num_blocks)[None, :] * layout.spec.block_tokens < lengths[:, None]
+    iv = np.asarray(tb.indexer_version)
+    if (iv[written] <= 0).any() or (iv[~written] != 0).any():
+        _fail("indexer versions must be >= 1 on written blocks and 0 elsewhere")
+    for ti, (layer, name, spec) in enumerate(layout.spec.compressors()):
+        t = c.tails[ti]
+        for s in range(layout.slots):
+            n = int(lengths[s]) if active[s] else 0
+            open_rows = n % spec.ratio
+            if np.any(np.asarray(t.tail_kv[s, open_rows:]) != 0) or np.any(np.asarray(t.tail_gate[s, open_rows:]) != 0):
+                _fail(f"layer {layer} {name} tail of slot {s}: rows beyond the open window ({open_rows}) not empty")
+            if spec.overlap:
+                closed = n >= spec.ratio
+                empty = np.all(np.isneginf(np.asarray(t.overlap_gate[s])))
+                if closed == empty:
+                    _fail(f"layer {layer} {name} slot {s}: overlap slice {'missing' if closed else 'present'} "
+                          f"with {n} tokens (ratio {spec.ratio})")

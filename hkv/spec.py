@@ -1,0 +1,163 @@
+"""What a model's layers keep in the cache: `CacheSpec`, model-agnostic, with an ABI fingerprint.
+
+A layer owns (article §2):
+* an SWA object — the K=V rows of its last `window` tokens (`window=None`: a plain full-attention
+  layer, whose rows never leave the window);
+* optionally a compressor: COMPRESSED entries (one per `ratio` tokens) and its TAIL (the < ratio
+  projected rows not yet compressed, plus for overlapping compressors the previous window's slice);
+* optionally an indexer: INDEXER keys over the compressed entries (its own compressor and TAIL).
+
+Layers whose objects have the same storage layout share one paged pool and one page table per slot
+(a *group*): e.g. all DeepSeek-V4 layers' SWA rows, all CSA layers' compressed entries.
+The model package builds the spec from its config (`models.deepseek_v4.cache_spec`); hkv never
+imports a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+
+import jax.numpy as jnp
+
+KERNEL_LAYOUT_VERSION = 1
+
+
+class ObjectKind(enum.IntEnum):
+    """The article's five cache objects (bit positions in the state table's `form` field)."""
+
+    COMPRESSED = 0
+    TAIL = 1
+    SWA = 2
+    INDEXER = 3
+    DISK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressorSpec:
+    """A compressor: `ratio` tokens -> one entry of `entry_dim`; projections are `proj_width` wide
+    (2 * entry_dim for an overlapping compressor, whose entry w also pools window w-1's first half)."""
+
+    ratio: int
+    entry_dim: int
+    proj_width: int
+    overlap: bool
+
+    def __post_init__(self):
+        if self.ratio < 1:
+            raise ValueError(f"ratio={self.ratio} must be >= 1")
+        want = 2 * self.entry_dim if self.overlap else self.entry_dim
+        if self.proj_width != want:
+            raise ValueError(f"proj_width={self.proj_width} must be {want} (overlap={self.overlap})")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Cache objects of one layer. `kv_dim`: width of one SWA row (DeepSeek-V4: shared K=V head_dim)."""
+
+    kv_dim: int
+    window: int | None
+    compressor: CompressorSpec | None = None
+    indexer: CompressorSpec | None = None
+
+    def __post_init__(self):
+        if self.kv_dim < 1:
+            raise ValueError(f"kv_dim={self.kv_dim} must be >= 1")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1 or None (full attention)")
+        if self.indexer is not None and self.compressor is None:
+            raise ValueError("an indexer needs a compressor on the same layer")
+        if self.indexer is not None and self.indexer.ratio != self.compressor.ratio:
+            raise ValueError(f"indexer ratio {self.indexer.ratio} must equal compressor ratio {self.compressor.ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Layers sharing one paged pool. kind SWA/COMPRESSED/INDEXER; `unit` tokens per stored row;
+    `keep` rows retained per slot (None = all); `dim` row width."""
+
+    kind: ObjectKind
+    layers: tuple[int, ...]
+    unit: int
+    dim: int
+    keep: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Every cache object of a model, with storage dtype, `block_tokens` and ABI identity.
+
+    dtype: storage dtype of SWA rows, compressed entries, indexer keys and tail projections.
+    block_tokens: tokens per cache block (the state table's and prefix index's granularity).
+    model_id: weights identity (e.g. checkpoint revision) — part of the ABI fingerprint.
+    """
+
+    layers: tuple[LayerSpec, ...]
+    dtype: str = "float32"
+    block_tokens: int = 16
+    model_id: str = "unknown"
+    kernel_layout_version: int = KERNEL_LAYOUT_VERSION
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a CacheSpec needs at least one layer")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens={self.block_tokens} must be >= 1")
+        jnp.dtype(self.dtype)  # raises for an unknown dtype
+
+    @property
+    def storage_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def groups(self) -> tuple[Group, ...]:
+        """Layers grouped by storage layout, in a stable order (SWA groups, compressed, indexer)."""
+        found: dict[tuple, list[int]] = {}
+        for i, l in enumerate(self.layers):
+            found.setdefault((ObjectKind.SWA, 1, l.kv_dim, l.window), []).append(i)
+        for i, l in enumerate(self.layers):
+            if l.compressor is not None:
+                c = l.compressor
+                found.setdefault((ObjectKind.COMPRESSED, c.ratio, c.entry_dim, None), []).append(i)
+        for i, l in enumerate(self.layers):
+            if l.indexer is not None:
+                c = l.indexer
+                found.setdefault((ObjectKind.INDEXER, c.ratio, c.entry_dim, None), []).append(i)
+        keep = lambda kind, window: (window - 1) if (kind == ObjectKind.SWA and window is not None) else None
+        return tuple(
+            Group(kind=k[0], layers=tuple(v), unit=k[1], dim=k[2], keep=keep(k[0], k[3]))
+            for k, v in found.items()
+        )
+
+    def group_of(self, kind: ObjectKind, layer: int) -> int:
+        """Index of the group holding `kind` objects of `layer`."""
+        for gi, g in enumerate(self.groups()):
+            if g.kind == kind and layer in g.layers:
+                return gi
+        raise ValueError(f"layer {layer} has no {kind.name} object")
+
+    def compressors(self) -> tuple[tuple[int, str, CompressorSpec], ...]:
+        """(layer, "compressor" | "indexer", spec) for every compressor, in TAIL storage order."""
+        out = []
+        for i, l in enumerate(self.layers):
+            if l.compressor is not None:
+                out.append((i, "compressor", l.compressor))
+            if l.indexer is not None:
+                out.append((i, "indexer", l.indexer))
+        return tuple(out)
+
+    def to_json(self) -> dict:
+        return {
+            "layers": [dataclasses.asdict(l) for l in self.layers],
+            "dtype": self.dtype,
+            "block_tokens": self.block_tokens,
+            "model_id": self.model_id,
+            "kernel_layout_version": self.kernel_layout_version,
+        }
+
+    def fingerprint(self) -> str:
+        """ABI fingerprint: blake2b-128 over weights identity, dtypes, dims, ratios, windows,
+        block_tokens and kernel layout version. Two caches may share bytes only if these match."""
+        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()

@@ -1,0 +1,224 @@
+"""`HybridCache`: the whole device-side cache state as one immutable pytree.
+
+Static capacities live in `CacheLayout` (hashable, a jit static argument); everything that changes
+lives in `HybridCache` and is only ever replaced by a transition (`hkv.transitions`).
+
+Per group g (see `CacheSpec.groups`), with S slots, P_g physical pages of `page_size` rows:
+    pool        [L_g, P_g, page_size, dim_g]   rows of every layer of the group (storage dtype)
+    page_table  int32[S, M_g]                  logical page -> physical page, -1 = unmapped
+    page_gen    int32[S, M_g]                  generation of the physical page when it was mapped
+    refcount    int32[P_g]                     references from page tables (0 = free)
+    generation  int32[P_g]                     bumped whenever a page is freed
+Row r of a slot (token position r for SWA, entry r for compressed/indexer groups) lives at
+logical page r // page_size, offset r % page_size — the layout `pallas_kernels` reads.
+
+Per compressor c (layer's compressor or indexer), TAIL state:
+    tail_kv, tail_gate  [S, ratio, proj_width]   projected rows of the open window (first
+                                                  length % ratio rows valid), gate not yet biased
+    overlap_kv          [S, ratio, entry_dim]    Ca slice of the last closed window (overlap only)
+    overlap_gate        f32[S, ratio, entry_dim] its gate, biased by `ape`; -inf = no window yet
+
+The state table (article §3), per slot x cache block of `block_tokens` tokens:
+    form        uint8[S, NB]   bitmask of ObjectKind present for the block (SWA, COMPRESSED, TAIL, INDEXER)
+    indexer_version int32[S, NB]  version of the indexer keys covering the block
+    residency   int8[S, NB]    ABSENT / DEVICE / HOST / DISK
+    checksum    uint32[S, NB], location int32[S, NB]   of a swapped copy (0 / -1 when none)
+    swa_start, swa_end int32[S]   SWA rows held: positions [swa_start, swa_end)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .spec import CacheSpec, Group, ObjectKind
+
+
+class Residency(enum.IntEnum):
+    ABSENT = 0
+    DEVICE = 1
+    HOST = 2
+    DISK = 3
+
+
+class Status(enum.IntEnum):
+    """Outcome of a transition. Anything but OK means the cache came back unchanged."""
+
+    OK = 0
+    NO_PAGES = 1
+    SLOT_CAP = 2
+    CONTEXT_CAP = 3
+    UNKNOWN_SLOT = 4
+    SLOT_INACTIVE = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Static capacities.
+
+    slots: concurrent sequences. max_context: tokens per slot. page_size: rows per page.
+    pool_pages: physical pages per group (in `CacheSpec.groups()` order); None sizes every pool
+    for `slots` sequences of `max_context` tokens (no over-subscription).
+    """
+
+    slots: int = 4
+    max_context: int = 4096
+    page_size: int = 16
+    pool_pages: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("slots", "max_context", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Spec + config resolved into every static shape. Hashable: used as a jit static argument."""
+
+    spec: CacheSpec
+    config: CacheConfig
+
+    def __post_init__(self):
+        if self.config.pool_pages is not None and len(self.config.pool_pages) != len(self.groups):
+            raise ValueError(
+                f"len(pool_pages)={len(self.config.pool_pages)} must equal the number of groups {len(self.groups)}"
+            )
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        return self.spec.groups()
+
+    @property
+    def slots(self) -> int:
+        return self.config.slots
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(self.config.max_context / self.spec.block_tokens)
+
+    def logical_pages(self, g: int) -> int:
+        """Page-table width M_g: logical pages to address max_context tokens' rows of group g."""
+        grp = self.groups[g]
+        return math.ceil(math.ceil(self.config.max_context / grp.unit) / self.page_size) or 1
+
+    def pages_per_slot(self, g: int) -> int:
+        """Physical pages one slot can hold at most in group g. A windowed group keeps `keep` rows,
+        but during one step both the old window (still read) and the new one are mapped."""
+        grp = self.groups[g]
+        if grp.keep is None:
+            return self.logical_pages(g)
+        return min(self.logical_pages(g), 2 * (math.ceil(grp.keep / self.page_size) + 1))
+
+    def pool_pages(self, g: int) -> int:
+        if self.config.pool_pages is not None:
+            return self.config.pool_pages[g]
+        return self.slots * self.pages_per_slot(g)
+
+
+@struct.dataclass
+class GroupState:
+    pool: jax.Array
+    page_table: jax.Array
+    page_gen: jax.Array
+    refcount: jax.Array
+    generation: jax.Array
+
+
+@struct.dataclass
+class TailState:
+    tail_kv: jax.Array
+    tail_gate: jax.Array
+    overlap_kv: jax.Array
+    overlap_gate: jax.Array
+
+
+@struct.dataclass
+class StateTable:
+    form: jax.Array
+    indexer_version: jax.Array
+    residency: jax.Array
+    checksum: jax.Array
+    location: jax.Array
+    swa_start: jax.Array
+    swa_end: jax.Array
+
+
+@struct.dataclass
+class HybridCache:
+    """The cache state. `lengths[s]` tokens written to slot s; `active[s]` slot claimed."""
+
+    lengths: jax.Array
+    active: jax.Array
+    groups: tuple[GroupState, ...]
+    tails: tuple[TailState, ...]
+    table: StateTable
+    indexer_version: jax.Array  # int32 scalar (>= 1): version stamped on indexer keys written now
+    counters: dict
+
+
+COUNTERS = ("transitions", "failed_no_pages", "failed_slot_cap", "failed_context_cap",
+            "pages_allocated", "pages_released", "tokens_written", "entries_sealed")
+
+
+def init_cache(layout: CacheLayout) -> HybridCache:
+    """An empty cache: no slot active, every page free, tails empty (overlap gates -inf)."""
+    spec, s = layout.spec, layout.slots
+    dt = spec.storage_dtype
+    groups = []
+    for g, grp in enumerate(layout.groups):
+        p, m = layout.pool_pages(g), layout.logical_pages(g)
+        groups.append(
+            GroupState(
+                pool=jnp.zeros((len(grp.layers), p, layout.page_size, grp.dim), dt),
+                page_table=jnp.full((s, m), -1, jnp.int32),
+                page_gen=jnp.zeros((s, m), jnp.int32),
+                refcount=jnp.zeros((p,), jnp.int32),
+                generation=jnp.zeros((p,), jnp.int32),
+            )
+        )
+    tails = []
+    for _, _, c in spec.compressors():
+        ov = c.ratio if c.overlap else 0
+        tails.append(
+            TailState(
+                tail_kv=jnp.zeros((s, c.ratio, c.proj_width), dt),
+                tail_gate=jnp.zeros((s, c.ratio, c.proj_width), dt),
+                overlap_kv=jnp.zeros((s, ov, c.entry_dim), dt),
+                overlap_gate=jnp.full((s, ov, c.entry_dim), -jnp.inf, jnp.float32),
+            )
+        )
+    nb = layout.num_blocks
+    table = StateTable(
+        form=jnp.zeros((s, nb), jnp.uint8),
+        indexer_version=jnp.zeros((s, nb), jnp.int32),
+        residency=jnp.zeros((s, nb), jnp.int8),
+        checksum=jnp.zeros((s, nb), jnp.uint32),
+        location=jnp.full((s, nb), -1, jnp.int32),
+        swa_start=jnp.zeros((s,), jnp.int32),
+        swa_end=jnp.zeros((s,), jnp.int32),
+    )
+    return HybridCache(
+        lengths=jnp.zeros((s,), jnp.int32),
+        active=jnp.zeros((s,), bool),
+        groups=tuple(groups),
+        tails=tuple(tails),
+        table=table,
+        indexer_version=jnp.ones((), jnp.int32),
+        counters={k: jnp.zeros((), jnp.int32) for k in COUNTERS},
+    )
+
+
+def form_bits(*kinds: ObjectKind) -> int:
+    """Bitmask of object kinds, as stored in `StateTable.form`."""
+    return sum(1 << int(k) for k in kinds)

@@ -1,0 +1,288 @@
+"""Pure transitions of `HybridCache`: `new_cache, result = op(layout, cache, ...)`.
+
+Every function is jit-traceable with `layout` static. Allocation transitions (`claim_slot`,
+`reserve`) either complete or return the input cache unchanged with a `Status` (the admission cap
+rule: nothing is ever half-applied). Each object kind has its own write path — `write_swa`,
+`append_tail`, `seal_compressed`, `write_indexer` — with the kind fixed by the function, never
+inferred from the data (the five-state routing rule).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .spec import ObjectKind
+from .state import CacheLayout, HybridCache, Residency, Status, TailState, form_bits
+
+
+def _count(cache: HybridCache, name: str, n) -> dict:
+    c = dict(cache.counters)
+    c[name] = c[name] + jnp.asarray(n, jnp.int32)
+    return c
+
+
+def _keep_if(ok, new: HybridCache, old: HybridCache) -> HybridCache:
+    """`new` where ok else `old`, leaf by leaf (both computed; shapes identical)."""
+    # Leaves the transition did not touch (the pools, usually) are the same traced value: no select.
+    return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
+
+
+# --------------------------------------------------------------------------------- slots
+def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, jax.Array, jax.Array]:
+    """Claim the lowest free slot. Returns (cache, slot int32, status); SLOT_CAP when all are taken."""
+    free = ~cache.active
+    ok = jnp.any(free)
+    slot = jnp.argmax(free).astype(jnp.int32)
+    new = cache.replace(active=cache.active.at[slot].set(True), lengths=cache.lengths.at[slot].set(0),
+                        counters=_count(cache, "transitions", 1))
+    failed = cache.replace(counters=_count(cache, "failed_slot_cap", 1))
+    out = _keep_if(ok, new, failed)
+    return out, jnp.where(ok, slot, -1), jnp.where(ok, Status.OK, Status.SLOT_CAP).astype(jnp.int32)
+
+
+def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tuple[HybridCache, jax.Array]:
+    """Free every page of `slot`, clear its tails and state-table rows. SLOT_INACTIVE if not claimed."""
+    ok = cache.active[slot]
+    groups = []
+    released = jnp.zeros((), jnp.int32)
+    for g in cache.groups:
+        row = g.page_table[slot]
+        mapped = row >= 0
+        idx = jnp.where(mapped, row, g.refcount.shape[0])
+        refcount = g.refcount.at[idx].add(-1, mode="drop")
+        freed = jnp.zeros_like(g.refcount, bool).at[idx].set(True, mode="drop") & (refcount == 0)
+        released = released + jnp.sum(freed)
+        groups.append(g.replace(
+            refcount=refcount,
+            generation=g.generation + freed.astype(jnp.int32),
+            page_table=g.page_table.at[slot].set(-1),
+            page_gen=g.page_gen.at[slot].set(0),
+        ))
+    tails = tuple(
+        t.replace(tail_kv=t.tail_kv.at[slot].set(0), tail_gate=t.tail_gate.at[slot].set(0),
+                  overlap_kv=t.overlap_kv.at[slot].set(0), overlap_gate=t.overlap_gate.at[slot].set(-jnp.inf))
+        for t in cache.tails
+    )
+    tb = cache.table
+    table = tb.replace(
+        form=tb.form.at[slot].set(0), indexer_version=tb.indexer_version.at[slot].set(0),
+        residency=tb.residency.at[slot].set(Residency.ABSENT), checksum=tb.checksum.at[slot].set(0),
+        location=tb.location.at[slot].set(-1), swa_start=tb.swa_start.at[slot].set(0),
+        swa_end=tb.swa_end.at[slot].set(0),
+    )
+    counters = _count(cache, "pages_released", released)
+    counters["transitions"] = counters["transitions"] + 1
+    new = cache.replace(lengths=cache.lengths.at[slot].set(0), active=cache.active.at[slot].set(False),
+                        groups=tuple(groups), tails=tails, table=table, counters=counters)
+    return _keep_if(ok, new, cache), jnp.where(ok, Status.OK, Status.SLOT_INACTIVE).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- allocation
+def required_rows(layout: CacheLayout, g: int, length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows [lo, hi) group g must hold for a slot of `length` tokens (after a step)."""
+    grp = layout.groups[g]
+    hi = length // grp.unit
+    lo = jnp.zeros_like(hi) if grp.keep is None else jnp.maximum(hi - grp.keep, 0)
+    return lo, hi
+
+
+def reserve(
+    layout: CacheLayout, cache: HybridCache, slots: jax.Array, new_lengths: jax.Array, mask: jax.Array
+) -> tuple[HybridCache, jax.Array]:
+    """Map pages so that every group can store the rows of `new_lengths[b]` tokens for each slot
+    `slots[b]` where `mask[b]`. All or nothing: CONTEXT_CAP if a length exceeds max_context,
+    SLOT_INACTIVE if a slot is not claimed, NO_PAGES if any pool runs out — cache unchanged."""
+    ps = layout.page_size
+    over = jnp.any(mask & (new_lengths > layout.config.max_context))
+    inactive = jnp.any(mask & ~cache.active[slots])
+    groups, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
+    for gi, g in enumerate(cache.groups):
+        m = g.page_table.shape[1]
+        lo, hi = required_rows(layout, gi, new_lengths)
+        first = lo // ps
+        last = (hi + ps - 1) // ps  # exclusive
+        logical = jnp.arange(m)[None, :]
+        rows = g.page_table[slots]  # [B, M]
+        need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (rows < 0)
+        n_need = jnp.sum(need)
+        free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
+        enough = enough & (n_need <= jnp.sum(g.refcount == 0))
+        rank = jnp.cumsum(need.reshape(-1)) - 1
+        pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1).reshape(need.shape)
+        new_rows = jnp.where(need, pages, rows)
+        new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
+        tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
+        groups.append(g.replace(
+            page_table=g.page_table.at[slots].set(jnp.where(mask[:, None], new_rows, rows)),
+            page_gen=g.page_gen.at[slots].set(jnp.where(mask[:, None], new_gen, g.page_gen[slots])),
+            refcount=g.refcount.at[tgt].add(1, mode="drop"),
+        ))
+        allocated = allocated + n_need
+    ok = ~over & ~inactive & enough
+    status = jnp.where(over, Status.CONTEXT_CAP,
+                       jnp.where(inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)))
+    counters = _count(cache, "pages_allocated", allocated)
+    new = cache.replace(groups=tuple(groups), counters=counters)
+    fail_name = {Status.NO_PAGES: "failed_no_pages", Status.CONTEXT_CAP: "failed_context_cap"}
+    failed = cache
+    for st, name in fail_name.items():
+        failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
+    return _keep_if(ok, new, failed), status.astype(jnp.int32)
+
+
+def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.Array) -> HybridCache:
+    """Release SWA pages whose rows have left every window (all rows < length - keep) for each
+    masked slot, and record the window bounds [swa_start, swa_end) in the state table."""
+    ps = layout.page_size
+    lengths = cache.lengths[slots]
+    groups, released = list(cache.groups), jnp.zeros((), jnp.int32)
+    for gi, grp in enumerate(layout.groups):
+        if grp.kind != ObjectKind.SWA or grp.keep is None:
+            continue
+        g = cache.groups[gi]
+        lo, _ = required_rows(layout, gi, lengths)
+        logical = jnp.arange(g.page_table.shape[1])[None, :]
+        rows = g.page_table[slots]
+        drop = mask[:, None] & ((logical + 1) * ps <= lo[:, None]) & (rows >= 0)
+        idx = jnp.where(drop, rows, g.refcount.shape[0]).reshape(-1)
+        refcount = g.refcount.at[idx].add(-1, mode="drop")
+        freed = jnp.zeros_like(refcount, bool).at[idx].set(True, mode="drop") & (refcount == 0)
+        released = released + jnp.sum(freed)
+        groups[gi] = g.replace(
+            page_table=g.page_table.at[slots].set(jnp.where(drop, -1, rows)),
+            page_gen=g.page_gen.at[slots].set(jnp.where(drop, 0, g.page_gen[slots])),
+            refcount=refcount,
+            generation=g.generation + freed.astype(jnp.int32),
+        )
+    keep = min((grp.keep for grp in layout.groups if grp.kind == ObjectKind.SWA and grp.keep is not None),
+               default=None)
+    start = jnp.zeros_like(lengths) if keep is None else jnp.maximum(lengths - keep, 0)
+    tb = cache.table
+    table = tb.replace(
+        swa_start=tb.swa_start.at[slots].set(jnp.where(mask, start, tb.swa_start[slots])),
+        swa_end=tb.swa_end.at[slots].set(jnp.where(mask, lengths, tb.swa_end[slots])),
+    )
+    return cache.replace(groups=tuple(groups), table=table, counters=_count(cache, "pages_released", released))
+
+
+# ---------------------------------------------------------------------------- typed writes
+def _locate(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: jax.Array):
+    """(page, offset) of row indices rows[B, R] of each slot; page = P (out of range) where invalid."""
+    ps = layout.page_size
+    m = g.page_table.shape[1]
+    logical = jnp.clip(rows // ps, 0, m - 1)
+    page = jnp.take_along_axis(g.page_table[slots], logical, axis=1)
+    ok = valid & (rows >= 0) & (page >= 0)
+    return jnp.where(ok, page, g.pool.shape[1]), rows % ps, ok
+
+
+def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
+    gi = layout.spec.group_of(kind, layer)
+    grp = layout.groups[gi]
+    g = cache.groups[gi]
+    li = grp.layers.index(layer)
+    page, off, _ = _locate(layout, g, slots, rows, valid)
+    pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop")
+    groups = list(cache.groups)
+    groups[gi] = g.replace(pool=pool)
+    return cache.replace(groups=tuple(groups))
+
+
+def write_swa(layout, cache, layer: int, slots, positions, kv, valid) -> HybridCache:
+    """SWA write path: K=V rows kv[B, C, D] at token `positions[B, C]`; rows already outside the
+    window being kept (and invalid ones) are dropped, never written."""
+    gi = layout.spec.group_of(ObjectKind.SWA, layer)
+    keep = layout.groups[gi].keep
+    if keep is not None:
+        end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
+        valid = valid & (positions >= end - keep)
+    return _write_rows(layout, cache, ObjectKind.SWA, layer, slots, positions, kv, valid)
+
+
+def seal_compressed(layout, cache, layer: int, slots, first_entry, entries, count) -> HybridCache:
+    """COMPRESSED write path: entries[B, W, D] become entries first_entry[b] + w for w < count[b]."""
+    w = jnp.arange(entries.shape[1])[None, :]
+    c = _write_rows(layout, cache, ObjectKind.COMPRESSED, layer, slots, first_entry[:, None] + w, entries,
+                    w < count[:, None])
+    return c.replace(counters=_count(c, "entries_sealed", jnp.sum(count)))
+
+
+def write_indexer(layout, cache, layer: int, slots, first_entry, keys, count) -> HybridCache:
+    """INDEXER write path: keys[B, W, Di] at entries first_entry[b] + w (w < count[b]), stamped with
+    the cache's current indexer version in the state table."""
+    w = jnp.arange(keys.shape[1])[None, :]
+    return _write_rows(layout, cache, ObjectKind.INDEXER, layer, slots, first_entry[:, None] + w, keys,
+                       w < count[:, None])
+
+
+def append_tail(layout, cache, tail_index: int, slots, tail_kv, tail_gate, overlap_kv, overlap_gate, mask):
+    """TAIL write path: replace compressor `tail_index`'s open-window rows and overlap slice for the
+    masked slots. tail_kv/gate [B, ratio, width]; overlap_kv [B, ratio, D]; overlap_gate f32 (biased)."""
+    t = cache.tails[tail_index]
+    m3 = mask[:, None, None]
+
+    def put(arr, new):
+        return arr.at[slots].set(jnp.where(m3, new.astype(arr.dtype), arr[slots]))
+
+    new = TailState(
+        tail_kv=put(t.tail_kv, tail_kv), tail_gate=put(t.tail_gate, tail_gate),
+        overlap_kv=put(t.overlap_kv, overlap_kv) if t.overlap_kv.shape[1] else t.overlap_kv,
+        overlap_gate=put(t.overlap_gate, overlap_gate) if t.overlap_gate.shape[1] else t.overlap_gate,
+    )
+    tails = list(cache.tails)
+    tails[tail_index] = new
+    return cache.replace(tails=tuple(tails))
+
+
+# ----------------------------------------------------------------------------------- reads
+def read_rows(layout, cache, kind: ObjectKind, layer: int, slots, rows, valid) -> jax.Array:
+    """Gather rows[B, R] of `kind` for `layer` -> [B, R, D]; invalid or unmapped rows read as 0."""
+    gi = layout.spec.group_of(kind, layer)
+    g = cache.groups[gi]
+    li = layout.groups[gi].layers.index(layer)
+    page, off, ok = _locate(layout, g, slots, rows, valid)
+    vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
+    return jnp.where(ok[..., None], vals, 0)
+
+
+# --------------------------------------------------------------------------------- advance
+def advance(layout: CacheLayout, cache: HybridCache, slots, new_lengths, mask) -> HybridCache:
+    """Commit new lengths; refresh the state table (form bits, residency, indexer versions of newly
+    written blocks) for every slot from the lengths."""
+    lengths = cache.lengths.at[slots].set(jnp.where(mask, new_lengths, cache.lengths[slots]))
+    tb = cache.table
+    form = block_forms(layout, lengths)
+    start = jnp.arange(layout.num_blocks)[None, :] * layout.spec.block_tokens
+    written = start < lengths[:, None]
+    table = tb.replace(
+        form=form,
+        residency=jnp.where(form > 0, jnp.int8(Residency.DEVICE), jnp.int8(Residency.ABSENT)),
+        indexer_version=jnp.where(written, jnp.where(tb.indexer_version > 0, tb.indexer_version,
+                                                     cache.indexer_version), 0),
+    )
+    written_tokens = jnp.sum(jnp.where(mask, new_lengths - cache.lengths[slots], 0))
+    counters = _count(cache, "tokens_written", written_tokens)
+    counters["transitions"] = counters["transitions"] + 1
+    return cache.replace(lengths=lengths, table=table, counters=counters)
+
+
+def block_forms(layout: CacheLayout, lengths: jax.Array) -> jax.Array:
+    """uint8[S, NB] object bits per block implied by `lengths` (what `check_invariants` expects)."""
+    bt = layout.spec.block_tokens
+    start = jnp.arange(layout.num_blocks)[None, :] * bt
+    end = start + bt
+    n = lengths[:, None]
+    written = start < n
+    form = jnp.zeros(written.shape, jnp.int32)
+    for grp in layout.groups:
+        if grp.kind == ObjectKind.SWA:
+            lo = 0 if grp.keep is None else jnp.maximum(n - grp.keep, 0)
+            form = form | jnp.where(written & (end > lo), form_bits(ObjectKind.SWA), 0)
+        else:
+            m = grp.unit
+            sealed_to = (n // m) * m  # tokens covered by sealed entries
+            bit = form_bits(ObjectKind.COMPRESSED if grp.kind == ObjectKind.COMPRESSED else ObjectKind.INDEXER)
+            form = form | jnp.where(written & (start < sealed_to), bit, 0)
+            form = form | jnp.where(written & (end > sealed_to), form_bits(ObjectKind.TAIL), 0)
+    return form.astype(jnp.uint8)
