@@ -8,11 +8,19 @@
     engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
 """
 
+from .engine import CacheCapacityError, Engine, Generation
 from .invariants import InvariantError, check_invariants
+from .memory import architectural_minimum, memory_report, uniform_full_kv_bytes
 from .spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, init_cache
 
 __all__ = [
+    "CacheCapacityError",
+    "Engine",
+    "Generation",
+    "architectural_minimum",
+    "memory_report",
+    "uniform_full_kv_bytes",
     "CacheConfig",
     "CacheLayout",
     "CacheSpec",

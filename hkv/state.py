@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .spec import CacheSpec, Group, ObjectKind
@@ -164,6 +165,7 @@ class HybridCache:
     tails: tuple[TailState, ...]
     table: StateTable
     indexer_version: jax.Array  # int32 scalar (>= 1): version stamped on indexer keys written now
+    abi: jax.Array  # uint32[4]: the spec's ABI fingerprint
     counters: dict
 
 
@@ -215,8 +217,33 @@ def init_cache(layout: CacheLayout) -> HybridCache:
         tails=tuple(tails),
         table=table,
         indexer_version=jnp.ones((), jnp.int32),
+        abi=jnp.asarray(abi_words(spec)),
         counters={k: jnp.zeros((), jnp.int32) for k in COUNTERS},
     )
+
+
+def check_layout(layout: CacheLayout, cache: HybridCache) -> None:
+    """Raise ValueError if `cache` was not built for `layout` (any leaf's shape or dtype differs, or,
+    on concrete values, the ABI fingerprint differs). Shape checks are free at trace time."""
+    want = jax.eval_shape(lambda: init_cache(layout))
+    got_leaves = jax.tree_util.tree_leaves_with_path(cache)
+    want_leaves = jax.tree_util.tree_leaves_with_path(want)
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"cache has {len(got_leaves)} arrays; the layout's spec needs {len(want_leaves)} "
+                         f"(a cache built for another spec?)")
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise ValueError(f"cache{jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the layout needs "
+                             f"{w.dtype}{list(w.shape)} (a cache built for another spec or config?)")
+    if not isinstance(cache.abi, jax.core.Tracer):
+        if list(np.asarray(cache.abi)) != list(abi_words(layout.spec)):
+            raise ValueError(f"cache ABI fingerprint differs from the layout's {layout.spec.fingerprint()} "
+                             f"(same shapes, different weights/dtypes/ratios/kernel layout)")
+
+
+def abi_words(spec: CacheSpec) -> np.ndarray:
+    """The ABI fingerprint as uint32[4], stored in the cache so a value carries its spec identity."""
+    return np.frombuffer(bytes.fromhex(spec.fingerprint()), dtype=np.uint32).copy()
 
 
 def form_bits(*kinds: ObjectKind) -> int:

@@ -42,8 +42,11 @@ def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, ja
 
 
 def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tuple[HybridCache, jax.Array]:
-    """Free every page of `slot`, clear its tails and state-table rows. SLOT_INACTIVE if not claimed."""
-    ok = cache.active[slot]
+    """Free every page of `slot`, clear its tails and state-table rows. UNKNOWN_SLOT if `slot` is not
+    in [0, slots), SLOT_INACTIVE if it is not claimed; the cache is then unchanged."""
+    known = (slot >= 0) & (slot < layout.slots)
+    slot = jnp.clip(slot, 0, layout.slots - 1)
+    ok = known & cache.active[slot]
     groups = []
     released = jnp.zeros((), jnp.int32)
     for g in cache.groups:
@@ -75,7 +78,8 @@ def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tu
     counters["transitions"] = counters["transitions"] + 1
     new = cache.replace(lengths=cache.lengths.at[slot].set(0), active=cache.active.at[slot].set(False),
                         groups=tuple(groups), tails=tails, table=table, counters=counters)
-    return _keep_if(ok, new, cache), jnp.where(ok, Status.OK, Status.SLOT_INACTIVE).astype(jnp.int32)
+    status = jnp.where(ok, Status.OK, jnp.where(known, Status.SLOT_INACTIVE, Status.UNKNOWN_SLOT))
+    return _keep_if(ok, new, cache), status.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- allocation
@@ -92,8 +96,11 @@ def reserve(
 ) -> tuple[HybridCache, jax.Array]:
     """Map pages so that every group can store the rows of `new_lengths[b]` tokens for each slot
     `slots[b]` where `mask[b]`. All or nothing: CONTEXT_CAP if a length exceeds max_context,
-    SLOT_INACTIVE if a slot is not claimed, NO_PAGES if any pool runs out — cache unchanged."""
+    UNKNOWN_SLOT / SLOT_INACTIVE if a slot is out of range / not claimed, NO_PAGES if any pool runs
+    out — and then the cache is unchanged."""
     ps = layout.page_size
+    unknown = jnp.any(mask & ((slots < 0) | (slots >= layout.slots)))
+    slots = jnp.clip(slots, 0, layout.slots - 1)
     over = jnp.any(mask & (new_lengths > layout.config.max_context))
     inactive = jnp.any(mask & ~cache.active[slots])
     groups, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
@@ -119,9 +126,9 @@ def reserve(
             refcount=g.refcount.at[tgt].add(1, mode="drop"),
         ))
         allocated = allocated + n_need
-    ok = ~over & ~inactive & enough
-    status = jnp.where(over, Status.CONTEXT_CAP,
-                       jnp.where(inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)))
+    ok = ~unknown & ~over & ~inactive & enough
+    status = jnp.where(unknown, Status.UNKNOWN_SLOT, jnp.where(over, Status.CONTEXT_CAP, jnp.where(
+        inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))))
     counters = _count(cache, "pages_allocated", allocated)
     new = cache.replace(groups=tuple(groups), counters=counters)
     fail_name = {Status.NO_PAGES: "failed_no_pages", Status.CONTEXT_CAP: "failed_context_cap"}

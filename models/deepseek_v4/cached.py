@@ -23,7 +23,7 @@ import numpy as np
 
 from hkv import transitions as tr
 from hkv.spec import ObjectKind
-from hkv.state import CacheLayout, HybridCache, Status
+from hkv.state import CacheLayout, HybridCache, Status, check_layout
 
 from .attention import Attention, attend_with_sinks, selection_bias, sliding_window_bias
 from .compressor import Compressor, causal_entry_limit, compress_windows, indexer_scores, select_topk
@@ -143,6 +143,7 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
     is returned unchanged and the logits are zeros.
     """
+    check_layout(layout, cache)  # shapes/dtypes: a cache of another spec fails here, at trace time
     b, c = tokens.shape
     mask = n_valid > 0
     old_len = cache.lengths[slots]

@@ -106,6 +106,19 @@ class DeepseekV4(nnx.Module):
                 f"token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={self.cfg.vocab_size})"
             )
 
+    # -------------------------------------------------------------- cached path
+    def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):
+        """The `hkv.CacheSpec` of this model (storage in the model's dtype)."""
+        from .cache_spec import cache_spec
+
+        return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
+
+    def cached_step(self, layout, cache, tokens, slots, n_valid):
+        """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`."""
+        from .cached import cached_step
+
+        return cached_step(self, layout, cache, tokens, slots, n_valid)
+
     # ---------------------------------------------------------------- forward
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
         """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t]."""
