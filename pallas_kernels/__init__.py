@@ -23,10 +23,12 @@ counts and indices are data, so one compile serves every step of a shape bucket.
 
 Layout (the cache adopts it):
 
-* A pool is `[num_pages, page_size, dim]`, one per layer and object (window K=V rows, compressed
-  entries, index keys). Pools of different layers are separate arrays (a tuple/list in the cache
-  pytree), not one stacked `[layers, ...]` array: a kernel takes a whole pool by reference, and
-  slicing a layer out of a stacked array inside jit can materialize a copy of the whole layer.
+* A pool is `[num_pages, page_size, dim]` for one layer and object (window K=V rows, compressed
+  entries, index keys), or `[layers, num_pages, page_size, dim]` stacked over the layers of a group
+  that share one page table, passed with its layer index (`layer=`, `window_layer=`,
+  `compressed_layer=`, `index_layer=`; an int or a traced int32 scalar, e.g. inside a scan over
+  layers). A stacked pool is read in place (see `pallas_kernels.stacked_pools`); do not slice
+  `pool[layer]` yourself, which inside jit copies the layer's whole pool on every call.
 * A page table is `int32[batch, pages_per_seq]`: logical page i of sequence b is physical page
   `page_table[b, i]`. Entries of logical pages a kernel does not need are never read and may hold
   anything (-1 for unallocated).
@@ -48,12 +50,12 @@ from pallas_kernels.dispatch import BACKENDS
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.hca_decode import hca_decode_attention
 from pallas_kernels.hca_decode import hca_decode_attention_reference
-from pallas_kernels.indexer_topk import indexer_scores
-from pallas_kernels.indexer_topk import indexer_scores_reference
-from pallas_kernels.indexer_topk import indexer_topk
-from pallas_kernels.indexer_topk import indexer_topk_reference
-from pallas_kernels.paged_gather import paged_gather
-from pallas_kernels.paged_gather import paged_gather_reference
+from pallas_kernels.indexer import indexer_scores
+from pallas_kernels.indexer import indexer_scores_reference
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.indexer import indexer_topk_reference
+from pallas_kernels.gather import paged_gather
+from pallas_kernels.gather import paged_gather_reference
 from pallas_kernels.swa_decode import swa_decode_attention
 from pallas_kernels.swa_decode import swa_decode_attention_reference
 

@@ -32,6 +32,7 @@ from pallas_kernels import input_checks as checks
 from pallas_kernels import online_softmax
 from pallas_kernels import paged_folds_gpu
 from pallas_kernels import paged_folds_tpu
+from pallas_kernels import stacked_pools
 from pallas_kernels import swa_decode
 
 
@@ -214,6 +215,8 @@ def csa_decode_attention(
     *,
     window: int,
     compress_ratio: int,
+    window_layer: int | jax.Array | None = None,
+    compressed_layer: int | jax.Array | None = None,
     scale: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
@@ -226,6 +229,7 @@ def csa_decode_attention(
     topk_indices: int32[batch, k] selected entries (`indexer_topk` output), -1 = none.
     window: sliding window rows (DeepSeek-V4: 128).
     compress_ratio: tokens per compressed entry m (DeepSeek-V4 CSA: 4).
+    window_layer, compressed_layer: layers of stacked pools (int or int32 scalar, may be traced).
     scale: logit scale; None = head_dim ** -0.5.
     backend: "gpu" | "tpu" | "reference" | None (auto, see `pallas_kernels.dispatch`).
     interpret: run the Pallas kernel in the interpreter (CPU testing).
@@ -233,12 +237,17 @@ def csa_decode_attention(
   Returns:
     [batch, num_heads, head_dim] in q.dtype.
   """
-  swa_decode.check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale)
+  swa_decode.check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale,
+                                 window_layer)
   hca_decode.check_compressed_inputs(q, compressed_pool, compressed_page_table, n_compressed,
-                                     compress_ratio)
+                                     compress_ratio, compressed_layer)
   checks.check_array("topk_indices", topk_indices, rank=2, dtypes=checks.INT32,
                      layout="int32[batch, k]")
   checks.check_dim("topk_indices", topk_indices, 0, q.shape[0], "q.shape[0], batch")
+  window_pool, window_page_table = stacked_pools.flat_view(window_pool, window_page_table,
+                                                           window_layer)
+  compressed_pool, compressed_page_table = stacked_pools.flat_view(
+      compressed_pool, compressed_page_table, compressed_layer)
   scale = q.shape[2] ** -0.5 if scale is None else float(scale)
   resolved = dispatch.resolve_backend(backend, interpret)
   if resolved == "reference":

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels import input_checks as checks
+from pallas_kernels import stacked_pools
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,27 +130,32 @@ def paged_gather(
     page_table: jax.Array,
     lengths: jax.Array,
     *,
+    layer: int | jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
   """Gathers each sequence's rows from a paged pool into a contiguous array.
 
   Args:
-    pool: [num_pages, page_size, dim], bf16 or f32.
+    pool: [num_pages, page_size, dim], bf16 or f32; or [layers, num_pages, page_size, dim]
+      stacked over layers, with `layer` set (see `pallas_kernels.stacked_pools`).
     page_table: int32[batch, pages_per_seq]; logical page i of sequence b is physical page
       `page_table[b, i]`. Entries of pages at or past cdiv(lengths[b], page_size) are never read.
     lengths: int32[batch]; rows (tokens) that exist for each sequence, at most
       pages_per_seq * page_size.
+    layer: index into a stacked pool (int or int32 scalar, may be traced); None for rank 3.
     backend: "gpu" | "tpu" | "reference" | None (auto, see `pallas_kernels.dispatch`).
     interpret: run the Pallas kernel in the interpreter (CPU testing).
 
   Returns:
     [batch, pages_per_seq * page_size, dim] in pool.dtype; rows at or past lengths[b] are zero.
   """
-  checks.check_array("pool", pool, rank=3, dtypes=checks.FLOAT_DTYPES,
-                     layout="[num_pages, page_size, dim]")
+  checks.check_array("pool", pool, rank=checks.POOL_RANKS, dtypes=checks.FLOAT_DTYPES,
+                     layout="[(layers,) num_pages, page_size, dim]")
   checks.check_array("lengths", lengths, rank=1, dtypes=checks.INT32, layout="int32[batch]")
   checks.check_page_table("page_table", page_table, lengths.shape[0])
+  stacked_pools.check_layer("pool", "layer", pool, layer)
+  pool, page_table = stacked_pools.flat_view(pool, page_table, layer)
   resolved = dispatch.resolve_backend(backend, interpret)
   if resolved == "reference":
     return paged_gather_reference(pool, page_table, lengths)

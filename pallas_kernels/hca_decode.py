@@ -37,6 +37,7 @@ from pallas_kernels import input_checks as checks
 from pallas_kernels import online_softmax
 from pallas_kernels import paged_folds_gpu
 from pallas_kernels import paged_folds_tpu
+from pallas_kernels import stacked_pools
 from pallas_kernels import swa_decode
 
 
@@ -188,13 +189,16 @@ def _hca_decode_tpu(q, window_pool, window_page_table, lengths, sinks, compresse
 # Public function.
 # ----------------------------------------------------------------------------------------------
 def check_compressed_inputs(q, compressed_pool, compressed_page_table, n_compressed,
-                            compress_ratio):
+                            compress_ratio, compressed_layer):
   """Validation shared by the HCA and CSA decode attentions."""
   batch, _, head_dim = q.shape
-  checks.check_array("compressed_pool", compressed_pool, rank=3, dtypes=checks.FLOAT_DTYPES,
-                     layout="[c_num_pages, c_page_size, head_dim]")
+  checks.check_array("compressed_pool", compressed_pool, rank=checks.POOL_RANKS,
+                     dtypes=checks.FLOAT_DTYPES,
+                     layout="[(layers,) c_num_pages, c_page_size, head_dim]")
   checks.check_same_dtype("compressed_pool", compressed_pool, "q", q)
-  checks.check_dim("compressed_pool", compressed_pool, 2, head_dim, "q.shape[2], head_dim")
+  checks.check_dim("compressed_pool", compressed_pool, -1, head_dim, "q.shape[2], head_dim")
+  stacked_pools.check_layer("compressed_pool", "compressed_layer", compressed_pool,
+                            compressed_layer)
   checks.check_page_table("compressed_page_table", compressed_page_table, batch)
   checks.check_counts("n_compressed", n_compressed, batch)
   checks.check_static_int("compress_ratio", compress_ratio, lo=1)
@@ -214,6 +218,8 @@ def hca_decode_attention(
     *,
     window: int,
     compress_ratio: int,
+    window_layer: int | jax.Array | None = None,
+    compressed_layer: int | jax.Array | None = None,
     scale: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
@@ -223,12 +229,14 @@ def hca_decode_attention(
   Args:
     q, window_pool, window_page_table, lengths, sinks: as in `swa_decode_attention`.
     compressed_pool: [c_num_pages, c_page_size, head_dim], q.dtype; compressed K=V entries.
+      Or [layers, c_num_pages, c_page_size, head_dim] stacked, with `compressed_layer` set.
     compressed_page_table: int32[batch, c_pages_per_seq]; entry w at logical page
       w // c_page_size.
     n_compressed: int32[batch] entries written per sequence.
     window: sliding window rows (DeepSeek-V4: 128).
     compress_ratio: tokens per compressed entry m (DeepSeek-V4 HCA: 128); entries
       w < lengths[b] // m are causally visible.
+    window_layer, compressed_layer: layers of stacked pools (int or int32 scalar, may be traced).
     scale: logit scale; None = head_dim ** -0.5.
     backend: "gpu" | "tpu" | "reference" | None (auto, see `pallas_kernels.dispatch`).
     interpret: run the Pallas kernel in the interpreter (CPU testing).
@@ -236,8 +244,14 @@ def hca_decode_attention(
   Returns:
     [batch, num_heads, head_dim] in q.dtype.
   """
-  swa_decode.check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale)
-  check_compressed_inputs(q, compressed_pool, compressed_page_table, n_compressed, compress_ratio)
+  swa_decode.check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale,
+                                 window_layer)
+  check_compressed_inputs(q, compressed_pool, compressed_page_table, n_compressed, compress_ratio,
+                          compressed_layer)
+  window_pool, window_page_table = stacked_pools.flat_view(window_pool, window_page_table,
+                                                           window_layer)
+  compressed_pool, compressed_page_table = stacked_pools.flat_view(
+      compressed_pool, compressed_page_table, compressed_layer)
   scale = q.shape[2] ** -0.5 if scale is None else float(scale)
   resolved = dispatch.resolve_backend(backend, interpret)
   if resolved == "reference":

@@ -40,6 +40,7 @@ from pallas_kernels import input_checks as checks
 from pallas_kernels import online_softmax
 from pallas_kernels import paged_folds_gpu
 from pallas_kernels import paged_folds_tpu
+from pallas_kernels import stacked_pools
 
 
 def _score_block(q, weights, keys, scale: float):
@@ -183,7 +184,7 @@ def _indexer_scores_tpu(q_idx, weights, index_pool, index_page_table, n_visible,
 # Public functions.
 # ----------------------------------------------------------------------------------------------
 def _check_indexer_inputs(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
-                          compress_ratio, scale):
+                          compress_ratio, scale, index_layer):
   checks.check_array("q_idx", q_idx, rank=3, dtypes=checks.FLOAT_DTYPES,
                      layout="[batch, n_idx_heads, idx_head_dim]")
   batch, n_idx_heads, idx_head_dim = q_idx.shape
@@ -191,10 +192,11 @@ def _check_indexer_inputs(q_idx, weights, index_pool, index_page_table, lengths,
                      layout="[batch, n_idx_heads]")
   checks.check_dim("weights", weights, 0, batch, "q_idx.shape[0], batch")
   checks.check_dim("weights", weights, 1, n_idx_heads, "q_idx.shape[1], n_idx_heads")
-  checks.check_array("index_pool", index_pool, rank=3, dtypes=checks.FLOAT_DTYPES,
-                     layout="[num_pages, page_size, idx_head_dim]")
+  checks.check_array("index_pool", index_pool, rank=checks.POOL_RANKS, dtypes=checks.FLOAT_DTYPES,
+                     layout="[(layers,) num_pages, page_size, idx_head_dim]")
   checks.check_same_dtype("index_pool", index_pool, "q_idx", q_idx)
-  checks.check_dim("index_pool", index_pool, 2, idx_head_dim, "q_idx.shape[2], idx_head_dim")
+  checks.check_dim("index_pool", index_pool, -1, idx_head_dim, "q_idx.shape[2], idx_head_dim")
+  stacked_pools.check_layer("index_pool", "index_layer", index_pool, index_layer)
   checks.check_page_table("index_page_table", index_page_table, batch)
   checks.check_counts("lengths", lengths, batch)
   checks.check_counts("n_entries", n_entries, batch)
@@ -203,7 +205,8 @@ def _check_indexer_inputs(q_idx, weights, index_pool, index_page_table, lengths,
 
 
 def _scores(q_idx, weights, index_pool, index_page_table, lengths, n_entries, *, compress_ratio,
-            scale, backend, interpret):
+            scale, backend, interpret, index_layer):
+  index_pool, index_page_table = stacked_pools.flat_view(index_pool, index_page_table, index_layer)
   scale = q_idx.shape[2] ** -0.5 if scale is None else float(scale)
   resolved = dispatch.resolve_backend(backend, interpret)
   if resolved == "reference":
@@ -233,6 +236,7 @@ def indexer_scores(
     n_entries: jax.Array,
     *,
     compress_ratio: int,
+    index_layer: int | jax.Array | None = None,
     scale: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
@@ -243,10 +247,12 @@ def indexer_scores(
     q_idx: [batch, n_idx_heads, idx_head_dim] indexer queries of the newest token (roped).
     weights: [batch, n_idx_heads] per-head weights (already scaled).
     index_pool: [num_pages, page_size, idx_head_dim], q_idx.dtype; one index key per entry.
+      Or [layers, num_pages, page_size, idx_head_dim] stacked, with `index_layer` set.
     index_page_table: int32[batch, pages_per_seq]; entry s at logical page s // page_size.
     lengths: int32[batch] tokens per sequence including the new one.
     n_entries: int32[batch] index keys written per sequence.
     compress_ratio: tokens per entry m (DeepSeek-V4 CSA: 4); entries s >= lengths // m are masked.
+    index_layer: layer of a stacked index_pool (int or int32 scalar, may be traced).
     scale: None = idx_head_dim ** -0.5.
     backend: "gpu" | "tpu" | "reference" | None (auto, see `pallas_kernels.dispatch`).
     interpret: run the Pallas kernel in the interpreter (CPU testing).
@@ -255,9 +261,10 @@ def indexer_scores(
     f32[batch, pages_per_seq * page_size]: the score of entry s, or -inf if s is not visible.
   """
   _check_indexer_inputs(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
-                        compress_ratio, scale)
+                        compress_ratio, scale, index_layer)
   return _scores(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
-                 compress_ratio=compress_ratio, scale=scale, backend=backend, interpret=interpret)
+                 compress_ratio=compress_ratio, scale=scale, backend=backend, interpret=interpret,
+                 index_layer=index_layer)
 
 
 @functools.partial(jax.jit,
@@ -272,6 +279,7 @@ def indexer_topk(
     *,
     k: int,
     compress_ratio: int,
+    index_layer: int | jax.Array | None = None,
     scale: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
@@ -286,11 +294,11 @@ def indexer_topk(
     picks past the visible entries (and for columns past the capacity).
   """
   _check_indexer_inputs(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
-                        compress_ratio, scale)
+                        compress_ratio, scale, index_layer)
   checks.check_static_int("k", k, lo=1)
   scores = _scores(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
                    compress_ratio=compress_ratio, scale=scale, backend=backend,
-                   interpret=interpret)
+                   interpret=interpret, index_layer=index_layer)
   return topk_from_scores(scores, k)
 
 

@@ -14,15 +14,20 @@ import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 INT32 = (jnp.dtype(jnp.int32),)
+POOL_RANKS = (3, 4)  # one layer's pool, or pools stacked over layers (see `stacked_pools`)
 
 
-def check_array(name: str, x, *, rank: int, dtypes: Sequence, layout: str) -> None:
-  """`x` must be an array of rank `rank` whose dtype is one of `dtypes`; `layout` names the axes."""
+def check_array(name: str, x, *, rank: int | tuple[int, ...], dtypes: Sequence,
+                layout: str) -> None:
+  """`x` must be an array of rank `rank` (or one of them) with a dtype in `dtypes`; `layout`
+  names the axes."""
   shape = getattr(x, "shape", None)
   if shape is None:
     raise ValueError(f"{name}={type(x).__name__} must be an array {layout}")
-  if len(shape) != rank:
-    raise ValueError(f"{name}.shape={tuple(shape)} must have rank {rank}: {layout}")
+  ranks = (rank,) if isinstance(rank, int) else tuple(rank)
+  if len(shape) not in ranks:
+    allowed = " or ".join(map(str, ranks))
+    raise ValueError(f"{name}.shape={tuple(shape)} must have rank {allowed}: {layout}")
   dtype = jnp.dtype(x.dtype)
   if dtype not in tuple(jnp.dtype(d) for d in dtypes):
     allowed = ", ".join(str(jnp.dtype(d)) for d in dtypes)

@@ -36,6 +36,7 @@ from pallas_kernels import input_checks as checks
 from pallas_kernels import online_softmax
 from pallas_kernels import paged_folds_gpu
 from pallas_kernels import paged_folds_tpu
+from pallas_kernels import stacked_pools
 
 
 def window_pages(window: int, page_size: int) -> int:
@@ -171,22 +172,25 @@ def _swa_decode_tpu(q, window_pool, window_page_table, lengths, sinks, *, window
 # ----------------------------------------------------------------------------------------------
 # Public function.
 # ----------------------------------------------------------------------------------------------
-def check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale):
+def check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale,
+                        window_layer):
   """Validation shared by the SWA, HCA and CSA decode attentions."""
   checks.check_array("q", q, rank=3, dtypes=checks.FLOAT_DTYPES,
                      layout="[batch, num_heads, head_dim]")
   batch, num_heads, head_dim = q.shape
-  checks.check_array("window_pool", window_pool, rank=3, dtypes=checks.FLOAT_DTYPES,
-                     layout="[num_pages, page_size, head_dim]")
+  checks.check_array("window_pool", window_pool, rank=checks.POOL_RANKS,
+                     dtypes=checks.FLOAT_DTYPES,
+                     layout="[(layers,) num_pages, page_size, head_dim]")
   checks.check_same_dtype("window_pool", window_pool, "q", q)
-  checks.check_dim("window_pool", window_pool, 2, head_dim, "q.shape[2], head_dim")
+  checks.check_dim("window_pool", window_pool, -1, head_dim, "q.shape[2], head_dim")
+  stacked_pools.check_layer("window_pool", "window_layer", window_pool, window_layer)
   checks.check_array("lengths", lengths, rank=1, dtypes=checks.INT32, layout="int32[batch]")
   checks.check_dim("lengths", lengths, 0, batch, "q.shape[0], batch")
   checks.check_page_table("window_page_table", window_page_table, batch)
   checks.check_sinks(sinks, num_heads)
   checks.check_static_int("window", window, lo=1)
   checks.check_scale(scale)
-  needed = window_pages(window, window_pool.shape[1])
+  needed = window_pages(window, window_pool.shape[-2])
   if window_page_table.shape[1] < needed:
     raise ValueError(
         f"window_page_table.shape={tuple(window_page_table.shape)} must have at least {needed} "
@@ -211,6 +215,7 @@ def swa_decode_attention(
     sinks: jax.Array | None,
     *,
     window: int,
+    window_layer: int | jax.Array | None = None,
     scale: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
@@ -219,12 +224,14 @@ def swa_decode_attention(
 
   Args:
     q: [batch, num_heads, head_dim] queries of the newest token of each sequence.
-    window_pool: [num_pages, page_size, head_dim], q.dtype; K=V rows by absolute position.
+    window_pool: [num_pages, page_size, head_dim], q.dtype; K=V rows by absolute position. Or
+      [layers, num_pages, page_size, head_dim] stacked, with `window_layer` set.
     window_page_table: int32[batch, pages_per_seq], pages_per_seq >= cdiv(window - 1,
       page_size) + 1; logical page i at entry i % pages_per_seq (a ring if it is short).
     lengths: int32[batch] tokens per sequence including the new one (0 = empty slot).
     sinks: f32[num_heads] per-head sink logits, or None for no sink.
     window: attended rows, the new token's included (DeepSeek-V4: 128).
+    window_layer: layer of a stacked window_pool (int or int32 scalar, may be traced).
     scale: logit scale; None = head_dim ** -0.5.
     backend: "gpu" | "tpu" | "reference" | None (auto, see `pallas_kernels.dispatch`).
     interpret: run the Pallas kernel in the interpreter (CPU testing).
@@ -232,7 +239,10 @@ def swa_decode_attention(
   Returns:
     [batch, num_heads, head_dim] in q.dtype.
   """
-  check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale)
+  check_window_inputs(q, window_pool, window_page_table, lengths, sinks, window, scale,
+                      window_layer)
+  window_pool, window_page_table = stacked_pools.flat_view(window_pool, window_page_table,
+                                                           window_layer)
   scale = q.shape[2] ** -0.5 if scale is None else float(scale)
   resolved = dispatch.resolve_backend(backend, interpret)
   if resolved == "reference":

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import testing
-from pallas_kernels.paged_gather import paged_gather, paged_gather_reference
+from pallas_kernels.gather import paged_gather, paged_gather_reference
 
 PAGE_SIZE, DIM, PAGES_PER_SEQ, NUM_PAGES = 4, 16, 5, 24
 LENGTHS = np.array([0, 1, 4, 9, 20], np.int32)  # empty, one row, one full page, straddling, full

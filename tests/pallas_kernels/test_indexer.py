@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import testing
-from pallas_kernels.indexer_topk import (indexer_scores, indexer_scores_reference, indexer_topk,
+from pallas_kernels.indexer import (indexer_scores, indexer_scores_reference, indexer_topk,
                                          indexer_topk_reference, topk_from_scores)
 
 N_HEADS, DIM, PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES, RATIO, K = 4, 16, 4, 5, 40, 4, 6  # capacity 20

@@ -12,8 +12,8 @@ import pytest
 
 from pallas_kernels.csa_decode import csa_decode_attention
 from pallas_kernels.hca_decode import hca_decode_attention
-from pallas_kernels.indexer_topk import indexer_topk
-from pallas_kernels.paged_gather import paged_gather
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.gather import paged_gather
 from pallas_kernels.swa_decode import swa_decode_attention
 
 # DeepSeek-V4-Flash attention layer, 3 sequences, 64K-token capacity, 64-row pages; pool sizes are
@@ -53,11 +53,17 @@ def _ops(backend, dtype):
               window + csa + (_s((BATCH, TOPK)),)),
       "indexer": (lambda *a: indexer_topk(*a, k=TOPK, compress_ratio=CSA_RATIO, backend=backend),
                   indexer),
+      # Pools stacked over 4 layers, read in place at a traced layer index.
+      "csa_stacked": (lambda layer, *a: csa_decode_attention(
+          a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], window=WINDOW,
+          compress_ratio=CSA_RATIO, window_layer=layer, compressed_layer=layer, backend=backend),
+                      (_s(()), window[0], _s((4,) + window[1].shape, dtype)) + window[2:]
+                      + (_s((4,) + csa[0].shape, dtype),) + csa[1:] + (_s((BATCH, TOPK)),)),
   }
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
-@pytest.mark.parametrize("op", ["paged_gather", "swa", "hca", "csa", "indexer"])
+@pytest.mark.parametrize("op", ["paged_gather", "swa", "hca", "csa", "indexer", "csa_stacked"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_to_the_platform_kernel(platform, op, dtype):
   backend, custom_call = TARGETS[platform]
