@@ -1,0 +1,14 @@
+"""Test-session setup: a persistent XLA compilation cache, so identical programs (the same decode
+step built by several engines, the same stateless forward) compile once per session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+
+_CACHE_DIR = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "hkv-test-xla-cache")
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,158 @@
+"""hkv.Engine with DeepSeek-V4: cached generation equals the stateless forward (and transformers),
+decode compiles once, bad input raises named errors with the cache unchanged, preemption is exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hkv
+from hkv import transitions as tr
+from hkv.state import Status, check_layout
+from models.deepseek_v4 import init, tiny_config
+from models.deepseek_v4.greedy import greedy_stateless
+
+CFG = tiny_config()
+PROMPTS = [np.random.default_rng(1).integers(0, CFG.vocab_size, n).tolist() for n in (301, 57)]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return greedy_stateless(model, PROMPTS, NEW)
+
+
+def _snapshot(cache):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(cache))]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+# chunk sizes: 1, 7, the window (8), the block (16) and larger (64)
+@pytest.mark.parametrize("chunk", [1, 7, CFG.sliding_window, 16, 64])
+def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=chunk,
+                        block_tokens=16)
+    gens = engine.generate(PROMPTS, NEW)
+    for g, toks, lg in zip(gens, *oracle):
+        assert g.tokens == toks
+        assert g.logits.shape == (NEW, CFG.vocab_size) and g.logits.dtype == np.float32
+        assert np.abs(g.logits - lg).max() < 1e-4
+    # one compilation of the decode step across every length, window and compression boundary
+    assert engine.compilations == {"prefill": 1, "decode": 1}
+    hkv.check_invariants(engine.layout, engine.cache)
+    st = engine.stats()
+    assert st["generated_tokens"] == NEW * len(PROMPTS) and st["active_slots"] == 0
+    assert st["cache"]["pages_allocated"] == st["cache"]["pages_released"] > 0
+
+
+def test_preemption_under_page_pressure_keeps_outputs_exact(model):
+    # 301 + 64 tokens: the long prompt takes 10 pages of the CSA compressed pool (8 entries = 32 tokens
+    # per page), the short one 2; when the short one's decode crosses into a 3rd page the 12-page pool
+    # is full, so the younger sequence is preempted, waits, and is recomputed from its tokens.
+    prompts = [PROMPTS[0], np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()]
+    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(), config)
+    pages = [2 * layout.pool_pages(g) for g in range(len(layout.groups))]
+    csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
+    pages[csa[0]] = 12
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages)),
+                        prefill_chunk=32)
+    gens = engine.generate(prompts, NEW)
+    assert engine.stats()["preemptions"] >= 1
+    assert engine.stats()["cache"]["failed_no_pages"] >= 1
+    tokens, logits = greedy_stateless(model, prompts, NEW)
+    for g, toks, lg in zip(gens, tokens, logits):
+        assert g.tokens == toks
+        assert np.abs(g.logits - lg).max() < 1e-4
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_request_larger_than_the_pools_is_a_named_error(model):
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=1, max_context=320, page_size=8))
+    pages = tuple(2 for _ in layout.groups)
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=320, page_size=8, pool_pages=pages))
+    with pytest.raises(hkv.CacheCapacityError, match="does not fit in the cache's pools even alone"):
+        engine.generate([PROMPTS[0]], 2)
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_matches_transformers_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    from models.deepseek_v4 import load
+
+    from ..models.hf_reference import build_hf_model, save_hf_model
+
+    hf = build_hf_model(CFG, seed=9)
+    save_hf_model(hf, tmp_path)
+    ours = load(tmp_path, dtype=jnp.float32)
+    engine = hkv.Engine(ours, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=32)
+    gens = engine.generate(PROMPTS, 8)
+    for prompt, g in zip(PROMPTS, gens):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        assert out.sequences[0, len(prompt):].tolist() == g.tokens
+        want = torch.stack(out.logits, dim=1)[0].float().numpy()
+        assert np.abs(g.logits - want).max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "prompts, new, match",
+    [
+        ([[1, 2, CFG.vocab_size]], 2, r"prompt 0: token ids range \[1, 128\] must lie in \[0, vocab_size=128\)"),
+        ([[1, 2], [-1]], 2, r"prompt 1: token ids range \[-1, -1\]"),
+        ([[1] * 300], 30, r"prompt 0: 300 tokens \+ max_new_tokens=30 = 330 exceeds max_context=320"),
+        ([[1], []], 2, r"prompt 1 is empty"),
+        ([[1]], -1, r"max_new_tokens=-1 must be an integer >= 0"),
+        ([], 1, r"prompts must be a non-empty list"),
+    ],
+)
+def test_bad_input_raises_named_error_and_leaves_cache_unchanged(model, prompts, new, match):
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8))
+    engine.generate([[5, 6, 7]], 1)  # some history in the counters
+    before = _snapshot(engine.cache)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, new)
+    _assert_same(before, _snapshot(engine.cache))
+
+
+def test_unknown_or_inactive_slot_is_a_status_with_cache_unchanged(model):
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, status = tr.claim_slot(layout, cache)
+    before = _snapshot(cache)
+    for bad, want in ((7, Status.UNKNOWN_SLOT), (-1, Status.UNKNOWN_SLOT), (1, Status.SLOT_INACTIVE)):
+        out, st = tr.release_slot(layout, cache, jnp.int32(bad))
+        assert int(st) == want
+        _assert_same(before, _snapshot(out))
+        out, st = tr.reserve(layout, cache, jnp.array([bad]), jnp.array([5]), jnp.array([True]))
+        assert int(st) == want
+        _assert_same(before, _snapshot(out))
+    step = jax.jit(lambda c, t, s, n: model.cached_step(layout, c, t, s, n))
+    out, logits, st = step(cache, jnp.ones((1, 4), jnp.int32), jnp.array([9]), jnp.array([4]))
+    assert int(st) == Status.UNKNOWN_SLOT
+    _assert_same(before, _snapshot(out))
+
+
+def test_cache_of_another_spec_is_rejected(model):
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    other_window = init(tiny_config(sliding_window=12), seed=0)
+    foreign = hkv.init_cache(hkv.CacheLayout(other_window.cache_spec(), layout.config))
+    with pytest.raises(ValueError, match=r"but the layout needs"):
+        model.cached_step(layout, foreign, jnp.ones((1, 2), jnp.int32), jnp.array([0]), jnp.array([2]))
+    same_shapes = hkv.init_cache(hkv.CacheLayout(model.cache_spec(model_id="other-weights"), layout.config))
+    with pytest.raises(ValueError, match=r"ABI fingerprint differs"):
+        check_layout(layout, same_shapes)
+    check_layout(layout, hkv.init_cache(layout))
