@@ -28,6 +28,12 @@ def _keep_if(ok, new: HybridCache, old: HybridCache) -> HybridCache:
     return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
 
 
+def _set_rows(arr: jax.Array, slots: jax.Array, mask: jax.Array, new: jax.Array) -> jax.Array:
+    """arr[slots[b]] = new[b] for the masked batch rows only. An idle (masked-out) row writes
+    nothing, so its slot id may be padding that repeats a live row's slot (or any id at all)."""
+    return arr.at[jnp.where(mask, slots, arr.shape[0])].set(new.astype(arr.dtype), mode="drop")
+
+
 # --------------------------------------------------------------------------------- slots
 def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Claim the lowest free slot. Returns (cache, slot int32, status); SLOT_CAP when all are taken."""
@@ -121,8 +127,8 @@ def reserve(
         new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
         tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
         groups.append(g.replace(
-            page_table=g.page_table.at[slots].set(jnp.where(mask[:, None], new_rows, rows)),
-            page_gen=g.page_gen.at[slots].set(jnp.where(mask[:, None], new_gen, g.page_gen[slots])),
+            page_table=_set_rows(g.page_table, slots, mask, new_rows),
+            page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
             refcount=g.refcount.at[tgt].add(1, mode="drop"),
         ))
         allocated = allocated + n_need
@@ -157,8 +163,8 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
         freed = jnp.zeros_like(refcount, bool).at[idx].set(True, mode="drop") & (refcount == 0)
         released = released + jnp.sum(freed)
         groups[gi] = g.replace(
-            page_table=g.page_table.at[slots].set(jnp.where(drop, -1, rows)),
-            page_gen=g.page_gen.at[slots].set(jnp.where(drop, 0, g.page_gen[slots])),
+            page_table=_set_rows(g.page_table, slots, mask, jnp.where(drop, -1, rows)),
+            page_gen=_set_rows(g.page_gen, slots, mask, jnp.where(drop, 0, g.page_gen[slots])),
             refcount=refcount,
             generation=g.generation + freed.astype(jnp.int32),
         )
@@ -167,8 +173,8 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
     start = jnp.zeros_like(lengths) if keep is None else jnp.maximum(lengths - keep, 0)
     tb = cache.table
     table = tb.replace(
-        swa_start=tb.swa_start.at[slots].set(jnp.where(mask, start, tb.swa_start[slots])),
-        swa_end=tb.swa_end.at[slots].set(jnp.where(mask, lengths, tb.swa_end[slots])),
+        swa_start=_set_rows(tb.swa_start, slots, mask, start),
+        swa_end=_set_rows(tb.swa_end, slots, mask, lengths),
     )
     return cache.replace(groups=tuple(groups), table=table, counters=_count(cache, "pages_released", released))
 
@@ -227,10 +233,9 @@ def append_tail(layout, cache, tail_index: int, slots, tail_kv, tail_gate, overl
     """TAIL write path: replace compressor `tail_index`'s open-window rows and overlap slice for the
     masked slots. tail_kv/gate [B, ratio, width]; overlap_kv [B, ratio, D]; overlap_gate f32 (biased)."""
     t = cache.tails[tail_index]
-    m3 = mask[:, None, None]
 
     def put(arr, new):
-        return arr.at[slots].set(jnp.where(m3, new.astype(arr.dtype), arr[slots]))
+        return _set_rows(arr, slots, mask, new)
 
     new = TailState(
         tail_kv=put(t.tail_kv, tail_kv), tail_gate=put(t.tail_gate, tail_gate),
@@ -257,7 +262,7 @@ def read_rows(layout, cache, kind: ObjectKind, layer: int, slots, rows, valid) -
 def advance(layout: CacheLayout, cache: HybridCache, slots, new_lengths, mask) -> HybridCache:
     """Commit new lengths; refresh the state table (form bits, residency, indexer versions of newly
     written blocks) for every slot from the lengths."""
-    lengths = cache.lengths.at[slots].set(jnp.where(mask, new_lengths, cache.lengths[slots]))
+    lengths = _set_rows(cache.lengths, slots, mask, new_lengths)
     tb = cache.table
     form = block_forms(layout, lengths)
     start = jnp.arange(layout.num_blocks)[None, :] * layout.spec.block_tokens
