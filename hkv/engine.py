@@ -67,10 +67,13 @@ class Engine:
     model: see the module docstring (e.g. `models.deepseek_v4.DeepseekV4`).
     config: static cache capacities. block_tokens: state-table / prefix block size.
     prefill_chunk: tokens per prefill step. model_id: weights identity for the ABI fingerprint.
+    kernel_options: keyword arguments for the model's cached step, e.g. {"kernel_backend": "gpu",
+    "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
     """
 
     def __init__(self, model, config: CacheConfig, *, block_tokens: int = 16, prefill_chunk: int = 32,
-                 model_id: str = "unknown", progress: Callable[[str], None] | None = None):
+                 model_id: str = "unknown", progress: Callable[[str], None] | None = None,
+                 kernel_options: dict | None = None):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"{prefill_chunk=} must be a positive integer")
         self.model = model
@@ -84,11 +87,12 @@ class Engine:
         self._stats = {"prompts": 0, "prefill_tokens": 0, "prefill_steps": 0, "decode_steps": 0,
                        "generated_tokens": 0, "preemptions": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
         graphdef = self._graphdef
+        kernels = dict(kernel_options or {})
 
         def make_step(kind: str):
             def step(layout, cache, weights, tokens, slots, n_valid):
                 self.compilations[kind] += 1  # runs at trace time only: counts compilations
-                return nnx.merge(graphdef, weights).cached_step(layout, cache, tokens, slots, n_valid)
+                return nnx.merge(graphdef, weights).cached_step(layout, cache, tokens, slots, n_valid, **kernels)
 
             return jax.jit(step, static_argnums=0, donate_argnums=1)
 

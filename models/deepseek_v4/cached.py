@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
 from hkv import transitions as tr
 from hkv.spec import ObjectKind
 from hkv.state import CacheLayout, HybridCache, Status, check_layout
@@ -85,64 +86,101 @@ def _compress_step(layout: CacheLayout, cache: HybridCache, tail_index: int, com
 
 
 def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayout, cache: HybridCache, slots,
-               x, positions, valid, old_len, new_len, n_valid, mask, rope):
+               x, positions, valid, old_len, new_len, n_valid, mask, rope, kernel_options: dict):
     """One layer's cached attention; returns (cache with this layer's objects written, output [B, C, hidden])."""
     b, c = x.shape[:2]
     cos, sin = rope[attn.rope_family]
     q, q_residual = attn.queries(x, cos, sin)
     kv = attn.shared_kv(x, cos, sin)  # [B, C, D]
+    decode = c == 1
+    # ---- writes: every object of this layer, each through its own hkv write path
     keep = attn.window - 1
-    # SWA: the window rows already cached (positions old_len-keep .. old_len-1), then this step's rows
-    past_pos = old_len[:, None] - keep + jnp.arange(keep)[None, :]
+    past_pos = old_len[:, None] - keep + jnp.arange(keep)[None, :]  # window rows already cached
     past_ok = past_pos >= 0
-    past = tr.read_rows(layout, cache, ObjectKind.SWA, layer, slots, past_pos, past_ok).astype(kv.dtype)
+    past = None if decode else tr.read_rows(layout, cache, ObjectKind.SWA, layer, slots, past_pos, past_ok)
     cache = tr.write_swa(layout, cache, layer, slots, positions, kv, valid & mask[:, None])
-    keys = [past, kv]
-    k_pos = jnp.concatenate([past_pos, positions], axis=1)
-    k_ok = jnp.concatenate([past_ok, valid], axis=1)
-    bias = sliding_window_bias(positions, k_pos, attn.window) + jnp.where(k_ok, 0.0, -jnp.inf)[:, None, :]
-    biases = [bias]
+    iq = iw = None
     if attn.compressor is not None:
         tails = {(l, n): i for i, (l, n, _) in enumerate(layout.spec.compressors())}
-        freqs = model.freqs["compress"]
-        eps = attn.eps
+        freqs, eps = model.freqs["compress"], attn.eps
         cache, entries, count, first = _compress_step(layout, cache, tails[(layer, "compressor")], attn.compressor,
                                                       slots, x, old_len, n_valid, mask, freqs, eps)
         cache = tr.seal_compressed(layout, cache, layer, slots, first, entries, count)
-        n_max = layout.config.max_context // attn.ratio
-        n_now = new_len // attn.ratio
-        w = jnp.arange(n_max)[None, :]
-        compressed = tr.read_rows(layout, cache, ObjectKind.COMPRESSED, layer, slots,
-                                  jnp.broadcast_to(w, (b, n_max)), w < n_now[:, None]).astype(kv.dtype)
-        limit = jnp.minimum(causal_entry_limit(positions, attn.ratio), n_now[:, None])  # [B, C]
-        if attn.indexer is None:
-            cbias = jnp.where(w[:, None, :] < limit[..., None], 0.0, -jnp.inf)
-        else:
+        if attn.indexer is not None:
             ix = attn.indexer
             cache, ikeys_new, icount, ifirst = _compress_step(layout, cache, tails[(layer, "indexer")], ix.compressor,
                                                               slots, x, old_len, n_valid, mask, freqs, eps)
             cache = tr.write_indexer(layout, cache, layer, slots, ifirst, ikeys_new, icount)
-            ikeys = tr.read_rows(layout, cache, ObjectKind.INDEXER, layer, slots,
-                                 jnp.broadcast_to(w, (b, n_max)), w < n_now[:, None]).astype(kv.dtype)
             ccos, csin = rope["compress"]
-            scores = indexer_scores(ix.queries(q_residual, ccos, csin), ix.head_weights(x), ikeys, ix.head_dim)
-            picks = select_topk(scores, limit, ix.topk)
+            iq, iw = ix.queries(q_residual, ccos, csin), ix.head_weights(x)
+    # ---- reads
+    if decode:  # pallas_kernels ops read the pools in place (Pallas kernels on GPU/TPU)
+        o = _decode_attention(layout, cache, attn, layer, slots, q[:, 0], new_len * mask,
+                              None if iq is None else (iq[:, 0], iw[:, 0]), kernel_options)[:, None]
+        return cache, attn.project_output(o, cos, sin)
+    # prefill: dense reference attention over window rows, this chunk's rows and compressed entries
+    k_pos = jnp.concatenate([past_pos, positions], axis=1)
+    k_ok = jnp.concatenate([past_ok, valid], axis=1)
+    keys = [past.astype(kv.dtype), kv]
+    biases = [sliding_window_bias(positions, k_pos, attn.window) + jnp.where(k_ok, 0.0, -jnp.inf)[:, None, :]]
+    if attn.compressor is not None:
+        n_max = layout.config.max_context // attn.ratio
+        n_now = new_len // attn.ratio
+        w = jnp.arange(n_max)[None, :]
+        rows, rows_ok = jnp.broadcast_to(w, (b, n_max)), w < n_now[:, None]
+        keys.append(tr.read_rows(layout, cache, ObjectKind.COMPRESSED, layer, slots, rows, rows_ok).astype(kv.dtype))
+        limit = jnp.minimum(causal_entry_limit(positions, attn.ratio), n_now[:, None])  # [B, C]
+        if attn.indexer is None:
+            cbias = jnp.where(w[:, None, :] < limit[..., None], 0.0, -jnp.inf)
+        else:
+            ikeys = tr.read_rows(layout, cache, ObjectKind.INDEXER, layer, slots, rows, rows_ok)
+            picks = select_topk(indexer_scores(iq, iw, ikeys, attn.indexer.head_dim), limit, attn.indexer.topk)
             cbias = selection_bias(picks, n_max)
-        keys.append(compressed)
         biases.append(cbias.astype(jnp.float32))
     o = attend_with_sinks(q, jnp.concatenate(keys, axis=1), jnp.concatenate(biases, axis=-1),
                           attn.attn_sink.value, attn.head_dim**-0.5)
     return cache, attn.project_output(o, cos, sin)
 
 
+def _decode_attention(layout: CacheLayout, cache: HybridCache, attn: Attention, layer: int, slots, q, lengths,
+                      index_query, kernel_options: dict):
+    """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D]; lengths int32[B]
+    include the new token (0 = idle row); index_query = (q_idx [B, Hi, Di], weights f32[B, Hi]) for
+    CSA layers, whose indexer top-k is also a pallas_kernels op. Returns [B, H, D]."""
+    spec = layout.spec
+    sg = spec.group_of(ObjectKind.SWA, layer)
+    swa = cache.groups[sg]
+    common = dict(window=attn.window, window_layer=layout.groups[sg].layers.index(layer), **kernel_options)
+    args = (q, swa.pool, swa.page_table[slots], lengths, attn.attn_sink.value)
+    if attn.compressor is None:
+        return pk.swa_decode_attention(*args, **common)
+    cg = spec.group_of(ObjectKind.COMPRESSED, layer)
+    comp = cache.groups[cg]
+    cargs = (comp.pool, comp.page_table[slots], lengths // attn.ratio)
+    common.update(compress_ratio=attn.ratio, compressed_layer=layout.groups[cg].layers.index(layer))
+    if attn.indexer is None:
+        return pk.hca_decode_attention(*args, *cargs, **common)
+    ig = spec.group_of(ObjectKind.INDEXER, layer)
+    idx = cache.groups[ig]
+    picks = pk.indexer_topk(index_query[0], index_query[1], idx.pool, idx.page_table[slots], lengths,
+                            lengths // attn.ratio, k=attn.indexer.topk, compress_ratio=attn.ratio,
+                            index_layer=layout.groups[ig].layers.index(layer), **kernel_options)
+    return pk.csa_decode_attention(*args, *cargs, picks, **common)
+
+
 def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, tokens: jax.Array, slots: jax.Array,
-                n_valid: jax.Array) -> tuple[HybridCache, jax.Array, jax.Array]:
+                n_valid: jax.Array, *, kernel_backend: str | None = None,
+                interpret: bool = False) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
+
+    kernel_backend / interpret select the `pallas_kernels` implementation of the decode ops
+    (None: Pallas on GPU/TPU, the jnp reference on CPU; see `pallas_kernels.dispatch`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
     is returned unchanged and the logits are zeros.
     """
+    kernel_options = {"backend": kernel_backend, "interpret": interpret}
     check_layout(layout, cache)  # shapes/dtypes: a cache of another spec fails here, at trace time
     b, c = tokens.shape
     mask = n_valid > 0
@@ -160,7 +198,7 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
             post, comb, collapsed = layer.hc_attn(streams)
             x = rms_norm(collapsed, layer.attn_norm.value, layer.eps)
             cache, out = _attention(model, layer.attn, i, layout, cache, slots, x, positions, valid, old_len, new_len,
-                                    n_valid, mask, rope)
+                                    n_valid, mask, rope, kernel_options)
             streams = merge(post, comb, out, streams)
             streams = layer.ffn_block(streams, safe_tokens)
         cache = tr.advance(layout, cache, slots, new_len, mask)

@@ -113,11 +113,11 @@ class DeepseekV4(nnx.Module):
 
         return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
 
-    def cached_step(self, layout, cache, tokens, slots, n_valid):
+    def cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options):
         """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`."""
         from .cached import cached_step
 
-        return cached_step(self, layout, cache, tokens, slots, n_valid)
+        return cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options)
 
     # ---------------------------------------------------------------- forward
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:

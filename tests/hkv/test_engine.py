@@ -156,3 +156,16 @@ def test_cache_of_another_spec_is_rejected(model):
     with pytest.raises(ValueError, match=r"ABI fingerprint differs"):
         check_layout(layout, same_shapes)
     check_layout(layout, hkv.init_cache(layout))
+
+
+def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
+    # The decode step's attention and indexer top-k are pallas_kernels ops; force their Pallas GPU
+    # (Triton-style) kernels in the interpreter on CPU and require the same tokens and logits.
+    prompts = [PROMPTS[1][:45], PROMPTS[0][:23]]
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=32,
+                        kernel_options={"kernel_backend": "gpu", "interpret": True})
+    gens = engine.generate(prompts, 4)
+    tokens, logits = greedy_stateless(model, prompts, 4)
+    for g, toks, lg in zip(gens, tokens, logits):
+        assert g.tokens == toks
+        assert np.abs(g.logits - lg).max() < 1e-4
