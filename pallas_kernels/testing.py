@@ -7,8 +7,15 @@ nothing here runs on device.
 from __future__ import annotations
 
 from collections.abc import Callable
+import os
 
 import numpy as np
+
+# The kernel backends the tests run, and whether through the Pallas interpreter. Default: both
+# kernels, interpreted, on CPU. On a GPU machine the device check sets
+# PALLAS_KERNELS_TEST_BACKENDS=gpu PALLAS_KERNELS_TEST_INTERPRET=0 to run the compiled kernels.
+KERNEL_BACKENDS = tuple(os.environ.get("PALLAS_KERNELS_TEST_BACKENDS", "gpu,tpu").split(","))
+INTERPRET = os.environ.get("PALLAS_KERNELS_TEST_INTERPRET", "1") != "0"
 
 
 def page_rows(

@@ -12,7 +12,7 @@ RATIO, C_PAGE_SIZE, C_PAGES_PER_SEQ, C_NUM_PAGES = 2, 2, 8, 64  # capacity 16 en
 K = 5  # not a multiple of any kernel block: exercises the -1 padding
 LENGTHS = np.array([0, 1, 7, 12, 20, 32], np.int32)
 N_COMPRESSED = np.array([0, 0, 3, 9, 10, 16], np.int32)  # 9 > 12 // 2: entries 6..8 not visible
-BACKENDS = ["gpu", "tpu"]
+BACKENDS = list(testing.KERNEL_BACKENDS)
 DTYPES = [np.float32, "bfloat16"]
 
 
@@ -80,7 +80,7 @@ def test_kernel_matches_reference_and_reads_only_selected_entries(backend, dtype
   # Every compressed entry that is not a valid pick is NaN and pages without picks are unallocated
   # (-1): reading a -1 pick, a stale pick or any unselected entry would show up as NaN or an error.
   args, oracle = make_case(seed, dtype)
-  out = _run(args, backend=backend, interpret=True)
+  out = _run(args, backend=backend, interpret=testing.INTERPRET)
   ref = csa_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   out = np.asarray(out.astype(jnp.float32))
@@ -94,18 +94,18 @@ def test_all_invalid_picks_equal_window_only_attention(backend):
   from pallas_kernels.swa_decode import swa_decode_attention_reference
   args, _ = make_case(3, np.float32)
   args = args[:8] + (jnp.full_like(args[8], -1),)
-  out = _run(args, backend=backend, interpret=True)
+  out = _run(args, backend=backend, interpret=testing.INTERPRET)
   swa = swa_decode_attention_reference(*args[:5], window=WINDOW)
   np.testing.assert_allclose(np.asarray(out), np.asarray(swa), **_tol(np.float32))
 
 
 def test_no_sinks_on_gpu_kernel():
   args, oracle = make_case(4, np.float32, with_sinks=False)
-  out = np.asarray(_run(args, backend="gpu", interpret=True))
+  out = np.asarray(_run(args, backend=BACKENDS[0], interpret=testing.INTERPRET))
   np.testing.assert_allclose(out, oracle, **_tol(np.float32))
 
 
-def test_auto_backend_on_cpu_is_the_reference():
+def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
   args, oracle = make_case(5, np.float32)
   np.testing.assert_allclose(np.asarray(_run(args)), oracle, **_tol(np.float32))
 

@@ -10,8 +10,8 @@ from pallas_kernels import dispatch
 from pallas_kernels import testing
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto resolution on a CPU host")
 def test_auto_backend_on_cpu():
-  assert jax.default_backend() == "cpu"
   assert dispatch.resolve_backend(None, interpret=False) == "reference"
   assert dispatch.resolve_backend(None, interpret=True) == "gpu"  # interpreted Triton-style kernel
 
@@ -38,7 +38,7 @@ def test_public_names():
     assert getattr(pallas_kernels, name).__doc__, name
 
 
-@pytest.mark.parametrize("backend", ["reference", "gpu"])
+@pytest.mark.parametrize("backend", ["reference", testing.KERNEL_BACKENDS[0]])
 def test_new_lengths_and_indices_do_not_recompile(backend):
   # Lengths, counts and picks are data: a decode loop compiles once per shape bucket.
   rng = np.random.default_rng(0)
@@ -52,7 +52,7 @@ def test_new_lengths_and_indices_do_not_recompile(backend):
     args = (win["q"], win["window_pool"], win["window_page_table"], win["lengths"], win["sinks"],
             comp["pool"], comp["page_table"], comp["n_written"], np.asarray(picks, np.int32))
     return fn(*map(jnp.asarray, args), window=5, compress_ratio=2, backend=backend,
-              interpret=backend == "gpu")
+              interpret=testing.INTERPRET)
 
   call(np.array([3, 9], np.int32), [[0, -1, 1], [3, 2, 1]])
   before = fn._cache_size()

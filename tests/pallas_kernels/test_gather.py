@@ -26,20 +26,20 @@ def test_reference_matches_dense_rows():
   np.testing.assert_array_equal(np.asarray(out), expected)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", testing.KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kernel_matches_reference_exactly(backend, dtype, seed):
   # Free pages and the tail rows of last pages are NaN, and unallocated page-table entries are -1:
   # a copy that read anything past the length would put NaN (or fail, in the TPU interpreter).
   pool, page_table, lengths, expected = _case(seed, dtype)
-  out = paged_gather(pool, page_table, lengths, backend=backend, interpret=True)
+  out = paged_gather(pool, page_table, lengths, backend=backend, interpret=testing.INTERPRET)
   assert out.dtype == pool.dtype and out.shape == expected.shape
   np.testing.assert_array_equal(np.asarray(out), expected)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_gather_reference(pool, page_table, lengths)))
 
 
-def test_auto_backend_on_cpu_is_the_reference():
+def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
   pool, page_table, lengths, expected = _case(3, np.float32)
   np.testing.assert_array_equal(np.asarray(paged_gather(pool, page_table, lengths)), expected)
 

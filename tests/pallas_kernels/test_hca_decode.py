@@ -15,7 +15,7 @@ RATIO, C_PAGE_SIZE, C_PAGES_PER_SEQ, C_NUM_PAGES = 3, 2, 4, 40  # capacity 8 ent
 CASES = [(0, 0), (1, 0), (2, 0), (9, 3), (10, 5), (17, 2), (32, 12)]
 LENGTHS = np.array([c[0] for c in CASES], np.int32)
 N_COMPRESSED = np.array([c[1] for c in CASES], np.int32)
-BACKENDS = ["gpu", "tpu"]
+BACKENDS = list(testing.KERNEL_BACKENDS)
 DTYPES = [np.float32, "bfloat16"]
 
 
@@ -64,7 +64,7 @@ def test_reference_matches_oracle(dtype):
 def test_kernel_matches_reference_and_reads_only_visible_rows(backend, dtype, seed):
   # Out-of-window rows, entries past the visible count and unallocated (-1) pages are all poison.
   args, oracle = make_case(seed, dtype)
-  out = _run(args, backend=backend, interpret=True)
+  out = _run(args, backend=backend, interpret=testing.INTERPRET)
   ref = hca_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   out = np.asarray(out.astype(jnp.float32))
@@ -76,7 +76,7 @@ def test_kernel_matches_reference_and_reads_only_visible_rows(backend, dtype, se
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sinks(backend):
   args, oracle = make_case(3, np.float32, with_sinks=False)
-  out = np.asarray(_run(args, backend=backend, interpret=True))
+  out = np.asarray(_run(args, backend=backend, interpret=testing.INTERPRET))
   np.testing.assert_allclose(out, oracle, **_tol(np.float32))
   np.testing.assert_array_equal(out[LENGTHS == 0], 0.0)
 
@@ -85,15 +85,15 @@ def test_compressed_entries_join_the_same_softmax():
   # With the compressed entries dropped (count 0) the answer must differ for rows that have them:
   # guards against a kernel that ignores the compressed pool.
   args, _ = make_case(4, np.float32)
-  with_entries = np.asarray(_run(args, backend="gpu", interpret=True))
-  without = np.asarray(_run(args[:7] + (jnp.zeros_like(args[7]),), backend="gpu",
-                            interpret=True))
+  with_entries = np.asarray(_run(args, backend=BACKENDS[0], interpret=testing.INTERPRET))
+  without = np.asarray(_run(args[:7] + (jnp.zeros_like(args[7]),), backend=BACKENDS[0],
+                            interpret=testing.INTERPRET))
   has_entries = np.minimum(N_COMPRESSED, LENGTHS // RATIO) > 0
   assert np.abs(with_entries - without)[has_entries].max(axis=(1, 2)).min() > 1e-3
   np.testing.assert_array_equal(with_entries[~has_entries], without[~has_entries])
 
 
-def test_auto_backend_on_cpu_is_the_reference():
+def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
   args, oracle = make_case(5, np.float32)
   np.testing.assert_allclose(np.asarray(_run(args)), oracle, **_tol(np.float32))
 

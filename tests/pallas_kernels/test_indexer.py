@@ -16,7 +16,7 @@ LENGTHS = np.array([c[0] for c in CASES], np.int32)
 N_ENTRIES = np.array([c[1] for c in CASES], np.int32)
 CAPACITY = PAGES_PER_SEQ * PAGE_SIZE
 N_VISIBLE = np.minimum(np.minimum(N_ENTRIES, LENGTHS // RATIO), CAPACITY)
-BACKENDS = ["gpu", "tpu"]
+BACKENDS = list(testing.KERNEL_BACKENDS)
 SCORE_TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1e-5, atol=1e-4)}
 
 
@@ -72,7 +72,7 @@ def test_reference_scores_match_oracle(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
 def test_kernel_scores_match_reference(backend, dtype):
   args, dense = make_case(1, dtype)
-  scores = np.asarray(indexer_scores(*args, compress_ratio=RATIO, backend=backend, interpret=True))
+  scores = np.asarray(indexer_scores(*args, compress_ratio=RATIO, backend=backend, interpret=testing.INTERPRET))
   assert not np.isnan(scores).any()  # NaN keys of invisible entries were never read
   ref = np.asarray(indexer_scores_reference(*args, compress_ratio=RATIO))
   np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(ref))
@@ -86,7 +86,7 @@ def test_kernel_scores_match_reference(backend, dtype):
 def test_kernel_topk_matches_reference_and_oracle(backend, k):
   args, dense = make_case(2, np.float32)
   picks = np.asarray(indexer_topk(*args, k=k, compress_ratio=RATIO, backend=backend,
-                                  interpret=True))
+                                  interpret=testing.INTERPRET))
   assert picks.shape == (len(LENGTHS), k) and picks.dtype == np.int32
   np.testing.assert_array_equal(picks, np.asarray(indexer_topk_reference(
       *args, k=k, compress_ratio=RATIO)))
@@ -97,7 +97,7 @@ def test_kernel_topk_matches_reference_and_oracle(backend, k):
     assert (valid < N_VISIBLE[b]).all() and len(valid) == min(k, N_VISIBLE[b])
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu", "reference"])
+@pytest.mark.parametrize("backend", [*testing.KERNEL_BACKENDS, "reference"])
 def test_ties_are_broken_by_lowest_index(backend):
   # Keys repeat with period 3, so entries s, s+3, s+6, ... score exactly the same.
   rng = np.random.default_rng(3)
@@ -105,7 +105,7 @@ def test_ties_are_broken_by_lowest_index(backend):
   keys = np.stack([base[s % 3] for s in range(CAPACITY)])
   args, dense = make_case(3, np.float32, keys=keys)
   picks = np.asarray(indexer_topk(*args, k=K, compress_ratio=RATIO, backend=backend,
-                                  interpret=backend != "reference"))
+                                  interpret=testing.INTERPRET))
   scores = oracle_scores(args, dense)
   np.testing.assert_array_equal(picks, oracle_topk(scores, K))
   b = int(np.argmax(N_VISIBLE))  # 20 visible entries: groups of 7, 7 and 6 equal scores
@@ -113,7 +113,7 @@ def test_ties_are_broken_by_lowest_index(backend):
   np.testing.assert_array_equal(picks[b], np.arange(best, best + 3 * K, 3))
 
 
-@pytest.mark.parametrize("backend", ["gpu", "reference"])
+@pytest.mark.parametrize("backend", [testing.KERNEL_BACKENDS[0], "reference"])
 def test_all_zero_scores_pick_the_lowest_indices(backend):
   # Negative weights and keys the queries never align with: relu() is 0 and every score is
   # w * 0 = -0.0, one big tie.
@@ -124,7 +124,7 @@ def test_all_zero_scores_pick_the_lowest_indices(backend):
   args, _ = make_case(4, np.float32, keys=keys, weights=-np.ones((len(LENGTHS), N_HEADS)))
   args = (jnp.asarray(q),) + args[1:]
   picks = np.asarray(indexer_topk(*args, k=K, compress_ratio=RATIO, backend=backend,
-                                  interpret=backend != "reference"))
+                                  interpret=testing.INTERPRET))
   b = int(np.argmax(N_VISIBLE))
   np.testing.assert_array_equal(picks[b], np.arange(K))
 
@@ -141,7 +141,7 @@ def test_topk_from_scores_masks_and_pads():
                                 [[2, 0, -1, -1, -1], [-1] * 5])
 
 
-def test_auto_backend_on_cpu_is_the_reference():
+def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
   args, dense = make_case(5, np.float32)
   np.testing.assert_array_equal(np.asarray(indexer_topk(*args, k=K, compress_ratio=RATIO)),
                                 oracle_topk(oracle_scores(args, dense), K))

@@ -9,7 +9,7 @@ import pallas_kernels as pk
 from pallas_kernels import testing
 
 LAYERS, LAYER = 3, 1
-BACKENDS = ["gpu", "tpu", "reference"]
+BACKENDS = [*testing.KERNEL_BACKENDS, "reference"]
 
 
 def stack(pool):
@@ -34,7 +34,7 @@ def _csa_case(seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_csa_and_swa_on_stacked_pools_equal_single_layer_pools(backend):
   win, comp, picks = _csa_case(0)
-  kw = dict(backend=backend, interpret=backend != "reference")
+  kw = dict(backend=backend, interpret=testing.INTERPRET)
   common = (jnp.asarray(win["q"]),)
   flat = pk.csa_decode_attention(
       *common, jnp.asarray(win["window_pool"]), jnp.asarray(win["window_page_table"]),
@@ -68,7 +68,7 @@ def test_csa_and_swa_on_stacked_pools_equal_single_layer_pools(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hca_gather_and_indexer_on_stacked_pools(backend):
   win, comp, _ = _csa_case(1)
-  kw = dict(backend=backend, interpret=backend != "reference")
+  kw = dict(backend=backend, interpret=testing.INTERPRET)
   full = testing.entry_case(np.random.default_rng(2), np.float32,
                             [np.arange(n) for n in (0, 4, 6)], np.array([0, 4, 6]), dim=16,
                             page_size=2, pages_per_seq=4, num_pages=16)

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One prepared device check of pallas_kernels on a GPU machine (written for one NVIDIA H200).
+#
+#   bash benchmarks/device_check.sh          # from the repository root
+#
+# 1. records the environment (GPU, driver, jax, devices)              -> $OUT/env.txt
+# 2. runs tests/pallas_kernels with the compiled Triton kernels        -> $OUT/tests.txt, tests.xml
+#    (PALLAS_KERNELS_TEST_BACKENDS=gpu, PALLAS_KERNELS_TEST_INTERPRET=0), at most 240 s
+# 3. runs benchmarks/kernels.py at DeepSeek-V4-Flash shapes, batch 32,
+#    1K/8K/64K context, with kernel-vs-reference checks and a block-size sweep, at most 300 s
+#                                                                      -> $OUT/bench.txt
+# 4. writes the lines worth copying into benchmarks/README.md          -> $OUT/summary.txt
+#
+# Installs nothing: it needs a Python with jax (CUDA), numpy and pytest (hypothesis optional);
+# set PYTHON=... to choose one. OUT defaults to ./out/device_check. About 8 minutes in all.
+# Exit status: 0 if tests and checks passed, 1 otherwise, 2 if no GPU was found.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/device_check}"
+mkdir -p "$OUT"
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for candidate in .venv/bin/python python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import jax" >/dev/null 2>&1; then
+      PY="$candidate"
+      break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "no python with jax found; set PYTHON=..." | tee "$OUT/summary.txt"
+  exit 2
+fi
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l | tr -d ' ') changed files"
+  echo "python: $PY ($("$PY" --version 2>&1))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>&1 || true
+  "$PY" - <<'EOF'
+import jax, jaxlib
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
+print("default backend:", jax.default_backend())
+print("devices:", jax.devices())
+EOF
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]; then
+  echo "jax sees no GPU: nothing to check (see $OUT/env.txt)" | tee "$OUT/summary.txt"
+  exit 2
+fi
+
+status=0
+
+# 2. Tests with the compiled kernels (the TPU kernels are not run here; their lowering is).
+if "$PY" -c "import pytest" >/dev/null 2>&1; then
+  PALLAS_KERNELS_TEST_BACKENDS=gpu PALLAS_KERNELS_TEST_INTERPRET=0 \
+    timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/pallas_kernels \
+      --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "pytest is not installed: tests skipped" | tee "$OUT/tests.txt"
+  status=1
+fi
+
+# 3. Benchmark + kernel-vs-reference checks at DeepSeek-V4-Flash shapes.
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 300 "$PY" benchmarks/kernels.py \
+  --batch 32 --contexts 1024,8192,65536 --check --sweep --peak-tbps 4.8 2>&1 | tee "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+# 4. Summary.
+{
+  echo "== device check $(date -u +%Y-%m-%d), exit status $status =="
+  grep -m1 -E "^NVIDIA|name" "$OUT/env.txt" || true
+  grep -E "^jax " "$OUT/env.txt" || true
+  echo "-- tests (compiled Triton kernels):"
+  tail -n 3 "$OUT/tests.txt"
+  echo "-- checks:"
+  grep -E "^check |^# checks" "$OUT/bench.txt" || echo "(none: benchmark did not get that far)"
+  echo "-- kernel vs XLA reference, bandwidth:"
+  grep -E "reference/kernel" "$OUT/bench.txt" || true
+  echo "-- step time growth:"
+  grep -A8 -E "^# step time" "$OUT/bench.txt" || true
+  echo "-- CSA block-size sweep:"
+  grep -A8 -E "^# CSA attention kernel sweep" "$OUT/bench.txt" || true
+} > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+exit $status
