@@ -181,12 +181,13 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
 
 # ---------------------------------------------------------------------------- typed writes
 def _locate(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: jax.Array):
-    """(page, offset) of row indices rows[B, R] of each slot; page = P (out of range) where invalid."""
+    """(page, offset) of row indices rows[B, R] of each slot; page = P (out of range) where invalid,
+    unmapped, or beyond the page table (a row past capacity is not the last page's row)."""
     ps = layout.page_size
     m = g.page_table.shape[1]
     logical = jnp.clip(rows // ps, 0, m - 1)
     page = jnp.take_along_axis(g.page_table[slots], logical, axis=1)
-    ok = valid & (rows >= 0) & (page >= 0)
+    ok = valid & (rows >= 0) & (rows < m * ps) & (page >= 0)
     return jnp.where(ok, page, g.pool.shape[1]), rows % ps, ok
 
 
