@@ -79,7 +79,8 @@ def csa_decode_kernel_gpu(
 
 def _csa_decode_gpu(q, window_pool, window_page_table, lengths, sinks, compressed_pool,
                     compressed_page_table, n_visible, topk_indices, *, window, scale, interpret,
-                    block_h=16, block_k=32, num_warps=4, num_stages=2):
+                    block_h=swa_decode.GPU_BLOCK_H, block_k=swa_decode.GPU_BLOCK_K,
+                    num_warps=4, num_stages=2):
   batch, num_heads, head_dim = q.shape
   num_pages, page_size, _ = window_pool.shape
   c_num_pages, c_page_size, _ = compressed_pool.shape
@@ -261,7 +262,7 @@ def csa_decode_attention(
   args = (q, window_pool, window_page_table, lengths, sinks, compressed_pool,
           compressed_page_table, n_visible, topk_indices)
   if resolved == "gpu":
-    swa_decode.check_gpu_shapes(q, 16, 32)
+    swa_decode.check_gpu_shapes(q)
     return _csa_decode_gpu(*args, window=window, scale=scale, interpret=mode)
   return _csa_decode_tpu(*args, window=window, scale=scale, interpret=mode)
 

@@ -68,12 +68,20 @@ def indexer_scores_kernel_gpu(
 ):
   b, j = pl.program_id(0), pl.program_id(1)
   block_k = out_ref.shape[1]
-  entries = j * block_k + lax.iota(jnp.int32, block_k)
-  valid = entries < n_visible_ref[b]
-  keys = paged_folds_gpu.gather_rows(index_pool_ref, index_page_table_ref, b, entries, valid,
-                                     page_size=page_size)
-  scores = _score_block(q_ref[...], weights_ref[...], keys, scale)
-  out_ref[...] = jnp.where(valid[None, :], scores, -jnp.inf)
+  n_visible = n_visible_ref[b]
+
+  @pl.when(j * block_k >= n_visible)
+  def _masked_block():  # past the visible entries (most blocks, if the table is sized for 1M)
+    out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
+
+  @pl.when(j * block_k < n_visible)
+  def _score_block_of_entries():
+    entries = j * block_k + lax.iota(jnp.int32, block_k)
+    valid = entries < n_visible
+    keys = paged_folds_gpu.gather_rows(index_pool_ref, index_page_table_ref, b, entries, valid,
+                                       page_size=page_size)
+    scores = _score_block(q_ref[...], weights_ref[...], keys, scale)
+    out_ref[...] = jnp.where(valid[None, :], scores, -jnp.inf)
 
 
 def pad_index_heads(q_idx, weights, multiple: int):

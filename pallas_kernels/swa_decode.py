@@ -7,7 +7,8 @@ t - window < p <= t, in one softmax whose denominator also holds exp(sinks[h]).
 Layout (the window is addressed by absolute position through the page table):
 
     q:                 [batch, num_heads, head_dim]          bf16 | f32
-    window_pool:       [num_pages, page_size, head_dim]      same dtype as q; one pool per layer
+    window_pool:       [num_pages, page_size, head_dim]      same dtype as q (or stacked over
+                                                             layers, see `stacked_pools`)
     window_page_table: int32[batch, pages_per_seq]
     lengths:           int32[batch]
     sinks:             f32[num_heads] | None
@@ -37,6 +38,12 @@ from pallas_kernels import online_softmax
 from pallas_kernels import paged_folds_gpu
 from pallas_kernels import paged_folds_tpu
 from pallas_kernels import stacked_pools
+
+
+# GPU tiles: query heads per program (Triton dot tiles need >= 16) and rows folded per step. Untuned
+# defaults; the private `_*_gpu` wrappers take others (benchmarks/kernels.py --sweep).
+GPU_BLOCK_H = 16
+GPU_BLOCK_K = 32
 
 
 def window_pages(window: int, page_size: int) -> int:
@@ -86,7 +93,8 @@ def pad_heads(q, sinks, block_h: int):
 
 
 def _swa_decode_gpu(q, window_pool, window_page_table, lengths, sinks, *, window, scale,
-                    interpret, block_h=16, block_k=32, num_warps=4, num_stages=2):
+                    interpret, block_h=GPU_BLOCK_H, block_k=GPU_BLOCK_K, num_warps=4,
+                    num_stages=2):
   batch, num_heads, head_dim = q.shape
   num_pages, page_size, _ = window_pool.shape
   q_padded, sinks_padded = pad_heads(q, sinks, block_h)
@@ -197,13 +205,12 @@ def check_window_inputs(q, window_pool, window_page_table, lengths, sinks, windo
         f"pages per sequence (the most pages a window of {window} rows can overlap)")
 
 
-def check_gpu_shapes(q, block_h: int, block_k: int):
+def check_gpu_shapes(q):
+  """The GPU kernels load [rows, head_dim] blocks: head_dim must be a power of two >= 16."""
   head_dim = q.shape[2]
   checks.check_power_of_two("head_dim", head_dim, "Triton blocks are powers of two")
   if head_dim < 16:
     raise ValueError(f"{head_dim=} must be >= 16 on the GPU backend (Triton dot tiles)")
-  checks.check_power_of_two("block_h", block_h, "Triton blocks are powers of two")
-  checks.check_power_of_two("block_k", block_k, "Triton blocks are powers of two")
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "backend", "interpret"))
@@ -250,7 +257,7 @@ def swa_decode_attention(
                                           window=window, scale=scale)
   mode = dispatch.pallas_interpret_arg(resolved, interpret)
   if resolved == "gpu":
-    check_gpu_shapes(q, 16, 32)
+    check_gpu_shapes(q)
     return _swa_decode_gpu(q, window_pool, window_page_table, lengths, sinks, window=window,
                            scale=scale, interpret=mode)
   return _swa_decode_tpu(q, window_pool, window_page_table, lengths, sinks, window=window,
