@@ -45,14 +45,34 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
         mapped = pt[pt >= 0]
         if (mapped >= p).any():
             _fail(f"group {gi}: page ids {mapped[mapped >= p].tolist()} beyond pool of {p}")
-        refs = np.bincount(mapped, minlength=p)
+        px = c.prefix
+        alive = np.asarray(px.state) == 1
+        rec_rows = np.asarray(px.pages[gi])[alive]
+        rec_mapped = rec_rows[rec_rows >= 0]
+        if (rec_mapped >= p).any():
+            _fail(f"group {gi}: prefix records reference page ids beyond pool of {p}")
+        refs = np.bincount(mapped, minlength=p) + np.bincount(rec_mapped, minlength=p)
         if (rc < 0).any():
             _fail(f"group {gi}: negative refcounts at pages {np.nonzero(rc < 0)[0].tolist()}")
         if not (refs == rc).all():
             bad = np.nonzero(refs != rc)[0][:8].tolist()
             _fail(f"group {gi}: refcount != references at pages {bad}: {rc[bad].tolist()} vs {refs[bad].tolist()}")
-        if (refs > 1).any():
-            _fail(f"group {gi}: pages owned twice: {np.nonzero(refs > 1)[0][:8].tolist()}")
+        for s in range(layout.slots):
+            row = pt[s][pt[s] >= 0]
+            if len(np.unique(row)) != len(row):
+                _fail(f"group {gi}: slot {s} maps one page at two logical pages")
+        # A page may be shared (a restored prefix), but a slot's write frontier — the partially filled
+        # page its next rows go to — is never mapped by another slot.
+        owners = np.bincount(mapped, minlength=p)
+        for s in range(layout.slots):
+            if not active[s]:
+                continue
+            hi = int(lengths[s]) // grp.unit
+            if hi % ps and pt[s, hi // ps] >= 0 and owners[pt[s, hi // ps]] > 1:
+                _fail(f"group {gi}: slot {s}'s write frontier page {pt[s, hi // ps]} is owned twice")
+        rec_gen = np.asarray(px.gens[gi])[alive]
+        if (rec_rows >= 0).any() and not (rec_gen[rec_rows >= 0] == gen[rec_rows[rec_rows >= 0]]).all():
+            _fail(f"group {gi}: an alive prefix record maps a page of an older generation")
         if int((rc == 0).sum() + (rc > 0).sum()) != p:
             _fail(f"group {gi}: free + used != capacity {p}")
         s_idx, l_idx = np.nonzero(pt >= 0)
@@ -95,6 +115,7 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
     iv = np.asarray(tb.indexer_version)
     if (iv[written] <= 0).any() or (iv[~written] != 0).any():
         _fail("indexer versions must be >= 1 on written blocks and 0 elsewhere")
+    _check_prefix(layout, c)
     for ti, (layer, name, spec) in enumerate(layout.spec.compressors()):
         t = c.tails[ti]
         for s in range(layout.slots):
@@ -108,3 +129,39 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
                 if closed == empty:
                     _fail(f"layer {layer} {name} slot {s}: overlap slice {'missing' if closed else 'present'} "
                           f"with {n} tokens (ratio {spec.ratio})")
+
+
+def _check_prefix(layout: CacheLayout, c: HybridCache) -> None:
+    """Records: alive ones chain to alive parents (no cached block left unrestorable while holding
+    memory), hold the pages their boundary needs, and own their TAIL snapshot slot exclusively."""
+    px = c.prefix
+    state = np.asarray(px.state)
+    alive = state == 1
+    parent = np.asarray(px.parent)
+    length = np.asarray(px.length)
+    bt = layout.spec.block_tokens
+    ps = layout.page_size
+    for r in np.nonzero(alive)[0]:
+        if parent[r] >= 0 and not alive[parent[r]]:
+            _fail(f"prefix record {r} is alive but its parent record {parent[r]} is not")
+        if parent[r] >= 0 and length[parent[r]] + bt != length[r]:
+            _fail(f"prefix record {r} (boundary {length[r]}) does not extend its parent ({length[parent[r]]})")
+        for gi, grp in enumerate(layout.groups):
+            row = np.asarray(px.pages[gi][r])
+            hi = int(length[r]) // grp.unit
+            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
+            need = np.zeros(row.shape, bool)
+            need[lo // ps: (hi + ps - 1) // ps] = True
+            if grp.kind == ObjectKind.SWA and not bool(px.swa_held[r]):
+                need[:] = False
+            if not (row[need] >= 0).all() or (row[~need] >= 0).any():
+                _fail(f"prefix record {r} (boundary {length[r]}): group {gi} pages do not cover rows [{lo}, {hi})")
+    tails = np.asarray(px.tail_slot)
+    used = np.asarray(px.snap_used)
+    held = tails[alive & (tails >= 0)]
+    if len(np.unique(held)) != len(held):
+        _fail("two prefix records share one TAIL snapshot slot")
+    want = np.zeros(used.shape, bool)
+    want[held] = True
+    if not (want == used).all():
+        _fail(f"TAIL snapshot slots in use {np.nonzero(used)[0].tolist()} != held by records {sorted(held.tolist())}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,19 +65,28 @@ class CacheConfig:
 
     slots: concurrent sequences. max_context: tokens per slot. page_size: rows per page.
     pool_pages: physical pages per group (in `CacheSpec.groups()` order); None sizes every pool
-    for `slots` sequences of `max_context` tokens (no over-subscription).
+    for `slots` sequences of `max_context` tokens (no over-subscription) — with a prefix cache, give
+    the pools room for cached blocks too.
+    prefix_records: capacity of the prefix index (cached block boundaries); 0 disables prefix reuse.
+    tail_snapshots: capacity of TAIL snapshot copies (None = prefix_records).
     """
 
     slots: int = 4
     max_context: int = 4096
     page_size: int = 16
     pool_pages: tuple[int, ...] | None = None
+    prefix_records: int = 0
+    tail_snapshots: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "max_context", "page_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
+        if not isinstance(self.prefix_records, int) or self.prefix_records < 0:
+            raise ValueError(f"prefix_records={self.prefix_records!r} must be an integer >= 0 (0 = no prefix cache)")
+        if self.tail_snapshots is not None and (not isinstance(self.tail_snapshots, int) or self.tail_snapshots < 0):
+            raise ValueError(f"tail_snapshots={self.tail_snapshots!r} must be an integer >= 0 or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +130,11 @@ class CacheLayout:
         if grp.keep is None:
             return self.logical_pages(g)
         return min(self.logical_pages(g), 2 * (math.ceil(grp.keep / self.page_size) + 1))
+
+    @property
+    def tail_snapshots(self) -> int:
+        ts = self.config.tail_snapshots
+        return self.config.prefix_records if ts is None else ts
 
     def pool_pages(self, g: int) -> int:
         if self.config.pool_pages is not None:
@@ -166,15 +181,23 @@ class HybridCache:
     table: StateTable
     indexer_version: jax.Array  # int32 scalar (>= 1): version stamped on indexer keys written now
     abi: jax.Array  # uint32[4]: the spec's ABI fingerprint
+    prefix: Any  # hkv.prefix.PrefixIndex: cached block records and TAIL snapshots
     counters: dict
 
 
+PREFIX_REJECTIONS = ("no_hash_match", "collision", "freed", "page_reused", "abi_mismatch", "swa_missing",
+                     "tail_missing", "indexer_version", "checksum")
 COUNTERS = ("transitions", "failed_no_pages", "failed_slot_cap", "failed_context_cap",
-            "pages_allocated", "pages_released", "tokens_written", "entries_sealed")
+            "pages_allocated", "pages_released", "tokens_written", "entries_sealed",
+            "records_created", "snapshots_taken", "snapshots_skipped_full",
+            "prefix_lookups", "prefix_hash_hit_tokens", "prefix_restored_tokens",
+            "evicted_swa_snapshots", "evicted_tail_snapshots", "evicted_records") + tuple(
+    f"prefix_rejected_{r}" for r in PREFIX_REJECTIONS)
 
 
 def init_cache(layout: CacheLayout) -> HybridCache:
     """An empty cache: no slot active, every page free, tails empty (overlap gates -inf)."""
+    from .prefix import init_prefix
     spec, s = layout.spec, layout.slots
     dt = spec.storage_dtype
     groups = []
@@ -218,6 +241,7 @@ def init_cache(layout: CacheLayout) -> HybridCache:
         table=table,
         indexer_version=jnp.ones((), jnp.int32),
         abi=jnp.asarray(abi_words(spec)),
+        prefix=init_prefix(layout),
         counters={k: jnp.zeros((), jnp.int32) for k in COUNTERS},
     )
 

@@ -1,0 +1,444 @@
+"""The prefix index: cached blocks as records inside `HybridCache`, and a hit as a restoration plan.
+
+A *record* is created when a sequence's length reaches a block boundary L (a multiple of
+`block_tokens`). It holds everything needed to restore a new sequence at L:
+  * COMPRESSED and INDEXER rows [0, L / m): references (refcount) to the pages that hold them —
+    shared with the sequence that wrote them, never copied;
+  * when the retention policy keeps a snapshot at L: the SWA window [L - window + 1, L) as references
+    to its pages (so sliding does not free them), and a copy of every compressor's TAIL at L;
+  * the block's token ids and parent record (collision rejection), the ABI fingerprint, the indexer
+    version, and a checksum of the snapshot bytes.
+
+`restore` runs lookup, the four validation stages and the claim as ONE transition on one cache
+value (no TOCTOU by construction):
+  0. hash      longest chain of records whose keys match the prompt's block keys
+  1. lifecycle each record alive (not evicted), tokens equal (collision), every page still of the
+               generation it was recorded with
+  2. ABI       recorded ABI fingerprint == the running engine's
+  3. multi-cache intersection  the longest boundary where SWA window, TAIL snapshot and indexer keys
+               of the current version are all present
+  4. byte      the snapshot's bytes still match their checksum
+then maps the pages into the slot (shared; the partially filled last page of each group is copied so
+the new sequence never writes into a shared page) and installs the TAIL.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .spec import ObjectKind
+from .state import PREFIX_REJECTIONS, CacheLayout, HybridCache, Status, TailState, abi_words
+
+
+class RecordState(enum.IntEnum):
+    EMPTY = 0
+    ALIVE = 1
+    TOMBSTONE = 2  # evicted; kept (without page references) so a later hit reports why it failed
+
+
+class Reason(enum.IntEnum):
+    """Why a plan stopped where it did (`RestorePlan.reason`)."""
+
+    NONE = 0
+    NO_HASH_MATCH = 1
+    COLLISION = 2
+    FREED = 3
+    PAGE_REUSED = 4
+    ABI_MISMATCH = 5
+    SWA_MISSING = 6
+    TAIL_MISSING = 7
+    INDEXER_VERSION = 8
+    CHECKSUM = 9
+
+
+STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
+assert tuple(r.name.lower() for r in Reason if r != Reason.NONE) == PREFIX_REJECTIONS
+REASON_STAGE = {Reason.COLLISION: 1, Reason.FREED: 1, Reason.PAGE_REUSED: 1, Reason.ABI_MISMATCH: 2,
+                Reason.SWA_MISSING: 3, Reason.TAIL_MISSING: 3, Reason.INDEXER_VERSION: 3, Reason.CHECKSUM: 4}
+
+
+@struct.dataclass
+class PrefixIndex:
+    """NR records, NT TAIL snapshot slots; per-group page rows of every record (see module doc)."""
+
+    key: jax.Array  # uint32[NR, 4]
+    parent: jax.Array  # int32[NR]   record of the previous block, -1 for the first block
+    tokens: jax.Array  # int32[NR, block_tokens]
+    length: jax.Array  # int32[NR]   boundary L
+    abi: jax.Array  # uint32[NR, 4]
+    iver: jax.Array  # int32[NR]
+    state: jax.Array  # int8[NR]  RecordState
+    last_used: jax.Array  # int32[NR]
+    hits: jax.Array  # int32[NR]
+    pages: tuple  # per group int32[NR, M_g]: logical page -> physical page (-1 = none)
+    gens: tuple  # per group int32[NR, M_g]: generation of each page when recorded
+    swa_held: jax.Array  # bool[NR]
+    tail_slot: jax.Array  # int32[NR]  snapshot slot, -1 = none
+    checksum: jax.Array  # uint32[NR]
+    snaps: tuple  # per compressor TailState with leading dim NT
+    snap_used: jax.Array  # bool[NT]
+    clock: jax.Array  # int32
+
+
+def init_prefix(layout: CacheLayout) -> PrefixIndex:
+    nr, nt = layout.config.prefix_records, layout.tail_snapshots
+    bt = layout.spec.block_tokens
+    dt = layout.spec.storage_dtype
+    snaps = []
+    for _, _, c in layout.spec.compressors():
+        ov = c.ratio if c.overlap else 0
+        snaps.append(TailState(
+            tail_kv=jnp.zeros((nt, c.ratio, c.proj_width), dt), tail_gate=jnp.zeros((nt, c.ratio, c.proj_width), dt),
+            overlap_kv=jnp.zeros((nt, ov, c.entry_dim), dt),
+            overlap_gate=jnp.full((nt, ov, c.entry_dim), -jnp.inf, jnp.float32)))
+    m = [layout.logical_pages(g) for g in range(len(layout.groups))]
+    return PrefixIndex(
+        key=jnp.zeros((nr, 4), jnp.uint32), parent=jnp.full((nr,), -1, jnp.int32),
+        tokens=jnp.zeros((nr, bt), jnp.int32), length=jnp.zeros((nr,), jnp.int32),
+        abi=jnp.zeros((nr, 4), jnp.uint32), iver=jnp.zeros((nr,), jnp.int32),
+        state=jnp.zeros((nr,), jnp.int8), last_used=jnp.zeros((nr,), jnp.int32), hits=jnp.zeros((nr,), jnp.int32),
+        pages=tuple(jnp.full((nr, mg), -1, jnp.int32) for mg in m),
+        gens=tuple(jnp.zeros((nr, mg), jnp.int32) for mg in m),
+        swa_held=jnp.zeros((nr,), bool), tail_slot=jnp.full((nr,), -1, jnp.int32),
+        checksum=jnp.zeros((nr,), jnp.uint32), snaps=tuple(snaps), snap_used=jnp.zeros((nt,), bool),
+        clock=jnp.zeros((), jnp.int32))
+
+
+PLAN_FIELDS = ("hash_blocks", "lifecycle_blocks", "abi_blocks", "intersection_blocks", "byte_blocks",
+               "first_failed_stage", "reason", "status")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _row_range(layout: CacheLayout, g: int, length):
+    """Rows [lo, hi) and logical pages [p0, p1) group g holds for a boundary at `length` tokens."""
+    grp = layout.groups[g]
+    ps = layout.page_size
+    hi = length // grp.unit
+    lo = jnp.zeros_like(hi) if grp.keep is None else jnp.maximum(hi - grp.keep, 0)
+    return lo, hi, lo // ps, (hi + ps - 1) // ps
+
+
+def _bytes_checksum(x: jax.Array, salt: int) -> jax.Array:
+    """Position-weighted sum of bytes mod 2**32 with odd weights: any single changed byte changes it."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
+    w = (jnp.arange(b.shape[0], dtype=jnp.uint32) + jnp.uint32(salt)) * jnp.uint32(2654435761) | jnp.uint32(1)
+    return jnp.sum((b + jnp.uint32(1)) * w, dtype=jnp.uint32)
+
+
+def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tuple, length, tail_slot) -> jax.Array:
+    """Checksum of a snapshot: the TAIL copy in slot `tail_slot` and the SWA window rows in `pages_rows`."""
+    px = cache.prefix
+    acc = jnp.uint32(0)
+    t = jnp.maximum(tail_slot, 0)
+    for ci, s in enumerate(px.snaps):
+        for ai, a in enumerate((s.tail_kv, s.tail_gate, s.overlap_kv, s.overlap_gate)):
+            if a.shape[1]:
+                acc = acc + _bytes_checksum(a[t], 7919 * (4 * ci + ai + 1))
+    ps = layout.page_size
+    for gi, grp in enumerate(layout.groups):
+        if grp.kind != ObjectKind.SWA:
+            continue
+        lo, hi, _, _ = _row_range(layout, gi, length)
+        keep = grp.keep if grp.keep is not None else layout.config.max_context
+        rows = lo + jnp.arange(min(keep, layout.config.max_context))
+        ok = rows < hi
+        page = jnp.take(pages_rows[gi], jnp.clip(rows // ps, 0, pages_rows[gi].shape[0] - 1))
+        pool = cache.groups[gi].pool
+        vals = pool[:, jnp.clip(page, 0, pool.shape[1] - 1), rows % ps]  # [L_g, keep, dim]
+        vals = jnp.where((ok & (page >= 0))[None, :, None], vals, jnp.zeros_like(vals))
+        acc = acc + _bytes_checksum(vals, 104729 * (gi + 1))
+    return acc
+
+
+def _add_refs(group, pages_flat, delta: int):
+    """refcount += delta for valid page ids; pages dropping to 0 get a new generation."""
+    p = group.refcount.shape[0]
+    idx = jnp.where(pages_flat >= 0, pages_flat, p)
+    refcount = group.refcount.at[idx].add(delta, mode="drop")
+    if delta < 0:
+        freed = jnp.zeros((p,), bool).at[idx].set(True, mode="drop") & (refcount == 0)
+        return group.replace(refcount=refcount, generation=group.generation + freed.astype(jnp.int32)), jnp.sum(freed)
+    return group.replace(refcount=refcount), jnp.int32(0)
+
+
+def _count(counters: dict, name: str, n) -> dict:
+    c = dict(counters)
+    c[name] = c[name] + jnp.asarray(n, jnp.int32)  # names are fixed in state.COUNTERS (static pytree)
+    return c
+
+
+# ------------------------------------------------------------------------------------- record
+def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Array, parent: jax.Array,
+           tokens: jax.Array, retain: jax.Array) -> tuple[HybridCache, jax.Array, jax.Array]:
+    """Record the block ending at slot `slot`'s current length L (a multiple of block_tokens).
+
+    key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
+    retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
+    Returns (cache, record index, status). An alive record with the same key, parent and tokens is
+    reused (index returned, nothing written). NO_PAGES-free: a record only adds references, but with
+    no free record slot it returns Status.NO_PAGES and the cache unchanged (the policy evicts first).
+    """
+    px = cache.prefix
+    nr = px.state.shape[0]
+    length = cache.lengths[slot]
+    same = ((px.state == RecordState.ALIVE) & jnp.all(px.key == key[None, :], axis=1) & (px.parent == parent)
+            & jnp.all(px.tokens == tokens[None, :], axis=1))
+    exists = jnp.any(same)
+    free = px.state != RecordState.ALIVE
+    r = jnp.where(exists, jnp.argmax(same), jnp.argmax(free)).astype(jnp.int32)
+    can = exists | jnp.any(free)
+    ok_slot = cache.active[slot] & (length > 0) & (length % layout.spec.block_tokens == 0)
+    do = can & ~exists & ok_slot
+    snap_free = ~px.snap_used
+    has_snap = retain & jnp.any(snap_free)
+    t = jnp.where(has_snap, jnp.argmax(snap_free), -1).astype(jnp.int32)
+
+    groups = list(cache.groups)
+    pages, gens = list(px.pages), list(px.gens)
+    for gi, grp in enumerate(layout.groups):
+        g = groups[gi]
+        _, _, p0, p1 = _row_range(layout, gi, length)
+        logical = jnp.arange(g.page_table.shape[1])
+        take = (logical >= p0) & (logical < p1)
+        if grp.kind == ObjectKind.SWA:
+            take = take & has_snap
+        row = jnp.where(take, g.page_table[slot], -1)
+        grow = jnp.where(take, g.page_gen[slot], 0)
+        new_g, _ = _add_refs(g, jnp.where(do, row, -1), +1)
+        groups[gi] = new_g
+        pages[gi] = px.pages[gi].at[r].set(jnp.where(do, row, px.pages[gi][r]))
+        gens[gi] = px.gens[gi].at[r].set(jnp.where(do, grow, px.gens[gi][r]))
+    snaps = []
+    tt = jnp.maximum(t, 0)
+    for ci, s in enumerate(px.snaps):
+        src = cache.tails[ci]
+        put = do & has_snap
+
+        def cp(dst, a):
+            return dst.at[tt].set(jnp.where(put, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
+
+        snaps.append(TailState(tail_kv=cp(s.tail_kv, src.tail_kv), tail_gate=cp(s.tail_gate, src.tail_gate),
+                               overlap_kv=cp(s.overlap_kv, src.overlap_kv),
+                               overlap_gate=cp(s.overlap_gate, src.overlap_gate)))
+    snap_used = px.snap_used.at[tt].set(jnp.where(do & has_snap, True, px.snap_used[tt])) if px.snap_used.shape[0] \
+        else px.snap_used
+    clock = px.clock + 1
+    new_px = px.replace(
+        key=px.key.at[r].set(jnp.where(do, key, px.key[r])),
+        parent=px.parent.at[r].set(jnp.where(do, parent, px.parent[r])),
+        tokens=px.tokens.at[r].set(jnp.where(do, tokens, px.tokens[r])),
+        length=px.length.at[r].set(jnp.where(do, length, px.length[r])),
+        abi=px.abi.at[r].set(jnp.where(do, cache.abi, px.abi[r])),
+        iver=px.iver.at[r].set(jnp.where(do, cache.indexer_version, px.iver[r])),
+        state=px.state.at[r].set(jnp.where(do, jnp.int8(RecordState.ALIVE), px.state[r])),
+        last_used=px.last_used.at[r].set(jnp.where(do | exists, clock, px.last_used[r])),
+        hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
+        pages=tuple(pages), gens=tuple(gens),
+        swa_held=px.swa_held.at[r].set(jnp.where(do, has_snap, px.swa_held[r])),
+        tail_slot=px.tail_slot.at[r].set(jnp.where(do, t, px.tail_slot[r])),
+        snaps=tuple(snaps), snap_used=snap_used, clock=clock)
+    new = cache.replace(groups=tuple(groups), prefix=new_px)
+    csum = _snapshot_checksum(layout, new, tuple(p[r] for p in new_px.pages), length, t)
+    new_px = new_px.replace(checksum=new_px.checksum.at[r].set(jnp.where(do & has_snap, csum, new_px.checksum[r])))
+    counters = _count(cache.counters, "records_created", do.astype(jnp.int32))
+    counters = _count(counters, "snapshots_taken", (do & has_snap).astype(jnp.int32))
+    counters = _count(counters, "snapshots_skipped_full", (do & retain & ~has_snap).astype(jnp.int32))
+    new = new.replace(prefix=new_px, counters=counters)
+    ok = (can & ok_slot) | exists
+    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, cache)
+    status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, Status.SLOT_INACTIVE))
+    return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------ restore
+def _match_chain(px: PrefixIndex, keys: jax.Array, n_blocks: jax.Array) -> jax.Array:
+    """int32[NB] record matching each block key along the parent chain, -1 after the first miss."""
+    live = px.state != RecordState.EMPTY
+    eq = jnp.all(px.key[None, :, :] == keys[:, None, :], axis=-1) & live[None, :]  # [NB, NR]
+
+    def body(prev, i):
+        cand = eq[i] & (px.parent == prev)
+        r = jnp.where(jnp.any(cand) & (i < n_blocks) & (prev != -2), jnp.argmax(cand), -1).astype(jnp.int32)
+        return jnp.where(r >= 0, r, -2).astype(jnp.int32), r
+
+    _, match = jax.lax.scan(body, jnp.int32(-1), jnp.arange(keys.shape[0]))
+    return match
+
+
+def _leading(ok: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+
+
+def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, tokens: jax.Array,
+            n_blocks: jax.Array) -> tuple[HybridCache, jax.Array]:
+    """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
+
+    keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
+    rows >= n_blocks ignored); n_blocks: blocks the caller allows (at most (prompt_len - 1) // bt so
+    one token is left to compute logits from). Returns (cache, plan int32[len(PLAN_FIELDS)]).
+    The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
+    NO_PAGES (copy-on-write pages unavailable) the cache is unchanged and plan.status says so.
+    """
+    px = cache.prefix
+    bt = layout.spec.block_tokens
+    nb = keys.shape[0]
+    match = _match_chain(px, keys, n_blocks)
+    rec = jnp.maximum(match, 0)
+    found = match >= 0
+    h = _leading(found)
+    i = jnp.arange(nb)
+    before_h = i < h
+    # stage 1: lifecycle
+    collision = ~jnp.all(px.tokens[rec] == tokens, axis=1)
+    freed = px.state[rec] != RecordState.ALIVE
+    reused = jnp.zeros((nb,), bool)
+    for gi, g in enumerate(cache.groups):
+        rows = px.pages[gi][rec]  # [NB, M]
+        cur = g.generation[jnp.maximum(rows, 0)]
+        reused = reused | jnp.any((rows >= 0) & (cur != px.gens[gi][rec]), axis=1)
+    ok1 = ~collision & ~freed & ~reused
+    n1 = _leading(ok1 & before_h)
+    # stage 2: ABI
+    ok2 = jnp.all(px.abi[rec] == cache.abi[None, :], axis=1)
+    n2 = _leading(ok2 & (i < n1))
+    # stage 3: multi-cache intersection at each boundary (i + 1) * bt
+    has_indexer = any(grp.kind == ObjectKind.INDEXER for grp in layout.groups)
+    iver_ok = (px.iver[rec] == cache.indexer_version) if has_indexer else jnp.ones((nb,), bool)
+    complete = px.swa_held[rec] & (px.tail_slot[rec] >= 0) & iver_ok & (i < n2)
+    n3 = jnp.max(jnp.where(complete, i + 1, 0))
+
+    # stage 4: checksum of the snapshot, longest complete boundary first
+    def csum_ok(j):
+        r = rec[j]
+        got = _snapshot_checksum(layout, cache, tuple(p[r] for p in px.pages), px.length[r], px.tail_slot[r])
+        return got == px.checksum[r]
+
+    def cond(j):
+        return (j >= 0) & ~(complete[jnp.maximum(j, 0)] & csum_ok(jnp.maximum(j, 0)))
+
+    j = jax.lax.while_loop(cond, lambda j: j - 1, n3 - 1)
+    n4 = j + 1
+    # reason: the first stage that shrank the plan, and why
+    last = jnp.maximum(n2 - 1, 0)
+    stage3_reason = jnp.where(~px.swa_held[rec[last]], Reason.SWA_MISSING,
+                              jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING, Reason.INDEXER_VERSION))
+    r1 = jnp.where(collision[n1], Reason.COLLISION, jnp.where(freed[n1], Reason.FREED, Reason.PAGE_REUSED))
+    fail_stage = jnp.where(h < n_blocks, 0, 5)
+    fail_stage = jnp.where(n1 < h, 1, jnp.where(n2 < n1, 2, jnp.where(n3 < n2, 3, jnp.where(n4 < n3, 4, fail_stage))))
+    reason = jnp.select([fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],
+                        [r1, Reason.ABI_MISMATCH, stage3_reason, Reason.CHECKSUM, Reason.NO_HASH_MATCH], Reason.NONE)
+    fail_stage = jnp.where(fail_stage == 5, -1, fail_stage)
+
+    # claim the pages of record rec[n4 - 1]
+    length = n4 * bt
+    r = rec[jnp.maximum(n4 - 1, 0)]
+    do = n4 > 0
+    groups = list(cache.groups)
+    enough = jnp.array(True)
+    ps = layout.page_size
+    for gi, grp in enumerate(layout.groups):
+        g = groups[gi]
+        lo, hi, p0, p1 = _row_range(layout, gi, length)
+        logical = jnp.arange(g.page_table.shape[1])
+        row = jnp.where(do & (logical >= p0) & (logical < p1), px.pages[gi][r], -1)
+        partial = (hi % ps != 0) & (p1 > p0) & do
+        last_l = jnp.maximum(p1 - 1, 0)
+        free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
+        new_page = free_ids[0]
+        enough = enough & (~partial | (new_page >= 0))
+        src = row[last_l]
+        shared = jnp.where(partial & (logical == last_l), -1, row)
+        g, _ = _add_refs(g, shared, +1)
+        pool = jnp.where(partial, g.pool.at[:, jnp.maximum(new_page, 0)].set(g.pool[:, jnp.maximum(src, 0)]), g.pool)
+        g = g.replace(pool=pool)
+        g, _ = _add_refs(g, jnp.where(partial, new_page, -1)[None], +1)
+        mapped = jnp.where(partial & (logical == last_l), new_page, shared)
+        g = g.replace(page_table=g.page_table.at[slot].set(mapped),
+                      page_gen=g.page_gen.at[slot].set(jnp.where(mapped >= 0, g.generation[jnp.maximum(mapped, 0)], 0)))
+        groups[gi] = g
+    tails = []
+    ts = jnp.maximum(px.tail_slot[r], 0)
+    for ci, t in enumerate(cache.tails):
+        s = px.snaps[ci]
+
+        def cp(dst, a):
+            return dst.at[slot].set(jnp.where(do, a[ts].astype(dst.dtype), dst[slot])) if a.shape[0] else dst
+
+        tails.append(TailState(tail_kv=cp(t.tail_kv, s.tail_kv), tail_gate=cp(t.tail_gate, s.tail_gate),
+                               overlap_kv=cp(t.overlap_kv, s.overlap_kv), overlap_gate=cp(t.overlap_gate, s.overlap_gate)))
+    clock = px.clock + 1
+    on_path = (i < n4)
+    used = jnp.zeros_like(px.last_used, bool).at[jnp.where(on_path, rec, px.last_used.shape[0])].set(True, mode="drop")
+    new_px = px.replace(last_used=jnp.where(used, clock, px.last_used), hits=px.hits + used.astype(jnp.int32),
+                        clock=clock)
+    from .transitions import advance, slide
+
+    claimed = cache.replace(groups=tuple(groups), tails=tuple(tails), prefix=new_px)
+    slots = slot[None]
+    claimed = advance(layout, claimed, slots, length[None], do[None])
+    claimed = slide(layout, claimed, slots, do[None])
+    valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
+    ok = enough & valid_slot
+    status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
+    # metrics
+    counters = _count(cache.counters, "prefix_lookups", 1)
+    counters = _count(counters, "prefix_hash_hit_tokens", h * bt)
+    counters = _count(counters, "prefix_restored_tokens", jnp.where(ok, n4 * bt, 0))
+    for reason_ in Reason:
+        if reason_ in (Reason.NONE,):
+            continue
+        counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}", (reason == reason_).astype(jnp.int32))
+    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
+                       cache.replace(counters=counters))
+    plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status]).astype(jnp.int32)
+    return out, plan
+
+
+# -------------------------------------------------------------------------------------- evict
+def evict(layout: CacheLayout, cache: HybridCache, snapshot_mask: jax.Array, record_mask: jax.Array) -> HybridCache:
+    """Evict the SWA window + TAIL snapshot of records in `snapshot_mask`, and whole records (also their
+    COMPRESSED/INDEXER references) in `record_mask` — those become tombstones: still found by a lookup,
+    which then reports `freed` (or `page_reused` once their pages went to someone else)."""
+    px = cache.prefix
+    alive = px.state == RecordState.ALIVE
+    snap = (snapshot_mask | record_mask) & alive
+    whole = record_mask & alive
+    groups = list(cache.groups)
+    pages = list(px.pages)
+    released = jnp.int32(0)
+    counts = {}
+    for gi, grp in enumerate(layout.groups):
+        g = groups[gi]
+        drop = snap if grp.kind == ObjectKind.SWA else whole
+        rows = jnp.where(drop[:, None], px.pages[gi], -1)
+        g, n = _add_refs(g, rows.reshape(-1), -1)
+        released = released + n
+        counts[grp.kind.name] = counts.get(grp.kind.name, 0) + jnp.sum(rows >= 0)
+        groups[gi] = g
+        if grp.kind == ObjectKind.SWA:
+            pages[gi] = jnp.where(drop[:, None], -1, px.pages[gi])
+    had_tail = snap & (px.tail_slot >= 0)
+    nt = px.snap_used.shape[0]
+    snap_used = px.snap_used.at[jnp.where(had_tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
+    new_px = px.replace(pages=tuple(pages), swa_held=px.swa_held & ~snap,
+                        tail_slot=jnp.where(snap, -1, px.tail_slot), snap_used=snap_used,
+                        state=jnp.where(whole, jnp.int8(RecordState.TOMBSTONE), px.state))
+    c = _count(cache.counters, "evicted_swa_snapshots", jnp.sum(snap & px.swa_held))
+    c = _count(c, "evicted_tail_snapshots", jnp.sum(had_tail))
+    c = _count(c, "evicted_records", jnp.sum(whole))
+    c = _count(c, "pages_released", released)
+    return cache.replace(groups=tuple(groups), prefix=new_px, counters=c)
+
+
+def bump_indexer_version(cache: HybridCache) -> HybridCache:
+    """New indexer weights/layout: keys written from now on carry a new version, and records holding
+    keys of an older version no longer restore (stage 3, reason `indexer_version`)."""
+    return cache.replace(indexer_version=cache.indexer_version + 1)
+
+
+__all__ = ["PLAN_FIELDS", "PrefixIndex", "Reason", "RecordState", "STAGES", "abi_words", "bump_indexer_version",
+           "evict", "init_prefix", "record", "restore"]
