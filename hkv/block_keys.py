@@ -39,3 +39,8 @@ def key_words(key: bytes) -> np.ndarray:
     if len(key) != 16:
         raise ValueError(f"key of {len(key)} bytes; block keys are 16 bytes")
     return np.frombuffer(key, dtype="<u4").astype(np.uint32)
+
+
+def next_key(parent: bytes, block: Sequence[int], extra: bytes = b"") -> bytes:
+    """The key of one more block after `parent` (same chain as `chain_keys`)."""
+    return chain_keys(block, len(block), extra=extra, parent=parent)[0]

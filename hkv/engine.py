@@ -28,9 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import prefix as px
 from . import transitions as tr
+from .block_keys import ROOT, key_words, next_key
 from .memory import architectural_minimum, memory_report
-from .state import CacheConfig, CacheLayout, Status, init_cache
+from .plan import RestorePlan
+from .policy import RetentionPolicy, eviction_order
+from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
 
 
 class CacheCapacityError(RuntimeError):
@@ -55,6 +59,10 @@ class _Seq:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     slot: int = -1
     admitted_at: int = 0
+    fed: int = 0  # tokens written into the cache
+    keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
+    parent_record: int = -1  # prefix record of the last recorded block
+    plan: RestorePlan | None = None
 
     @property
     def done(self) -> bool:
@@ -69,13 +77,19 @@ class Engine:
     prefill_chunk: tokens per prefill step. model_id: weights identity for the ABI fingerprint.
     kernel_options: keyword arguments for the model's cached step, e.g. {"kernel_backend": "gpu",
     "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
+    retention: where SWA + TAIL snapshots are kept (prefix cache on when config.prefix_records > 0).
+    cache_salt: extra bytes in every block key (adapter id, tenant salt).
     """
 
     def __init__(self, model, config: CacheConfig, *, block_tokens: int = 16, prefill_chunk: int = 32,
                  model_id: str = "unknown", progress: Callable[[str], None] | None = None,
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, retention: RetentionPolicy | None = None,
+                 cache_salt: bytes = b""):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"{prefill_chunk=} must be a positive integer")
+        if config.prefix_records and prefill_chunk % block_tokens:
+            raise ValueError(f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
+                             f"(chunks end on block boundaries, where records are taken)")
         self.model = model
         self.spec = model.cache_spec(block_tokens=block_tokens, model_id=model_id)
         self.layout = CacheLayout(self.spec, config)
@@ -100,6 +114,13 @@ class Engine:
         self._decode = make_step("decode")
         self._claim = jax.jit(tr.claim_slot, static_argnums=0, donate_argnums=1)
         self._release = jax.jit(tr.release_slot, static_argnums=0, donate_argnums=1)
+        self.prefix_enabled = config.prefix_records > 0
+        self.retention = retention or RetentionPolicy()
+        self.cache_salt = bytes(cache_salt)
+        self._restore = jax.jit(px.restore, static_argnums=0, donate_argnums=1)
+        self._record = jax.jit(px.record, static_argnums=0, donate_argnums=1)
+        self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
+        self._stats.update(ttft_seconds=[])
 
     # ---------------------------------------------------------------------------------- api
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
@@ -131,13 +152,15 @@ class Engine:
             if running:
                 self._decode_all(running, queue, done)
         return [Generation(tokens=d.tokens, logits=np.stack(d.logits) if d.logits
-                           else np.zeros((0, self.model.cfg.vocab_size), np.float32)) for d in
+                           else np.zeros((0, self.model.cfg.vocab_size), np.float32),
+                           plan=d.plan or RestorePlan.cold(len(d.prompt))) for d in
                 [done[i] for i in range(len(prompts))]]
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters and the cache's transition counters (a host snapshot)."""
+        """Engine counters, the cache's transition counters and the prefix metrics (a host snapshot)."""
         counters = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
         return {**self._stats, "compilations": dict(self.compilations), "cache": counters,
+                "prefix": self.prefix_stats() if self.prefix_enabled else None,
                 "active_slots": int(np.asarray(self.cache.active).sum()),
                 "abi_fingerprint": self.spec.fingerprint()}
 
@@ -183,26 +206,36 @@ class Engine:
         ids = seq.prompt + seq.tokens
         c = self.prefill_chunk
         t0 = time.perf_counter()
+        seq.slot, seq.fed, seq.keys, seq.parent_record = slot, 0, [], -1
+        start0 = self._lookup(seq, ids) if self.prefix_enabled else 0
         last = None
-        for start in range(0, len(ids), c):
+        for start in range(start0, len(ids), c):
             chunk = ids[start:start + c]
             buf = np.zeros((1, c), np.int32)
             buf[0, :len(chunk)] = chunk
-            self.cache, logits, status = self._prefill(self.layout, self.cache, self._weights, jnp.asarray(buf),
-                                                       jnp.array([slot], jnp.int32),
-                                                       jnp.array([len(chunk)], jnp.int32))
-            st = int(status)
+            while True:
+                self.cache, logits, status = self._prefill(self.layout, self.cache, self._weights, jnp.asarray(buf),
+                                                           jnp.array([slot], jnp.int32),
+                                                           jnp.array([len(chunk)], jnp.int32))
+                st = int(status)
+                if st != Status.NO_PAGES or not self._make_room():
+                    break
             if st != Status.OK:
                 self.cache, _ = self._release(self.layout, self.cache, jnp.int32(slot))
+                seq.slot = -1
                 if st == Status.NO_PAGES:
                     return False
                 raise CacheCapacityError(f"prefill of prompt {seq.index} failed: {Status(st).name}")
+            seq.fed = start + len(chunk)
+            self._after_step(seq)
             last = np.asarray(logits[0, len(chunk) - 1])
             self._stats["prefill_steps"] += 1
-        self._stats["prefill_tokens"] += len(ids)
+        self._stats["prefill_tokens"] += len(ids) - start0
+        if not seq.tokens:
+            self._stats["ttft_seconds"].append(time.perf_counter() - t0)
         self._stats["prompts"] += 0 if seq.tokens else 1
         self._stats["prefill_seconds"] += time.perf_counter() - t0
-        seq.slot, seq.admitted_at = slot, clock
+        seq.admitted_at = clock
         self._emit(seq, last)
         self._say(f"prefilled prompt {seq.index} ({len(ids)} tokens) into slot {slot}")
         return True
@@ -228,6 +261,8 @@ class Engine:
         self.cache, logits, status = self._decode(self.layout, self.cache, self._weights, jnp.asarray(tokens),
                                                   jnp.arange(s, dtype=jnp.int32), jnp.asarray(n_valid))
         st = int(status)
+        if st == Status.NO_PAGES and self._make_room():
+            return  # cached prefixes gave way; the same step is retried
         if st == Status.NO_PAGES:  # preempt the youngest sequence; it is recomputed later
             victim = max(running.values(), key=lambda q: q.admitted_at)
             self.cache, _ = self._release(self.layout, self.cache, jnp.int32(victim.slot))
@@ -243,6 +278,153 @@ class Engine:
         self._stats["decode_steps"] += 1
         self._stats["decode_seconds"] += time.perf_counter() - t0
         for slot, seq in list(running.items()):
+            seq.fed += 1
+            self._after_step(seq)
             self._emit(seq, logits[slot])
             if seq.done:
                 self._finish(seq, running, done)
+
+    # ------------------------------------------------------------------------- prefix cache
+    def _lookup(self, seq: _Seq, ids: list[int]) -> int:
+        """Restore the longest verified prefix of `ids` into seq's fresh slot; returns its length."""
+        bt = self.spec.block_tokens
+        nb = self.layout.config.max_context // bt
+        keys = np.zeros((nb, 4), np.uint32)
+        toks = np.zeros((nb, bt), np.int32)
+        parent = ROOT
+        usable = (len(ids) - 1) // bt  # leave >= 1 token to compute the next logits from
+        for i in range(len(ids) // bt):
+            parent = next_key(parent, ids[i * bt:(i + 1) * bt], self.cache_salt)
+            if i < nb:
+                keys[i], toks[i] = key_words(parent), ids[i * bt:(i + 1) * bt]
+        while True:
+            self.cache, vec = self._restore(self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(keys),
+                                            jnp.asarray(toks), jnp.int32(usable))
+            plan = RestorePlan.from_vector(vec, bt, len(ids))
+            if plan.status != "NO_PAGES" or not self._make_room():
+                break
+        seq.plan = plan
+        restored = plan.restored_tokens
+        seq.fed = restored
+        seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if restored else -1
+        seq.keys = [bytes(key_words_bytes(k)) for k in keys[:restored // bt]]
+        self._say(f"prompt {seq.index}: hash hit {plan.hash_hit_tokens} tokens, restored {restored}"
+                  + (f" (stopped at stage {plan.first_failed_stage}: {plan.reason})" if plan.reason else ""))
+        return restored
+
+    def _after_step(self, seq: _Seq) -> None:
+        """Record the block boundary the sequence just reached, if it did."""
+        if not self.prefix_enabled or seq.fed % self.spec.block_tokens:
+            return
+        bt = self.spec.block_tokens
+        ids = seq.prompt + seq.tokens
+        n = seq.fed // bt
+        while len(seq.keys) < n:
+            i = len(seq.keys)
+            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[i * bt:(i + 1) * bt], self.cache_salt))
+        final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
+        retain = self.retention.retain(n, request_end=(n == final // bt),
+                                       branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
+                                       and seq.plan.restored_tokens < seq.fed)
+        block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
+        if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
+            self._make_room(kinds=("snapshot",))
+        while True:
+            self.cache, r, status = self._record(self.layout, self.cache, jnp.int32(seq.slot),
+                                                 jnp.asarray(key_words(seq.keys[n - 1])), jnp.int32(seq.parent_record),
+                                                 jnp.asarray(block), jnp.bool_(retain))
+            if int(status) != Status.NO_PAGES or not self._make_room(kinds=("record",)):
+                break
+        seq.parent_record = int(r)
+
+    def _make_room(self, kinds=("snapshot", "record")) -> bool:
+        """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was."""
+        if not self.prefix_enabled:
+            return False
+        p = jax.device_get(self.cache.prefix)
+        meta = {k: np.asarray(getattr(p, k)) for k in ("state", "parent", "length", "last_used", "swa_held",
+                                                        "tail_slot")}
+        order = [(k, r) for k, r in eviction_order(self.spec, meta) if k in kinds]
+        if not order:
+            return False
+        batch = order[:max(1, len(order) // 8)]
+        nr = meta["state"].shape[0]
+        snap, whole = np.zeros(nr, bool), np.zeros(nr, bool)
+        for kind, r in batch:
+            (snap if kind == "snapshot" else whole)[r] = True
+        self.cache = self._evict(self.layout, self.cache, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
+        self._say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
+        return True
+
+    def prefix_stats(self) -> dict[str, Any]:
+        """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""
+        c = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
+        p = jax.device_get(self.cache.prefix)
+        state = np.asarray(p.state)
+        rejections: dict[str, dict[str, int]] = {}
+        for reason in PREFIX_REJECTIONS[1:]:  # [0] is no_hash_match: a miss, not a rejection
+            n = c[f"prefix_rejected_{reason}"]
+            stage = px.STAGES[px.REASON_STAGE.get(px.Reason[reason.upper()], 0)]
+            if n:
+                rejections.setdefault(stage, {})[reason] = n
+        held = {}
+        for gi, grp in enumerate(self.layout.groups):
+            rows = np.asarray(p.pages[gi])[state == px.RecordState.ALIVE]
+            held[grp.kind.name] = held.get(grp.kind.name, 0) + int(len(np.unique(rows[rows >= 0])))
+        hh, rt = c["prefix_hash_hit_tokens"], c["prefix_restored_tokens"]
+        return {
+            "lookups": c["prefix_lookups"], "hash_hit_tokens": hh, "restored_tokens": rt,
+            "lookups_ending_in_hash_miss": c["prefix_rejected_no_hash_match"],
+            "complete_restoration_ratio": rt / hh if hh else None, "rejections": rejections,
+            "occupancy": {"records": int((state == px.RecordState.ALIVE).sum()),
+                          "tombstones": int((state == px.RecordState.TOMBSTONE).sum()),
+                          "record_capacity": int(state.shape[0]),
+                          "snapshots": int(np.asarray(p.snap_used).sum()),
+                          "snapshot_capacity": int(np.asarray(p.snap_used).shape[0]),
+                          "pages_held_by_records": held},
+            "evictions": {"swa_snapshots": c["evicted_swa_snapshots"], "tail_snapshots": c["evicted_tail_snapshots"],
+                          "records": c["evicted_records"]},
+        }
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the cache and prefix metrics."""
+        c = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
+        ps = self.prefix_stats()
+        lines = []
+
+        def metric(name, kind, help_, samples):
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+                lines.append(f"{name}{lab} {value}")
+
+        metric("hkv_prefix_lookups_total", "counter", "Prefix lookups.", [({}, ps["lookups"])])
+        metric("hkv_prefix_hash_hit_tokens_total", "counter", "Tokens matched by the chained block hash.",
+               [({}, ps["hash_hit_tokens"])])
+        metric("hkv_prefix_restored_tokens_total", "counter", "Tokens restored after all four validation stages.",
+               [({}, ps["restored_tokens"])])
+        metric("hkv_prefix_rejections_total", "counter", "Plans shrunk, by validation stage and reason.",
+               [({"stage": st, "reason": r}, n) for st, rs in ps["rejections"].items() for r, n in rs.items()])
+        metric("hkv_prefix_records", "gauge", "Cached block records by state.",
+               [({"state": "alive"}, ps["occupancy"]["records"]), ({"state": "tombstone"}, ps["occupancy"]["tombstones"])])
+        metric("hkv_prefix_snapshots", "gauge", "SWA+TAIL snapshots held.", [({}, ps["occupancy"]["snapshots"])])
+        metric("hkv_evictions_total", "counter", "Evictions by object kind.",
+               [({"kind": k}, v) for k, v in ps["evictions"].items()])
+        used = {}
+        for gi, grp in enumerate(self.layout.groups):
+            rc = np.asarray(jax.device_get(self.cache.groups[gi].refcount))
+            used.setdefault(grp.kind.name, [0, 0])
+            used[grp.kind.name][0] += int((rc > 0).sum())
+            used[grp.kind.name][1] += int(rc.shape[0])
+        metric("hkv_pages", "gauge", "Pool pages by object kind and state.",
+               [({"kind": k, "state": "used"}, u) for k, (u, _) in used.items()]
+               + [({"kind": k, "state": "capacity"}, t) for k, (_, t) in used.items()])
+        metric("hkv_transitions_total", "counter", "Cache transitions.", [({}, c["transitions"])])
+        metric("hkv_failed_transitions_total", "counter", "Transitions that returned the cache unchanged.",
+               [({"reason": r}, c[f"failed_{r}"]) for r in ("no_pages", "slot_cap", "context_cap")])
+        return "\n".join(lines) + "\n"
+
+
+def key_words_bytes(words: np.ndarray) -> bytes:
+    return np.asarray(words, dtype="<u4").tobytes()

@@ -109,7 +109,7 @@ def init_prefix(layout: CacheLayout) -> PrefixIndex:
 
 
 PLAN_FIELDS = ("hash_blocks", "lifecycle_blocks", "abi_blocks", "intersection_blocks", "byte_blocks",
-               "first_failed_stage", "reason", "status")
+               "first_failed_stage", "reason", "status", "record")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -179,8 +179,9 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
     retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
     Returns (cache, record index, status). An alive record with the same key, parent and tokens is
-    reused (index returned, nothing written). NO_PAGES-free: a record only adds references, but with
-    no free record slot it returns Status.NO_PAGES and the cache unchanged (the policy evicts first).
+    reused (its index returned); if it has no snapshot and `retain`, the snapshot is added. A record
+    only adds references (no page is allocated), but with no free record slot it returns
+    Status.NO_PAGES and the cache unchanged (the policy evicts first).
     """
     px = cache.prefix
     nr = px.state.shape[0]
@@ -196,6 +197,9 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     snap_free = ~px.snap_used
     has_snap = retain & jnp.any(snap_free)
     t = jnp.where(has_snap, jnp.argmax(snap_free), -1).astype(jnp.int32)
+    # a boundary crossed again (e.g. a branch point) may add the snapshot its record lacked
+    upgrade = exists & ok_slot & has_snap & ~px.swa_held[r] & (px.tail_slot[r] < 0)
+    snap_now = (do & has_snap) | upgrade
 
     groups = list(cache.groups)
     pages, gens = list(px.pages), list(px.gens)
@@ -204,19 +208,21 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         _, _, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
         take = (logical >= p0) & (logical < p1)
+        write = do
         if grp.kind == ObjectKind.SWA:
-            take = take & has_snap
+            take = take & snap_now
+            write = do | upgrade
         row = jnp.where(take, g.page_table[slot], -1)
         grow = jnp.where(take, g.page_gen[slot], 0)
-        new_g, _ = _add_refs(g, jnp.where(do, row, -1), +1)
+        new_g, _ = _add_refs(g, jnp.where(write, row, -1), +1)
         groups[gi] = new_g
-        pages[gi] = px.pages[gi].at[r].set(jnp.where(do, row, px.pages[gi][r]))
-        gens[gi] = px.gens[gi].at[r].set(jnp.where(do, grow, px.gens[gi][r]))
+        pages[gi] = px.pages[gi].at[r].set(jnp.where(write, row, px.pages[gi][r]))
+        gens[gi] = px.gens[gi].at[r].set(jnp.where(write, grow, px.gens[gi][r]))
     snaps = []
     tt = jnp.maximum(t, 0)
     for ci, s in enumerate(px.snaps):
         src = cache.tails[ci]
-        put = do & has_snap
+        put = snap_now
 
         def cp(dst, a):
             return dst.at[tt].set(jnp.where(put, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
@@ -224,7 +230,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         snaps.append(TailState(tail_kv=cp(s.tail_kv, src.tail_kv), tail_gate=cp(s.tail_gate, src.tail_gate),
                                overlap_kv=cp(s.overlap_kv, src.overlap_kv),
                                overlap_gate=cp(s.overlap_gate, src.overlap_gate)))
-    snap_used = px.snap_used.at[tt].set(jnp.where(do & has_snap, True, px.snap_used[tt])) if px.snap_used.shape[0] \
+    snap_used = px.snap_used.at[tt].set(jnp.where(snap_now, True, px.snap_used[tt])) if px.snap_used.shape[0] \
         else px.snap_used
     clock = px.clock + 1
     new_px = px.replace(
@@ -238,14 +244,14 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         last_used=px.last_used.at[r].set(jnp.where(do | exists, clock, px.last_used[r])),
         hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
         pages=tuple(pages), gens=tuple(gens),
-        swa_held=px.swa_held.at[r].set(jnp.where(do, has_snap, px.swa_held[r])),
-        tail_slot=px.tail_slot.at[r].set(jnp.where(do, t, px.tail_slot[r])),
+        swa_held=px.swa_held.at[r].set(jnp.where(do | upgrade, snap_now, px.swa_held[r])),
+        tail_slot=px.tail_slot.at[r].set(jnp.where(snap_now, t, jnp.where(do, -1, px.tail_slot[r]))),
         snaps=tuple(snaps), snap_used=snap_used, clock=clock)
     new = cache.replace(groups=tuple(groups), prefix=new_px)
     csum = _snapshot_checksum(layout, new, tuple(p[r] for p in new_px.pages), length, t)
-    new_px = new_px.replace(checksum=new_px.checksum.at[r].set(jnp.where(do & has_snap, csum, new_px.checksum[r])))
+    new_px = new_px.replace(checksum=new_px.checksum.at[r].set(jnp.where(snap_now, csum, new_px.checksum[r])))
     counters = _count(cache.counters, "records_created", do.astype(jnp.int32))
-    counters = _count(counters, "snapshots_taken", (do & has_snap).astype(jnp.int32))
+    counters = _count(counters, "snapshots_taken", snap_now.astype(jnp.int32))
     counters = _count(counters, "snapshots_skipped_full", (do & retain & ~has_snap).astype(jnp.int32))
     new = new.replace(prefix=new_px, counters=counters)
     ok = (can & ok_slot) | exists
@@ -394,41 +400,43 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}", (reason == reason_).astype(jnp.int32))
     out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
                        cache.replace(counters=counters))
-    plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status]).astype(jnp.int32)
+    plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status,
+                      jnp.where(ok & do, r, -1)]).astype(jnp.int32)
     return out, plan
 
 
 # -------------------------------------------------------------------------------------- evict
-def evict(layout: CacheLayout, cache: HybridCache, snapshot_mask: jax.Array, record_mask: jax.Array) -> HybridCache:
-    """Evict the SWA window + TAIL snapshot of records in `snapshot_mask`, and whole records (also their
-    COMPRESSED/INDEXER references) in `record_mask` — those become tombstones: still found by a lookup,
-    which then reports `freed` (or `page_reused` once their pages went to someone else)."""
+def evict(layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mask: jax.Array,
+          record_mask: jax.Array) -> HybridCache:
+    """Evict, per record (bool[NR] masks): its SWA window (`swa_mask`), its TAIL snapshot (`tail_mask`),
+    or the whole record (`record_mask`: also its COMPRESSED/INDEXER references). A whole record
+    becomes a tombstone: still found by a lookup, which then reports `freed` (or `page_reused` once
+    its pages went to someone else). The policy (`hkv.policy`) evicts a snapshot's two parts together
+    and whole records only as leaves, so a record never outlives what its descendants need."""
     px = cache.prefix
     alive = px.state == RecordState.ALIVE
-    snap = (snapshot_mask | record_mask) & alive
     whole = record_mask & alive
+    swa = (swa_mask | record_mask) & alive & px.swa_held
+    tail = (tail_mask | record_mask) & alive & (px.tail_slot >= 0)
     groups = list(cache.groups)
     pages = list(px.pages)
     released = jnp.int32(0)
-    counts = {}
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
-        drop = snap if grp.kind == ObjectKind.SWA else whole
+        drop = swa if grp.kind == ObjectKind.SWA else whole
         rows = jnp.where(drop[:, None], px.pages[gi], -1)
         g, n = _add_refs(g, rows.reshape(-1), -1)
         released = released + n
-        counts[grp.kind.name] = counts.get(grp.kind.name, 0) + jnp.sum(rows >= 0)
         groups[gi] = g
         if grp.kind == ObjectKind.SWA:
             pages[gi] = jnp.where(drop[:, None], -1, px.pages[gi])
-    had_tail = snap & (px.tail_slot >= 0)
     nt = px.snap_used.shape[0]
-    snap_used = px.snap_used.at[jnp.where(had_tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
-    new_px = px.replace(pages=tuple(pages), swa_held=px.swa_held & ~snap,
-                        tail_slot=jnp.where(snap, -1, px.tail_slot), snap_used=snap_used,
+    snap_used = px.snap_used.at[jnp.where(tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
+    new_px = px.replace(pages=tuple(pages), swa_held=px.swa_held & ~swa,
+                        tail_slot=jnp.where(tail, -1, px.tail_slot), snap_used=snap_used,
                         state=jnp.where(whole, jnp.int8(RecordState.TOMBSTONE), px.state))
-    c = _count(cache.counters, "evicted_swa_snapshots", jnp.sum(snap & px.swa_held))
-    c = _count(c, "evicted_tail_snapshots", jnp.sum(had_tail))
+    c = _count(cache.counters, "evicted_swa_snapshots", jnp.sum(swa))
+    c = _count(c, "evicted_tail_snapshots", jnp.sum(tail))
     c = _count(c, "evicted_records", jnp.sum(whole))
     c = _count(c, "pages_released", released)
     return cache.replace(groups=tuple(groups), prefix=new_px, counters=c)

@@ -1,0 +1,95 @@
+"""Prefix-cache policies: what to retain at a block boundary, and what to evict under pressure.
+
+Retention (`RetentionPolicy`): a record at every block boundary always keeps its COMPRESSED and
+INDEXER rows (shared pages, nearly free). The SWA window and the TAIL snapshot are what dominate the
+cost of caching, so they are kept only at boundaries the policy selects: every block, every N blocks,
+or only at branch points (the last boundary of each request and the boundary a hit diverged at).
+
+Eviction (`eviction_order`): candidates are ranked by reconstruction cost per byte, lowest first.
+  * a record's SWA + TAIL snapshot: losing it costs recomputing back to the previous restorable
+    boundary of the chain (at most the receptive field, layers x window tokens); its bytes are the
+    window's rows in every layer plus the TAIL copy — cheap per byte, evicted first;
+  * a whole record (its COMPRESSED / INDEXER references): losing it costs a full re-prefill of its
+    L tokens for every request that would have hit it; only leaves (records no alive record extends)
+    are candidates, so no cached block is ever left unrestorable while still holding memory — the
+    cross-type coordinator rule. Ties go least recently used first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .spec import CacheSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPolicy:
+    """Where SWA + TAIL snapshots are kept. `every_n_blocks=1`: every boundary; `n`: boundaries whose
+    block count is a multiple of n; `branch_points_only=True`: only request ends and divergence points."""
+
+    every_n_blocks: int = 1
+    branch_points_only: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.every_n_blocks, int) or self.every_n_blocks < 1:
+            raise ValueError(f"every_n_blocks={self.every_n_blocks!r} must be a positive integer")
+
+    def retain(self, block_count: int, *, request_end: bool, branch_point: bool) -> bool:
+        """Keep the snapshot at the boundary after `block_count` blocks?"""
+        if request_end or branch_point:
+            return True
+        return not self.branch_points_only and block_count % self.every_n_blocks == 0
+
+
+def snapshot_bytes(spec: CacheSpec) -> int:
+    """Bytes one SWA + TAIL snapshot holds (window rows of every layer, TAIL of every compressor)."""
+    item = spec.storage_dtype.itemsize
+    total = 0
+    for l in spec.layers:
+        total += (l.window - 1 if l.window else 0) * l.kv_dim * item
+        for c in (l.compressor, l.indexer):
+            if c is not None:
+                total += 2 * c.ratio * c.proj_width * item + (c.ratio * c.entry_dim * (item + 4) if c.overlap else 0)
+    return total
+
+
+def record_bytes(spec: CacheSpec) -> int:
+    """Bytes of COMPRESSED + INDEXER rows one block of `block_tokens` tokens adds."""
+    item = spec.storage_dtype.itemsize
+    bt = spec.block_tokens
+    return sum(max(bt // c.ratio, 1) * c.entry_dim * item
+               for l in spec.layers for c in (l.compressor, l.indexer) if c is not None) or 1
+
+
+def receptive_field(spec: CacheSpec) -> int:
+    """Tokens to recompute so that every layer's SWA window at a boundary is exact: layers x (window - 1)."""
+    return sum((l.window - 1) for l in spec.layers if l.window)
+
+
+def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray]) -> list[tuple[str, int]]:
+    """[("snapshot" | "record", record index), ...] lowest reconstruction cost per byte first.
+
+    meta: host snapshot of the prefix index — state, parent, length, last_used, swa_held, tail_slot.
+    """
+    state, parent, length = meta["state"], meta["parent"], meta["length"]
+    alive = state == 1
+    has_snap = alive & (meta["swa_held"] | (meta["tail_slot"] >= 0))
+    children = np.zeros(len(state), int)
+    for r in np.nonzero(alive)[0]:
+        if parent[r] >= 0:
+            children[parent[r]] += 1
+    snap_b, rec_b = snapshot_bytes(spec), record_bytes(spec)
+    rf = max(receptive_field(spec), 1)
+    out = []
+    for r in np.nonzero(has_snap)[0]:
+        prev, back = parent[r], spec.block_tokens
+        while prev >= 0 and not has_snap[prev]:
+            back += spec.block_tokens
+            prev = parent[prev]
+        out.append((min(back, rf) / snap_b, int(meta["last_used"][r]), "snapshot", int(r)))
+    for r in np.nonzero(alive & (children == 0))[0]:
+        out.append((float(length[r]) / rec_b, int(meta["last_used"][r]), "record", int(r)))
+    out.sort()
+    return [(kind, r) for _, _, kind, r in out]
