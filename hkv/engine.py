@@ -121,6 +121,7 @@ class Engine:
         self._record = jax.jit(px.record, static_argnums=0, donate_argnums=1)
         self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
         self._stats.update(ttft_seconds=[])
+        self._running: dict[int, _Seq] = {}
 
     # ---------------------------------------------------------------------------------- api
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
@@ -130,6 +131,7 @@ class Engine:
         queue = deque(_Seq(i, list(map(int, p)), max_new_tokens) for i, p in enumerate(prompts))
         done: dict[int, _Seq] = {}
         running: dict[int, _Seq] = {}
+        self._running = running
         clock = 0
         while queue or running:
             # admit while slots are free
@@ -344,7 +346,8 @@ class Engine:
         p = jax.device_get(self.cache.prefix)
         meta = {k: np.asarray(getattr(p, k)) for k in ("state", "parent", "length", "last_used", "swa_held",
                                                         "tail_slot")}
-        order = [(k, r) for k, r in eviction_order(self.spec, meta) if k in kinds]
+        pinned = {q.parent_record for q in self._running.values() if q.parent_record >= 0}
+        order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned) if k in kinds]
         if not order:
             return False
         batch = order[:max(1, len(order) // 8)]

@@ -68,10 +68,11 @@ def receptive_field(spec: CacheSpec) -> int:
     return sum((l.window - 1) for l in spec.layers if l.window)
 
 
-def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray]) -> list[tuple[str, int]]:
+def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int] = frozenset()) -> list[tuple[str, int]]:
     """[("snapshot" | "record", record index), ...] lowest reconstruction cost per byte first.
 
     meta: host snapshot of the prefix index — state, parent, length, last_used, swa_held, tail_slot.
+    pinned: records running sequences are extending (never evicted whole, so their chains go on).
     """
     state, parent, length = meta["state"], meta["parent"], meta["length"]
     alive = state == 1
@@ -84,12 +85,15 @@ def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray]) -> list[tuple[s
     rf = max(receptive_field(spec), 1)
     out = []
     for r in np.nonzero(has_snap)[0]:
-        prev, back = parent[r], spec.block_tokens
-        while prev >= 0 and not has_snap[prev]:
+        prev, back, seen = parent[r], spec.block_tokens, {int(r)}
+        while prev >= 0 and not has_snap[prev] and prev not in seen:
+            seen.add(int(prev))
             back += spec.block_tokens
             prev = parent[prev]
         out.append((min(back, rf) / snap_b, int(meta["last_used"][r]), "snapshot", int(r)))
     for r in np.nonzero(alive & (children == 0))[0]:
+        if int(r) in pinned:
+            continue
         out.append((float(length[r]) / rec_b, int(meta["last_used"][r]), "record", int(r)))
     out.sort()
     return [(kind, r) for _, _, kind, r in out]

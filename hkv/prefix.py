@@ -190,9 +190,17 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
             & jnp.all(px.tokens == tokens[None, :], axis=1))
     exists = jnp.any(same)
     free = px.state != RecordState.ALIVE
-    r = jnp.where(exists, jnp.argmax(same), jnp.argmax(free)).astype(jnp.int32)
+    empty = px.state == RecordState.EMPTY
+    # prefer never-used slots: tombstones are overwritten last (they still explain later misses)
+    slot_for_new = jnp.where(jnp.any(empty), jnp.argmax(empty), jnp.argmax(free))
+    r = jnp.where(exists, jnp.argmax(same), slot_for_new).astype(jnp.int32)
     can = exists | jnp.any(free)
     ok_slot = cache.active[slot] & (length > 0) & (length % layout.spec.block_tokens == 0)
+    bt = layout.spec.block_tokens
+    safe_parent = jnp.maximum(parent, 0)
+    parent_ok = jnp.where(parent < 0, length == bt,
+                          (px.state[safe_parent] == RecordState.ALIVE) & (px.length[safe_parent] == length - bt))
+    ok_slot = ok_slot & parent_ok  # a chain whose parent was evicted is not extended (no orphans)
     do = can & ~exists & ok_slot
     snap_free = ~px.snap_used
     has_snap = retain & jnp.any(snap_free)
@@ -256,7 +264,8 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     new = new.replace(prefix=new_px, counters=counters)
     ok = (can & ok_slot) | exists
     out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, cache)
-    status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, Status.SLOT_INACTIVE))
+    status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, jnp.where(
+        cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)))
     return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
 
 
@@ -266,9 +275,12 @@ def _match_chain(px: PrefixIndex, keys: jax.Array, n_blocks: jax.Array) -> jax.A
     live = px.state != RecordState.EMPTY
     eq = jnp.all(px.key[None, :, :] == keys[:, None, :], axis=-1) & live[None, :]  # [NB, NR]
 
+    alive = px.state == RecordState.ALIVE
+
     def body(prev, i):
         cand = eq[i] & (px.parent == prev)
-        r = jnp.where(jnp.any(cand) & (i < n_blocks) & (prev != -2), jnp.argmax(cand), -1).astype(jnp.int32)
+        best = jnp.where(jnp.any(cand & alive), jnp.argmax(cand & alive), jnp.argmax(cand))  # alive over tombstone
+        r = jnp.where(jnp.any(cand) & (i < n_blocks) & (prev != -2), best, -1).astype(jnp.int32)
         return jnp.where(r >= 0, r, -2).astype(jnp.int32), r
 
     _, match = jax.lax.scan(body, jnp.int32(-1), jnp.arange(keys.shape[0]))
@@ -301,11 +313,13 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     # stage 1: lifecycle
     collision = ~jnp.all(px.tokens[rec] == tokens, axis=1)
     freed = px.state[rec] != RecordState.ALIVE
-    reused = jnp.zeros((nb,), bool)
+    reused = jnp.zeros((nb,), bool)  # a recorded page now belongs to someone else (newer generation)
     for gi, g in enumerate(cache.groups):
         rows = px.pages[gi][rec]  # [NB, M]
-        cur = g.generation[jnp.maximum(rows, 0)]
-        reused = reused | jnp.any((rows >= 0) & (cur != px.gens[gi][rec]), axis=1)
+        safe = jnp.maximum(rows, 0)
+        stale = (rows >= 0) & (g.generation[safe] != px.gens[gi][rec])
+        reused = reused | jnp.any(stale & (g.refcount[safe] > 0), axis=1)
+        freed = freed | jnp.any(stale, axis=1)
     ok1 = ~collision & ~freed & ~reused
     n1 = _leading(ok1 & before_h)
     # stage 2: ABI
@@ -332,7 +346,7 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     last = jnp.maximum(n2 - 1, 0)
     stage3_reason = jnp.where(~px.swa_held[rec[last]], Reason.SWA_MISSING,
                               jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING, Reason.INDEXER_VERSION))
-    r1 = jnp.where(collision[n1], Reason.COLLISION, jnp.where(freed[n1], Reason.FREED, Reason.PAGE_REUSED))
+    r1 = jnp.where(collision[n1], Reason.COLLISION, jnp.where(reused[n1], Reason.PAGE_REUSED, Reason.FREED))
     fail_stage = jnp.where(h < n_blocks, 0, 5)
     fail_stage = jnp.where(n1 < h, 1, jnp.where(n2 < n1, 2, jnp.where(n3 < n2, 3, jnp.where(n4 < n3, 4, fail_stage))))
     reason = jnp.select([fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],
@@ -428,8 +442,8 @@ def evict(layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mas
         g, n = _add_refs(g, rows.reshape(-1), -1)
         released = released + n
         groups[gi] = g
-        if grp.kind == ObjectKind.SWA:
-            pages[gi] = jnp.where(drop[:, None], -1, px.pages[gi])
+        if grp.kind == ObjectKind.SWA:  # a tombstone keeps its page ids: a later hit can tell reuse from free
+            pages[gi] = jnp.where((swa & ~whole)[:, None], -1, px.pages[gi])
     nt = px.snap_used.shape[0]
     snap_used = px.snap_used.at[jnp.where(tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
     new_px = px.replace(pages=tuple(pages), swa_held=px.swa_held & ~swa,

@@ -57,6 +57,7 @@ class Status(enum.IntEnum):
     CONTEXT_CAP = 3
     UNKNOWN_SLOT = 4
     SLOT_INACTIVE = 5
+    ORPHAN_BLOCK = 6  # a prefix record whose parent record is gone is not created
 
 
 @dataclasses.dataclass(frozen=True)

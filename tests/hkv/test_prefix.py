@@ -1,0 +1,216 @@
+"""Prefix reuse as a verified restoration plan (hkv.prefix + Engine): exact reuse at every block
+boundary, and each failure mode shrinking the plan with its named reason while output stays exact."""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hkv
+import hkv.engine
+from hkv import prefix as px
+from hkv.policy import RetentionPolicy
+from models.deepseek_v4 import init, tiny_config
+from models.deepseek_v4.greedy import greedy_stateless
+
+CFG = tiny_config()
+BT = 16
+RNG = np.random.default_rng(21)
+BASE = RNG.integers(0, CFG.vocab_size, 307).tolist()
+NEW = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=3)
+
+
+def make_engine(model, *, scale=4, records=96, retention=None, **kw):
+    config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
+    pages = tuple(layout.pool_pages(g) * scale for g in range(len(layout.groups)))
+    return hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages,
+                                             prefix_records=records),
+                      block_tokens=BT, prefill_chunk=BT, retention=retention, **kw)
+
+
+def diverge(k_tokens: int, tail: int = 9, seed: int = 0) -> list[int]:
+    """BASE's first k tokens, then `tail` tokens that differ from BASE right at position k."""
+    rng = np.random.default_rng(100 + seed)
+    rest = rng.integers(0, CFG.vocab_size, tail).tolist()
+    if k_tokens < len(BASE) and rest[0] == BASE[k_tokens]:
+        rest[0] = (rest[0] + 1) % CFG.vocab_size
+    return BASE[:k_tokens] + rest
+
+
+def assert_exact(model, prompts, gens):
+    tokens, logits = greedy_stateless(model, prompts, NEW)
+    for g, t, lg in zip(gens, tokens, logits):
+        assert g.tokens == t
+        assert np.abs(g.logits - lg).max() < 1e-4
+
+
+def record_of(engine, boundary: int) -> int:
+    p = jax.device_get(engine.cache.prefix)
+    hit = np.nonzero((np.asarray(p.length) == boundary) & (np.asarray(p.state) == px.RecordState.ALIVE))[0]
+    assert len(hit) == 1, f"expected one alive record at {boundary}, found {hit}"
+    return int(hit[0])
+
+
+def masks(engine, idx=(), kind="swa"):
+    nr = engine.layout.config.prefix_records
+    m = {k: np.zeros(nr, bool) for k in ("swa", "tail", "record")}
+    m[kind][list(idx)] = True
+    return jnp.asarray(m["swa"]), jnp.asarray(m["tail"]), jnp.asarray(m["record"])
+
+
+@pytest.fixture
+def warm(model):
+    engine = make_engine(model)
+    engine.generate([BASE], NEW)
+    hkv.check_invariants(engine.layout, engine.cache)
+    return engine
+
+
+def test_reuse_at_every_block_boundary_is_exact(model, warm):
+    ks = list(range(0, len(BASE) // BT + 1))
+    prompts = [diverge(k * BT, seed=k) for k in ks] + [diverge(5 * BT + 7, seed=99)]  # last: diverges mid-block
+    gens = warm.generate(prompts, NEW)
+    for k, g in zip(ks, gens):
+        assert g.plan.hash_hit_tokens == g.plan.restored_tokens == k * BT, (k, g.plan)
+        assert g.plan.first_failed_stage in ("hash", None)
+        assert g.plan.recompute == (k * BT, len(prompts[k]))
+    assert gens[-1].plan.restored_tokens == 5 * BT  # everything before the block it diverged in
+    assert_exact(model, prompts, gens)
+    st = warm.stats()["prefix"]
+    assert st["restored_tokens"] == st["hash_hit_tokens"] > 0
+    hkv.check_invariants(warm.layout, warm.cache)
+
+
+@pytest.mark.parametrize("kind, reason", [("swa", "swa_missing"), ("tail", "tail_missing")])
+def test_evicted_window_or_tail_shrinks_to_the_previous_complete_boundary(model, warm, kind, reason):
+    r = record_of(warm, 160)
+    warm.cache = px.evict(warm.layout, warm.cache, *masks(warm, [r], kind))
+    hkv.check_invariants(warm.layout, warm.cache)
+    prompt = diverge(160 + 5)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 160 and g.plan.tokens_after_stage["abi"] == 160
+    assert g.plan.tokens_after_stage["intersection"] == g.plan.restored_tokens == 144
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("intersection", reason)
+    assert_exact(model, [prompt], [g])
+    assert warm.stats()["prefix"]["rejections"]["intersection"][reason] == 1
+
+
+def test_indexer_version_bump_invalidates_every_record(model, warm):
+    warm.cache = px.bump_indexer_version(warm.cache)
+    prompt = diverge(200)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 0
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("intersection", "indexer_version")
+    assert_exact(model, [prompt], [g])
+
+
+def test_abi_mismatch_stops_at_the_foreign_block(model, warm):
+    r = record_of(warm, 160)
+    p = warm.cache.prefix
+    warm.cache = warm.cache.replace(prefix=p.replace(abi=p.abi.at[r].set(p.abi[r] ^ jnp.uint32(1))))
+    prompt = diverge(200)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.tokens_after_stage["lifecycle"] == 192
+    assert g.plan.tokens_after_stage["abi"] == g.plan.restored_tokens == 144
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("abi", "abi_mismatch")
+    assert_exact(model, [prompt], [g])
+
+
+def _evict_from(engine, boundary):
+    p = jax.device_get(engine.cache.prefix)
+    doomed = np.nonzero((np.asarray(p.length) >= boundary) & (np.asarray(p.state) == px.RecordState.ALIVE))[0]
+    engine.cache = px.evict(engine.layout, engine.cache, *masks(engine, doomed, "record"))
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_freed_block_is_rejected_at_lifecycle(model, warm):
+    _evict_from(warm, 160)  # leaves first: the records of 160.. and all their descendants
+    prompt = diverge(200)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 144
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "freed")
+    assert_exact(model, [prompt], [g])
+    # recomputing re-recorded those blocks: the next request restores them, alive records winning
+    (g2,) = warm.generate([diverge(200, seed=1)], NEW)
+    assert g2.plan.restored_tokens == 192
+
+
+def test_freed_block_whose_page_was_reused_by_another_sequence(model, warm):
+    _evict_from(warm, 160)
+    # another sequence takes the freed pages (lowest free ids first): the tombstones' pages are reused
+    warm.generate([np.random.default_rng(5).integers(0, CFG.vocab_size, 300).tolist()], 1)
+    prompt = diverge(200)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 144
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "page_reused")
+    assert_exact(model, [prompt], [g])
+    hkv.check_invariants(warm.layout, warm.cache)
+
+
+def test_forced_hash_collision_is_rejected(model, monkeypatch):
+    def weak_key(parent, block, extra=b""):  # collides whenever a block's first token matches
+        return hashlib.blake2b(parent + int(block[0]).to_bytes(8, "little"), digest_size=16).digest()
+
+    monkeypatch.setattr(hkv.engine, "next_key", weak_key)
+    engine = make_engine(model)
+    engine.generate([BASE], NEW)
+    prompt = list(BASE[:200])
+    prompt[5 * BT + 3] = (prompt[5 * BT + 3] + 1) % CFG.vocab_size  # same first token, other content
+    (g,) = engine.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 192  # the naive hash says "hit"
+    assert g.plan.restored_tokens == 5 * BT
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "collision")
+    assert_exact(model, [prompt], [g])
+
+
+def test_retention_every_n_blocks_and_request_end(model):
+    engine = make_engine(model, retention=RetentionPolicy(every_n_blocks=4))
+    engine.generate([BASE], NEW)
+    p = jax.device_get(engine.cache.prefix)
+    alive = np.asarray(p.state) == px.RecordState.ALIVE
+    with_snap = sorted(np.asarray(p.length)[alive & np.asarray(p.swa_held)].tolist())
+    final = (len(BASE) + NEW - 1) // BT * BT
+    assert with_snap == sorted({b for b in range(64, final + 1, 64)} | {final})
+    assert sorted(np.asarray(p.length)[alive].tolist()) == list(range(BT, final + 1, BT))
+    prompt = diverge(7 * BT + 3)
+    (g,) = engine.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == 7 * BT and g.plan.restored_tokens == 4 * BT
+    assert g.plan.reason == "swa_missing"
+    assert_exact(model, [prompt], [g])
+
+
+def test_pressure_evicts_cached_prefixes_by_cost_and_stays_exact(model):
+    engine = make_engine(model, scale=1, records=24)  # pools sized for live sequences only
+    prompts = [BASE, diverge(100, tail=150, seed=3), diverge(250, tail=40, seed=4)]
+    gens = engine.generate(prompts, NEW)
+    ev = engine.stats()["prefix"]["evictions"]
+    assert ev["swa_snapshots"] > 0 and ev["records"] > 0
+    assert_exact(model, prompts, gens)
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_metrics_text_and_stats(model, warm):
+    warm.generate([diverge(64)], NEW)
+    text = warm.metrics_text()
+    assert "# TYPE hkv_prefix_lookups_total counter" in text
+    assert "hkv_prefix_lookups_total 2" in text
+    assert 'hkv_pages{kind="SWA",state="used"}' in text
+    st = warm.stats()["prefix"]
+    assert st["lookups"] == 2 and st["hash_hit_tokens"] == st["restored_tokens"] == 64
+    assert st["complete_restoration_ratio"] == 1.0
+
+
+def test_prefix_chunk_must_align_with_blocks(model):
+    with pytest.raises(ValueError, match=r"prefill_chunk=24 must be a multiple of block_tokens=16"):
+        hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64, prefix_records=4), block_tokens=16,
+                   prefill_chunk=24)
