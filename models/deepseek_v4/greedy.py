@@ -20,12 +20,15 @@ def greedy_stateless(
     prompts: list[list[int]],
     max_new_tokens: int,
     on_token: Callable[[int, list[int]], None] | None = None,
+    pad_to: int | None = None,
 ) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy continuation of each prompt.
 
     prompts: B lists of token ids (lengths may differ, each >= 1). Returns (tokens, logits): per
     prompt the `max_new_tokens` new ids and float32[max_new_tokens, vocab] logits that chose them.
-    `on_token(step, ids)` is called after every step (progress output).
+    `on_token(step, ids)` is called after every step (progress output). `pad_to`: pad the sequence
+    buffer to this length (>= longest prompt + max_new_tokens) so calls of different lengths share
+    one compilation.
     """
     if max_new_tokens < 0:
         raise ValueError(f"{max_new_tokens=} must be >= 0")
@@ -33,6 +36,10 @@ def greedy_stateless(
         raise ValueError(f"every prompt needs >= 1 token; got lengths {[len(p) for p in prompts]}")
     lengths = np.array([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
+    if pad_to is not None:
+        if pad_to < total:
+            raise ValueError(f"{pad_to=} must be >= longest prompt + max_new_tokens = {total}")
+        total = pad_to
     buf = np.zeros((len(prompts), total), np.int32)
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = p
