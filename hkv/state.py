@@ -58,6 +58,7 @@ class Status(enum.IntEnum):
     UNKNOWN_SLOT = 4
     SLOT_INACTIVE = 5
     ORPHAN_BLOCK = 6  # a prefix record whose parent record is gone is not created
+    BAD_REQUEST = 7  # a slot twice in one batch, or a length that would shrink
 
 
 @dataclasses.dataclass(frozen=True)

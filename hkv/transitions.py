@@ -102,13 +102,16 @@ def reserve(
 ) -> tuple[HybridCache, jax.Array]:
     """Map pages so that every group can store the rows of `new_lengths[b]` tokens for each slot
     `slots[b]` where `mask[b]`. All or nothing: CONTEXT_CAP if a length exceeds max_context,
-    UNKNOWN_SLOT / SLOT_INACTIVE if a slot is out of range / not claimed, NO_PAGES if any pool runs
-    out — and then the cache is unchanged."""
+    UNKNOWN_SLOT / SLOT_INACTIVE if a slot is out of range / not claimed, BAD_REQUEST if a slot
+    appears twice or a length would shrink, NO_PAGES if any pool runs out — and then the cache is
+    unchanged. Newly mapped pages are zeroed."""
     ps = layout.page_size
     unknown = jnp.any(mask & ((slots < 0) | (slots >= layout.slots)))
     slots = jnp.clip(slots, 0, layout.slots - 1)
     over = jnp.any(mask & (new_lengths > layout.config.max_context))
     inactive = jnp.any(mask & ~cache.active[slots])
+    same = (slots[:, None] == slots[None, :]) & mask[:, None] & mask[None, :]
+    bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < cache.lengths[slots]))
     groups, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
     for gi, g in enumerate(cache.groups):
         m = g.page_table.shape[1]
@@ -126,19 +129,25 @@ def reserve(
         new_rows = jnp.where(need, pages, rows)
         new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
         tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
-        groups.append(g.replace(
+        groups.append((g.replace(
             page_table=_set_rows(g.page_table, slots, mask, new_rows),
             page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
             refcount=g.refcount.at[tgt].add(1, mode="drop"),
-        ))
+        ), tgt))
         allocated = allocated + n_need
-    ok = ~unknown & ~over & ~inactive & enough
-    status = jnp.where(unknown, Status.UNKNOWN_SLOT, jnp.where(over, Status.CONTEXT_CAP, jnp.where(
-        inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))))
+    ok = ~unknown & ~bad & ~over & ~inactive & enough
+    status = jnp.where(unknown, Status.UNKNOWN_SLOT, jnp.where(bad, Status.BAD_REQUEST, jnp.where(
+        over, Status.CONTEXT_CAP, jnp.where(inactive, Status.SLOT_INACTIVE,
+                                            jnp.where(enough, Status.OK, Status.NO_PAGES)))))
+    # Newly mapped pages are cleared, so a freed page never shows its previous occupant's rows. The
+    # scatter is gated on `ok` (dropped otherwise), so the same pool value serves both outcomes and
+    # no select over the whole pool is needed.
+    pools = [g.pool.at[:, jnp.where(ok, tgt, g.pool.shape[1])].set(0, mode="drop") for g, tgt in groups]
+    groups = [g.replace(pool=pool) for (g, _), pool in zip(groups, pools)]
     counters = _count(cache, "pages_allocated", allocated)
     new = cache.replace(groups=tuple(groups), counters=counters)
     fail_name = {Status.NO_PAGES: "failed_no_pages", Status.CONTEXT_CAP: "failed_context_cap"}
-    failed = cache
+    failed = cache.replace(groups=tuple(g.replace(pool=pool) for g, pool in zip(cache.groups, pools)))
     for st, name in fail_name.items():
         failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
     return _keep_if(ok, new, failed), status.astype(jnp.int32)
@@ -223,8 +232,8 @@ def seal_compressed(layout, cache, layer: int, slots, first_entry, entries, coun
 
 
 def write_indexer(layout, cache, layer: int, slots, first_entry, keys, count) -> HybridCache:
-    """INDEXER write path: keys[B, W, Di] at entries first_entry[b] + w (w < count[b]), stamped with
-    the cache's current indexer version in the state table."""
+    """INDEXER write path: keys[B, W, Di] at entries first_entry[b] + w (w < count[b]). `advance`
+    stamps the blocks they cover with the cache's current indexer version."""
     w = jnp.arange(keys.shape[1])[None, :]
     return _write_rows(layout, cache, ObjectKind.INDEXER, layer, slots, first_entry[:, None] + w, keys,
                        w < count[:, None])

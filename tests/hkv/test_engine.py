@@ -169,3 +169,17 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
     for g, toks, lg in zip(gens, tokens, logits):
         assert g.tokens == toks
         assert np.abs(g.logits - lg).max() < 1e-4
+
+
+def test_reserve_rejects_a_slot_twice_or_a_shrinking_length(model):
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = tr.claim_slot(layout, cache)
+    cache, st = tr.reserve(layout, cache, jnp.array([0]), jnp.array([9]), jnp.array([True]))
+    cache = tr.advance(layout, cache, jnp.array([0]), jnp.array([9]), jnp.array([True]))
+    cache = tr.slide(layout, cache, jnp.array([0]), jnp.array([True]))
+    before = _snapshot(cache)
+    for slots, lengths in (([0, 0], [12, 13]), ([0], [5])):
+        out, st = tr.reserve(layout, cache, jnp.array(slots), jnp.array(lengths), jnp.ones(len(slots), bool))
+        assert int(st) == Status.BAD_REQUEST
+        _assert_same(before, _snapshot(out))

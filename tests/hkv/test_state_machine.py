@@ -643,10 +643,8 @@ def test_release_then_reclaim_reads_only_the_new_sequence():
     assert reused, "the test meant to exercise page reuse"
 
 
-@pytest.mark.xfail(strict=True, reason="pages are not cleared when freed or mapped: read_rows of a row at or "
-                   "past the slot's length, in a page it maps, returns the previous occupant's row. Every reader "
-                   "masks by length today; remove this xfail once freed pages are cleared (or reads are masked).")
 def test_rows_past_the_length_do_not_show_a_previous_occupant():
+    # reserve clears every page it maps, so a reused page never shows its previous occupant's rows
     h, s = _filled(GEMMA_TIGHT, chunks=(10, 10))
     h.release(s)
     s = h.claim()
