@@ -11,6 +11,8 @@
 from .engine import CacheCapacityError, Engine, Generation
 from .invariants import InvariantError, check_invariants
 from .memory import architectural_minimum, memory_report, uniform_full_kv_bytes
+from .plan import RestorePlan
+from .policy import RetentionPolicy
 from .spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, init_cache
 
@@ -21,6 +23,8 @@ __all__ = [
     "architectural_minimum",
     "memory_report",
     "uniform_full_kv_bytes",
+    "RestorePlan",
+    "RetentionPolicy",
     "CacheConfig",
     "CacheLayout",
     "CacheSpec",
