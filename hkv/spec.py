@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 
@@ -113,6 +114,9 @@ class CacheSpec:
 
     def groups(self) -> tuple[Group, ...]:
         """Layers grouped by storage layout, in a stable order (SWA groups, compressed, indexer)."""
+        return _groups(self)
+
+    def _compute_groups(self) -> tuple[Group, ...]:
         found: dict[tuple, list[int]] = {}
         for i, l in enumerate(self.layers):
             found.setdefault((ObjectKind.SWA, 1, l.kv_dim, l.window), []).append(i)
@@ -161,3 +165,9 @@ class CacheSpec:
         block_tokens and kernel layout version. Two caches may share bytes only if these match."""
         blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _groups(spec: CacheSpec) -> tuple[Group, ...]:
+    """Groups of a (frozen, hashable) spec, computed once: layouts call this on every jit trace."""
+    return spec._compute_groups()

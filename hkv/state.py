@@ -106,7 +106,7 @@ class CacheLayout:
 
     @property
     def groups(self) -> tuple[Group, ...]:
-        return self.spec.groups()
+        return self.spec.groups()  # memoised per spec
 
     @property
     def slots(self) -> int:
