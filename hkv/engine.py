@@ -33,7 +33,7 @@ from . import transitions as tr
 from .block_keys import ROOT, key_words, next_key
 from .memory import architectural_minimum, memory_report
 from .plan import RestorePlan
-from .policy import RetentionPolicy, eviction_order
+from .policy import RetentionPolicy, eviction_order, receptive_field
 from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
 
 
@@ -120,7 +120,28 @@ class Engine:
         self._restore = jax.jit(px.restore, static_argnums=0, donate_argnums=1)
         self._record = jax.jit(px.record, static_argnums=0, donate_argnums=1)
         self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
-        self._stats.update(ttft_seconds=[])
+        self.window_recompute_tokens = receptive_field(self.spec)
+
+        def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
+            """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
+            and TAIL by running tokens [L - R, L) without sealing (hkv.prefix.restore(recompute=R))."""
+            r = self.window_recompute_tokens
+            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r)
+            length = plan[px.PLAN_FIELDS.index("byte_blocks")] * layout.spec.block_tokens
+            ok = (plan[px.PLAN_FIELDS.index("status")] == Status.OK) & (length > 0)
+            window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
+            model = nnx.merge(graphdef, weights)
+
+            def run(c):
+                c, _, st = model.cached_step(layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False,
+                                             **kernels)
+                return c, st
+
+            cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
+            return cache, plan, st
+
+        self._restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
+        self._stats.update(ttft_seconds=[], window_recomputes=0)
         self._running: dict[int, _Seq] = {}
 
     # ---------------------------------------------------------------------------------- api
@@ -305,6 +326,30 @@ class Engine:
             plan = RestorePlan.from_vector(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
+        abi_ok = plan.tokens_after_stage["abi"]
+        r = self.window_recompute_tokens
+        if (plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
+                and abi_ok - plan.restored_tokens > r):
+            # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
+            # slot and restore the entries at the longer boundary, then recompute its window.
+            self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
+            self.cache, slot, _ = self._claim(self.layout, self.cache)
+            seq.slot = int(slot)
+            padded = np.zeros((self.layout.config.max_context,), np.int32)
+            padded[:len(ids)] = ids
+            self.cache, vec, st = self._restore_window(self.layout, self.cache, self._weights, jnp.int32(seq.slot),
+                                                       jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable),
+                                                       jnp.asarray(padded))
+            window_plan = RestorePlan.from_vector(vec, bt, len(ids))
+            if int(st) == Status.OK and window_plan.status == "OK" and window_plan.restored_tokens:
+                plan = dataclasses.replace(window_plan, window_recomputed=(window_plan.restored_tokens - r,
+                                                                         window_plan.restored_tokens))
+                self._stats["window_recomputes"] += 1
+            else:  # could not map the window: start this sequence cold
+                self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
+                self.cache, slot, _ = self._claim(self.layout, self.cache)
+                seq.slot = int(slot)
+                plan = dataclasses.replace(plan, restored_tokens=0, recompute=(0, len(ids)))
         seq.plan = plan
         restored = plan.restored_tokens
         seq.fed = restored

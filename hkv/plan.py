@@ -21,6 +21,9 @@ class RestorePlan:
     ended before the prompt did), or None. reason: why ("collision", "freed", "page_reused",
     "abi_mismatch", "swa_missing", "tail_missing", "indexer_version", "checksum", "no_hash_match").
     recompute: [start, end) token range the engine computes.
+    window_recomputed: when the SWA window / TAIL at the restored boundary was missing and rebuilding
+    it was cheaper than recomputing the gap, the [L - R, L) tokens re-run (without sealing) to rebuild
+    them; R = layers x (window - 1), the receptive field of the windows.
     """
 
     prompt_tokens: int
@@ -31,6 +34,7 @@ class RestorePlan:
     reason: str | None
     recompute: tuple[int, int]
     status: str = "OK"
+    window_recomputed: tuple[int, int] | None = None
 
     @classmethod
     def from_vector(cls, vec, block_tokens: int, prompt_tokens: int) -> "RestorePlan":

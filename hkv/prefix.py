@@ -292,7 +292,7 @@ def _leading(ok: jax.Array) -> jax.Array:
 
 
 def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, tokens: jax.Array,
-            n_blocks: jax.Array) -> tuple[HybridCache, jax.Array]:
+            n_blocks: jax.Array, recompute: int = 0) -> tuple[HybridCache, jax.Array]:
     """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
 
     keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
@@ -300,6 +300,12 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     one token is left to compute logits from). Returns (cache, plan int32[len(PLAN_FIELDS)]).
     The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
     NO_PAGES (copy-on-write pages unavailable) the cache is unchanged and plan.status says so.
+
+    recompute = R > 0 (static) is the window-recompute mode, for a hit whose SWA window or TAIL is
+    missing: claim only the COMPRESSED / INDEXER rows at the longest boundary L passing stages 1-2
+    (whose indexer keys are current), and leave the slot at length L - R with no window and an empty
+    TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
+    SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
     """
     px = cache.prefix
     bt = layout.spec.block_tokens
@@ -353,6 +359,8 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
                         [r1, Reason.ABI_MISMATCH, stage3_reason, Reason.CHECKSUM, Reason.NO_HASH_MATCH], Reason.NONE)
     fail_stage = jnp.where(fail_stage == 5, -1, fail_stage)
 
+    if recompute:  # window-recompute mode: entries only, at the longest lifecycle+ABI boundary
+        n4 = jnp.where((n2 > 0) & iver_ok[jnp.maximum(n2 - 1, 0)] & (n2 * bt >= recompute), n2, 0)
     # claim the pages of record rec[n4 - 1]
     length = n4 * bt
     r = rec[jnp.maximum(n4 - 1, 0)]
@@ -362,6 +370,8 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     ps = layout.page_size
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
+        if recompute and grp.kind == ObjectKind.SWA:
+            continue  # the window is rebuilt by the recompute step
         lo, hi, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
         row = jnp.where(do & (logical >= p0) & (logical < p1), px.pages[gi][r], -1)
@@ -373,8 +383,9 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         src = row[last_l]
         shared = jnp.where(partial & (logical == last_l), -1, row)
         g, _ = _add_refs(g, shared, +1)
-        pool = jnp.where(partial, g.pool.at[:, jnp.maximum(new_page, 0)].set(g.pool[:, jnp.maximum(src, 0)]), g.pool)
-        g = g.replace(pool=pool)
+        # copy-on-write of the partially filled last page (scatter dropped when there is none)
+        dst = jnp.where(partial & (new_page >= 0), new_page, g.pool.shape[1])
+        g = g.replace(pool=g.pool.at[:, dst].set(g.pool[:, jnp.maximum(src, 0)], mode="drop"))
         g, _ = _add_refs(g, jnp.where(partial, new_page, -1)[None], +1)
         mapped = jnp.where(partial & (logical == last_l), new_page, shared)
         g = g.replace(page_table=g.page_table.at[slot].set(mapped),
@@ -382,7 +393,7 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         groups[gi] = g
     tails = []
     ts = jnp.maximum(px.tail_slot[r], 0)
-    for ci, t in enumerate(cache.tails):
+    for ci, t in enumerate(cache.tails if not recompute else ()):
         s = px.snaps[ci]
 
         def cp(dst, a):
@@ -397,10 +408,11 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
                         clock=clock)
     from .transitions import advance, slide
 
-    claimed = cache.replace(groups=tuple(groups), tails=tuple(tails), prefix=new_px)
+    claimed = cache.replace(groups=tuple(groups), tails=tuple(tails) if not recompute else cache.tails, prefix=new_px)
     slots = slot[None]
-    claimed = advance(layout, claimed, slots, length[None], do[None])
-    claimed = slide(layout, claimed, slots, do[None])
+    claimed = advance(layout, claimed, slots, (length - recompute * do)[None], do[None])
+    if not recompute:
+        claimed = slide(layout, claimed, slots, do[None])
     valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
     status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))

@@ -86,7 +86,7 @@ def _compress_step(layout: CacheLayout, cache: HybridCache, tail_index: int, com
 
 
 def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayout, cache: HybridCache, slots,
-               x, positions, valid, old_len, new_len, n_valid, mask, rope, kernel_options: dict):
+               x, positions, valid, old_len, new_len, n_valid, mask, rope, kernel_options: dict, seal: bool = True):
     """One layer's cached attention; returns (cache with this layer's objects written, output [B, C, hidden])."""
     b, c = x.shape[:2]
     cos, sin = rope[attn.rope_family]
@@ -105,12 +105,14 @@ def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayo
         freqs, eps = model.freqs["compress"], attn.eps
         cache, entries, count, first = _compress_step(layout, cache, tails[(layer, "compressor")], attn.compressor,
                                                       slots, x, old_len, n_valid, mask, freqs, eps)
-        cache = tr.seal_compressed(layout, cache, layer, slots, first, entries, count)
+        if seal:
+            cache = tr.seal_compressed(layout, cache, layer, slots, first, entries, count)
         if attn.indexer is not None:
             ix = attn.indexer
             cache, ikeys_new, icount, ifirst = _compress_step(layout, cache, tails[(layer, "indexer")], ix.compressor,
                                                               slots, x, old_len, n_valid, mask, freqs, eps)
-            cache = tr.write_indexer(layout, cache, layer, slots, ifirst, ikeys_new, icount)
+            if seal:
+                cache = tr.write_indexer(layout, cache, layer, slots, ifirst, ikeys_new, icount)
             ccos, csin = rope["compress"]
             iq, iw = ix.queries(q_residual, ccos, csin), ix.head_weights(x)
     # ---- reads
@@ -170,11 +172,13 @@ def _decode_attention(layout: CacheLayout, cache: HybridCache, attn: Attention, 
 
 def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, tokens: jax.Array, slots: jax.Array,
                 n_valid: jax.Array, *, kernel_backend: str | None = None,
-                interpret: bool = False) -> tuple[HybridCache, jax.Array, jax.Array]:
+                interpret: bool = False, seal: bool = True) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
     kernel_backend / interpret select the `pallas_kernels` implementation of the decode ops
     (None: Pallas on GPU/TPU, the jnp reference on CPU; see `pallas_kernels.dispatch`).
+    seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and indexer keys as they
+    are (the prefix cache's window recompute, `hkv.prefix.restore(recompute=R)`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
@@ -198,7 +202,7 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
             post, comb, collapsed = layer.hc_attn(streams)
             x = rms_norm(collapsed, layer.attn_norm.value, layer.eps)
             cache, out = _attention(model, layer.attn, i, layout, cache, slots, x, positions, valid, old_len, new_len,
-                                    n_valid, mask, rope, kernel_options)
+                                    n_valid, mask, rope, kernel_options, seal)
             streams = merge(post, comb, out, streams)
             streams = layer.ffn_block(streams, safe_tokens)
         cache = tr.advance(layout, cache, slots, new_len, mask)

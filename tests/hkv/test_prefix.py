@@ -182,10 +182,10 @@ def test_retention_every_n_blocks_and_request_end(model):
     final = (len(BASE) + NEW - 1) // BT * BT
     assert with_snap == sorted({b for b in range(64, final + 1, 64)} | {final})
     assert sorted(np.asarray(p.length)[alive].tolist()) == list(range(BT, final + 1, BT))
-    prompt = diverge(7 * BT + 3)
+    prompt = diverge(5 * BT + 3)  # the gap to the last snapshot (16) is below R (28): shrink
     (g,) = engine.generate([prompt], NEW)
-    assert g.plan.hash_hit_tokens == 7 * BT and g.plan.restored_tokens == 4 * BT
-    assert g.plan.reason == "swa_missing"
+    assert g.plan.hash_hit_tokens == 5 * BT and g.plan.restored_tokens == 4 * BT
+    assert g.plan.reason == "swa_missing" and g.plan.window_recomputed is None
     assert_exact(model, [prompt], [g])
 
 
@@ -214,3 +214,20 @@ def test_prefix_chunk_must_align_with_blocks(model):
     with pytest.raises(ValueError, match=r"prefill_chunk=24 must be a multiple of block_tokens=16"):
         hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64, prefix_records=4), block_tokens=16,
                    prefill_chunk=24)
+
+
+def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
+    # Snapshots only every 4 blocks (64 tokens): a hit at 7 blocks would shrink by 48 tokens, while
+    # rebuilding the window costs R = layers x (window - 1) = 4 x 7 = 28 tokens, so the engine claims
+    # the compressed entries at 112 and re-runs [84, 112) to rebuild SWA and TAIL.
+    engine = make_engine(model, retention=RetentionPolicy(every_n_blocks=4))
+    assert engine.window_recompute_tokens == CFG.num_hidden_layers * (CFG.sliding_window - 1)
+    engine.generate([BASE], NEW)
+    prompt = diverge(7 * BT + 3)
+    (g,) = engine.generate([prompt], NEW)
+    r = engine.window_recompute_tokens
+    assert g.plan.hash_hit_tokens == 7 * BT and g.plan.restored_tokens == 7 * BT
+    assert g.plan.window_recomputed == (7 * BT - r, 7 * BT)
+    assert g.plan.reason == "swa_missing" and engine.stats()["window_recomputes"] == 1
+    assert_exact(model, [prompt], [g])
+    hkv.check_invariants(engine.layout, engine.cache)
