@@ -360,29 +360,30 @@ class Engine:
         return restored
 
     def _after_step(self, seq: _Seq) -> None:
-        """Record the block boundary the sequence just reached, if it did."""
-        if not self.prefix_enabled or seq.fed % self.spec.block_tokens:
+        """Record every block boundary the last step crossed; the one at the step's end may keep an
+        SWA + TAIL snapshot (retention policy), earlier ones only their COMPRESSED/INDEXER rows."""
+        if not self.prefix_enabled:
             return
         bt = self.spec.block_tokens
         ids = seq.prompt + seq.tokens
-        n = seq.fed // bt
-        while len(seq.keys) < n:
-            i = len(seq.keys)
-            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[i * bt:(i + 1) * bt], self.cache_salt))
         final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
-        retain = self.retention.retain(n, request_end=(n == final // bt),
-                                       branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
-                                       and seq.plan.restored_tokens < seq.fed)
-        block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
-        if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
-            self._make_room(kinds=("snapshot",))
-        while True:
-            self.cache, r, status = self._record(self.layout, self.cache, jnp.int32(seq.slot),
-                                                 jnp.asarray(key_words(seq.keys[n - 1])), jnp.int32(seq.parent_record),
-                                                 jnp.asarray(block), jnp.bool_(retain))
-            if int(status) != Status.NO_PAGES or not self._make_room(kinds=("record",)):
-                break
-        seq.parent_record = int(r)
+        for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
+            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt:n * bt], self.cache_salt))
+            at_end = n * bt == seq.fed
+            retain = at_end and self.retention.retain(
+                n, request_end=(n == final // bt),
+                branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
+                and seq.plan.restored_tokens < seq.fed)
+            if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
+                self._make_room(kinds=("snapshot",))
+            block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
+            while True:
+                self.cache, r, status = self._record(
+                    self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(key_words(seq.keys[n - 1])),
+                    jnp.int32(seq.parent_record), jnp.asarray(block), jnp.bool_(retain), jnp.int32(n * bt))
+                if int(status) != Status.NO_PAGES or not self._make_room(kinds=("record",)):
+                    break
+            seq.parent_record = int(r)
 
     def _make_room(self, kinds=("snapshot", "record")) -> bool:
         """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was."""

@@ -173,8 +173,11 @@ def _count(counters: dict, name: str, n) -> dict:
 
 # ------------------------------------------------------------------------------------- record
 def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Array, parent: jax.Array,
-           tokens: jax.Array, retain: jax.Array) -> tuple[HybridCache, jax.Array, jax.Array]:
-    """Record the block ending at slot `slot`'s current length L (a multiple of block_tokens).
+           tokens: jax.Array, retain: jax.Array, length: jax.Array | None = None
+           ) -> tuple[HybridCache, jax.Array, jax.Array]:
+    """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
+    multiple of block_tokens, at most the current length). A boundary inside the last step (below the
+    current length) gets COMPRESSED/INDEXER references only: its window and TAIL are gone already.
 
     key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
     retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
@@ -185,7 +188,9 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     """
     px = cache.prefix
     nr = px.state.shape[0]
-    length = cache.lengths[slot]
+    current = cache.lengths[slot]
+    length = current if length is None else jnp.asarray(length, jnp.int32)
+    retain = retain & (length == current)  # a snapshot exists only at the current length
     same = ((px.state == RecordState.ALIVE) & jnp.all(px.key == key[None, :], axis=1) & (px.parent == parent)
             & jnp.all(px.tokens == tokens[None, :], axis=1))
     exists = jnp.any(same)
@@ -195,7 +200,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     slot_for_new = jnp.where(jnp.any(empty), jnp.argmax(empty), jnp.argmax(free))
     r = jnp.where(exists, jnp.argmax(same), slot_for_new).astype(jnp.int32)
     can = exists | jnp.any(free)
-    ok_slot = cache.active[slot] & (length > 0) & (length % layout.spec.block_tokens == 0)
+    ok_slot = cache.active[slot] & (length > 0) & (length % layout.spec.block_tokens == 0) & (length <= current)
     bt = layout.spec.block_tokens
     safe_parent = jnp.maximum(parent, 0)
     parent_ok = jnp.where(parent < 0, length == bt,

@@ -231,3 +231,26 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
     assert g.plan.reason == "swa_missing" and engine.stats()["window_recomputes"] == 1
     assert_exact(model, [prompt], [g])
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model):
+    # Chunks of 4 blocks: boundaries 16, 32, 48 inside the first chunk get COMPRESSED/INDEXER-only
+    # records; the chunk end (64) gets the snapshot. A hit at 6 blocks then rebuilds the window
+    # (gap 32 > R = 28) instead of shrinking to 64.
+    config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
+    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages,
+                                               prefix_records=96), block_tokens=BT, prefill_chunk=4 * BT)
+    engine.generate([BASE], NEW)
+    p = jax.device_get(engine.cache.prefix)
+    alive = np.asarray(p.state) == px.RecordState.ALIVE
+    assert sorted(np.asarray(p.length)[alive].tolist())[:4] == [16, 32, 48, 64]
+    assert not np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 48)].any()
+    assert np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 64)].all()
+    prompt = diverge(6 * BT + 3)
+    (g,) = engine.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == g.plan.restored_tokens == 6 * BT
+    assert g.plan.window_recomputed == (6 * BT - engine.window_recompute_tokens, 6 * BT)
+    assert_exact(model, [prompt], [g])
+    hkv.check_invariants(engine.layout, engine.cache)
