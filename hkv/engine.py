@@ -18,6 +18,7 @@ greedy decoding is deterministic, so its output does not change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -117,7 +118,8 @@ class Engine:
         self.prefix_enabled = config.prefix_records > 0
         self.retention = retention or RetentionPolicy()
         self.cache_salt = bytes(cache_salt)
-        self._restore = jax.jit(px.restore, static_argnums=0, donate_argnums=1)
+        self._restore = jax.jit(functools.partial(px.restore, count=False), static_argnums=0, donate_argnums=1)
+        self._count_plan = jax.jit(px.count_plan, static_argnums=0, donate_argnums=1)
         self._record = jax.jit(px.record, static_argnums=0, donate_argnums=1)
         self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
         self.window_recompute_tokens = receptive_field(self.spec)
@@ -126,7 +128,7 @@ class Engine:
             """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
             and TAIL by running tokens [L - R, L) without sealing (hkv.prefix.restore(recompute=R))."""
             r = self.window_recompute_tokens
-            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r)
+            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r, count=False)
             length = plan[px.PLAN_FIELDS.index("byte_blocks")] * layout.spec.block_tokens
             ok = (plan[px.PLAN_FIELDS.index("status")] == Status.OK) & (length > 0)
             window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
@@ -344,13 +346,18 @@ class Engine:
             if int(st) == Status.OK and window_plan.status == "OK" and window_plan.restored_tokens:
                 plan = dataclasses.replace(window_plan, window_recomputed=(window_plan.restored_tokens - r,
                                                                          window_plan.restored_tokens))
+                vec = np.asarray(vec)
                 self._stats["window_recomputes"] += 1
             else:  # could not map the window: start this sequence cold
                 self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
                 self.cache, slot, _ = self._claim(self.layout, self.cache)
                 seq.slot = int(slot)
                 plan = dataclasses.replace(plan, restored_tokens=0, recompute=(0, len(ids)))
-        seq.plan = plan
+                vec = np.asarray(vec).copy()
+                vec[px.PLAN_FIELDS.index("byte_blocks")] = 0
+        self.cache = self._count_plan(self.layout, self.cache, jnp.asarray(vec))  # once per request
+        if seq.plan is None:  # a preempted request keeps the plan of its first admission
+            seq.plan = plan
         restored = plan.restored_tokens
         seq.fed = restored
         seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if restored else -1

@@ -297,7 +297,7 @@ def _leading(ok: jax.Array) -> jax.Array:
 
 
 def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, tokens: jax.Array,
-            n_blocks: jax.Array, recompute: int = 0) -> tuple[HybridCache, jax.Array]:
+            n_blocks: jax.Array, recompute: int = 0, count: bool = True) -> tuple[HybridCache, jax.Array]:
     """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
 
     keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
@@ -421,19 +421,28 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
     status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
-    # metrics
-    counters = _count(cache.counters, "prefix_lookups", 1)
-    counters = _count(counters, "prefix_hash_hit_tokens", h * bt)
-    counters = _count(counters, "prefix_restored_tokens", jnp.where(ok, n4 * bt, 0))
-    for reason_ in Reason:
-        if reason_ in (Reason.NONE,):
-            continue
-        counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}", (reason == reason_).astype(jnp.int32))
-    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
-                       cache.replace(counters=counters))
     plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status,
                       jnp.where(ok & do, r, -1)]).astype(jnp.int32)
+    counters = count_plan(layout, cache, plan).counters if count else cache.counters
+    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
+                       cache.replace(counters=counters))
     return out, plan
+
+
+def count_plan(layout: CacheLayout, cache: HybridCache, plan: jax.Array) -> HybridCache:
+    """Add one lookup's final plan to the metrics counters (hash-hit tokens, restored tokens, the
+    reason). A caller that tries several plans for one request (window recompute, retries after
+    eviction) restores with count=False and counts the plan it kept, once."""
+    f = {name: plan[i] for i, name in enumerate(PLAN_FIELDS)}
+    bt = layout.spec.block_tokens
+    counters = _count(cache.counters, "prefix_lookups", 1)
+    counters = _count(counters, "prefix_hash_hit_tokens", f["hash_blocks"] * bt)
+    counters = _count(counters, "prefix_restored_tokens", f["byte_blocks"] * bt)
+    for reason_ in Reason:
+        if reason_ != Reason.NONE:
+            counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}",
+                              (f["reason"] == reason_).astype(jnp.int32))
+    return cache.replace(counters=counters)
 
 
 # -------------------------------------------------------------------------------------- evict
@@ -480,4 +489,4 @@ def bump_indexer_version(cache: HybridCache) -> HybridCache:
 
 
 __all__ = ["PLAN_FIELDS", "PrefixIndex", "Reason", "RecordState", "STAGES", "abi_words", "bump_indexer_version",
-           "evict", "init_prefix", "record", "restore"]
+           "count_plan", "evict", "init_prefix", "record", "restore"]

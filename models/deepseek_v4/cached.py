@@ -187,10 +187,14 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
     kernel_options = {"backend": kernel_backend, "interpret": interpret}
     check_layout(layout, cache)  # shapes/dtypes: a cache of another spec fails here, at trace time
     b, c = tokens.shape
-    mask = n_valid > 0
     old_len = cache.lengths[slots]
     new_len = old_len + n_valid
-    reserved, status = tr.reserve(layout, cache, slots, new_len, mask)
+    reserved, status = tr.reserve(layout, cache, slots, new_len, n_valid > 0)
+    ok = status == Status.OK
+    # A failed reserve turns every write of the step into a no-op (all write paths are masked), so
+    # the cache comes back unchanged without a cond or a select over the pools: either would make
+    # XLA copy every pool each step.
+    mask = (n_valid > 0) & ok
 
     def run(cache):
         positions = old_len[:, None] + jnp.arange(c)[None, :]
@@ -209,9 +213,6 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
         cache = tr.slide(layout, cache, slots, mask)
         return cache, model.logits(streams)
 
-    def skip(cache):
-        return cache, jnp.zeros((b, c, model.cfg.vocab_size), jnp.float32)
-
-    # cond, not select: a failed step must not cost a copy of every pool
-    out, logits = jax.lax.cond(status == Status.OK, run, skip, reserved)
-    return out, logits, status
+    out, logits = run(reserved)
+    counters = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out.counters, reserved.counters)
+    return out.replace(counters=counters), jnp.where(ok, logits, 0.0), status
