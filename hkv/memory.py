@@ -44,28 +44,21 @@ def memory_report(layout: CacheLayout, cache: HybridCache) -> dict[str, dict[str
     allocated: device bytes reserved by the pools and TAIL arrays. live: bytes of pages referenced
     by some page table, and the TAIL bytes of active slots' open windows and overlap slices.
     """
-    c = jax.device_get(cache)
-    alloc = dict.fromkeys(KINDS, 0)
+    # Only refcounts and lengths come to the host; sizes come from shapes (no pool is copied).
+    item = layout.spec.storage_dtype.itemsize
     live = dict.fromkeys(KINDS, 0)
     for gi, grp in enumerate(layout.groups):
-        g = c.groups[gi]
-        pool = np.asarray(g.pool)
-        alloc[grp.kind.name] += pool.nbytes
-        page_bytes = pool.nbytes // max(pool.shape[1], 1)
-        live[grp.kind.name] += int((np.asarray(g.refcount) > 0).sum()) * page_bytes
-    lengths, active = np.asarray(c.lengths), np.asarray(c.active)
-    for ti, (_, _, spec) in enumerate(layout.spec.compressors()):
-        t = c.tails[ti]
-        alloc["TAIL"] += sum(np.asarray(a).nbytes for a in (t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate))
-        row = np.asarray(t.tail_kv).itemsize * spec.proj_width
+        used = int((np.asarray(jax.device_get(cache.groups[gi].refcount)) > 0).sum())
+        live[grp.kind.name] += used * len(grp.layers) * layout.page_size * grp.dim * item
+    lengths, active = np.asarray(jax.device_get(cache.lengths)), np.asarray(jax.device_get(cache.active))
+    for _, _, spec in layout.spec.compressors():
         for s in np.nonzero(active)[0]:
             n = int(lengths[s])
-            live["TAIL"] += 2 * (n % spec.ratio) * row
+            live["TAIL"] += 2 * (n % spec.ratio) * spec.proj_width * item
             if spec.overlap and n >= spec.ratio:
-                live["TAIL"] += spec.ratio * spec.entry_dim * (np.asarray(t.overlap_kv).itemsize + 4)
-    alloc["total"] = sum(alloc[k] for k in KINDS)
+                live["TAIL"] += spec.ratio * spec.entry_dim * (item + 4)
     live["total"] = sum(live[k] for k in KINDS)
-    return {"allocated": alloc, "live": live}
+    return {"allocated": allocated_bytes(layout), "live": live}
 
 
 def allocated_bytes(layout: CacheLayout) -> dict[str, int]:

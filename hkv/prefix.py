@@ -32,6 +32,7 @@ from flax import struct
 
 from .spec import ObjectKind
 from .state import PREFIX_REJECTIONS, CacheLayout, HybridCache, Status, TailState, abi_words
+from .transitions import add_refs
 
 
 class RecordState(enum.IntEnum):
@@ -154,17 +155,6 @@ def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tupl
     return acc
 
 
-def _add_refs(group, pages_flat, delta: int):
-    """refcount += delta for valid page ids; pages dropping to 0 get a new generation."""
-    p = group.refcount.shape[0]
-    idx = jnp.where(pages_flat >= 0, pages_flat, p)
-    refcount = group.refcount.at[idx].add(delta, mode="drop")
-    if delta < 0:
-        freed = jnp.zeros((p,), bool).at[idx].set(True, mode="drop") & (refcount == 0)
-        return group.replace(refcount=refcount, generation=group.generation + freed.astype(jnp.int32)), jnp.sum(freed)
-    return group.replace(refcount=refcount), jnp.int32(0)
-
-
 def _count(counters: dict, name: str, n) -> dict:
     c = dict(counters)
     c[name] = c[name] + jnp.asarray(n, jnp.int32)  # names are fixed in state.COUNTERS (static pytree)
@@ -227,7 +217,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
             write = do | upgrade
         row = jnp.where(take, g.page_table[slot], -1)
         grow = jnp.where(take, g.page_gen[slot], 0)
-        new_g, _ = _add_refs(g, jnp.where(write, row, -1), +1)
+        new_g, _ = add_refs(g, jnp.where(write, row, -1), +1)
         groups[gi] = new_g
         pages[gi] = px.pages[gi].at[r].set(jnp.where(write, row, px.pages[gi][r]))
         gens[gi] = px.gens[gi].at[r].set(jnp.where(write, grow, px.gens[gi][r]))
@@ -387,11 +377,11 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         enough = enough & (~partial | (new_page >= 0))
         src = row[last_l]
         shared = jnp.where(partial & (logical == last_l), -1, row)
-        g, _ = _add_refs(g, shared, +1)
+        g, _ = add_refs(g, shared, +1)
         # copy-on-write of the partially filled last page (scatter dropped when there is none)
         dst = jnp.where(partial & (new_page >= 0), new_page, g.pool.shape[1])
         g = g.replace(pool=g.pool.at[:, dst].set(g.pool[:, jnp.maximum(src, 0)], mode="drop"))
-        g, _ = _add_refs(g, jnp.where(partial, new_page, -1)[None], +1)
+        g, _ = add_refs(g, jnp.where(partial, new_page, -1)[None], +1)
         mapped = jnp.where(partial & (logical == last_l), new_page, shared)
         g = g.replace(page_table=g.page_table.at[slot].set(mapped),
                       page_gen=g.page_gen.at[slot].set(jnp.where(mapped >= 0, g.generation[jnp.maximum(mapped, 0)], 0)))
@@ -465,7 +455,7 @@ def evict(layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mas
         g = groups[gi]
         drop = swa if grp.kind == ObjectKind.SWA else whole
         rows = jnp.where(drop[:, None], px.pages[gi], -1)
-        g, n = _add_refs(g, rows.reshape(-1), -1)
+        g, n = add_refs(g, rows.reshape(-1), -1)
         released = released + n
         groups[gi] = g
         if grp.kind == ObjectKind.SWA:  # a tombstone keeps its page ids: a later hit can tell reuse from free

@@ -34,6 +34,18 @@ def _set_rows(arr: jax.Array, slots: jax.Array, mask: jax.Array, new: jax.Array)
     return arr.at[jnp.where(mask, slots, arr.shape[0])].set(new.astype(arr.dtype), mode="drop")
 
 
+def add_refs(group, pages: jax.Array, delta: int):
+    """refcount += delta for the valid (>= 0) page ids in `pages`; a page whose count drops to 0 is
+    free and gets a new generation. Returns (group, number of pages freed)."""
+    p = group.refcount.shape[0]
+    idx = jnp.where(pages >= 0, pages, p).reshape(-1)
+    refcount = group.refcount.at[idx].add(delta, mode="drop")
+    if delta >= 0:
+        return group.replace(refcount=refcount), jnp.int32(0)
+    freed = jnp.zeros((p,), bool).at[idx].set(True, mode="drop") & (refcount == 0)
+    return group.replace(refcount=refcount, generation=group.generation + freed.astype(jnp.int32)), jnp.sum(freed)
+
+
 # --------------------------------------------------------------------------------- slots
 def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Claim the lowest free slot. Returns (cache, slot int32, status); SLOT_CAP when all are taken."""
@@ -56,15 +68,9 @@ def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tu
     groups = []
     released = jnp.zeros((), jnp.int32)
     for g in cache.groups:
-        row = g.page_table[slot]
-        mapped = row >= 0
-        idx = jnp.where(mapped, row, g.refcount.shape[0])
-        refcount = g.refcount.at[idx].add(-1, mode="drop")
-        freed = jnp.zeros_like(g.refcount, bool).at[idx].set(True, mode="drop") & (refcount == 0)
-        released = released + jnp.sum(freed)
+        g, n = add_refs(g, g.page_table[slot], -1)
+        released = released + n
         groups.append(g.replace(
-            refcount=refcount,
-            generation=g.generation + freed.astype(jnp.int32),
             page_table=g.page_table.at[slot].set(-1),
             page_gen=g.page_gen.at[slot].set(0),
         ))
@@ -167,15 +173,11 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
         logical = jnp.arange(g.page_table.shape[1])[None, :]
         rows = g.page_table[slots]
         drop = mask[:, None] & ((logical + 1) * ps <= lo[:, None]) & (rows >= 0)
-        idx = jnp.where(drop, rows, g.refcount.shape[0]).reshape(-1)
-        refcount = g.refcount.at[idx].add(-1, mode="drop")
-        freed = jnp.zeros_like(refcount, bool).at[idx].set(True, mode="drop") & (refcount == 0)
-        released = released + jnp.sum(freed)
+        g, n = add_refs(g, jnp.where(drop, rows, -1).reshape(-1), -1)
+        released = released + n
         groups[gi] = g.replace(
             page_table=_set_rows(g.page_table, slots, mask, jnp.where(drop, -1, rows)),
             page_gen=_set_rows(g.page_gen, slots, mask, jnp.where(drop, 0, g.page_gen[slots])),
-            refcount=refcount,
-            generation=g.generation + freed.astype(jnp.int32),
         )
     keep = min((grp.keep for grp in layout.groups if grp.kind == ObjectKind.SWA and grp.keep is not None),
                default=None)
