@@ -30,8 +30,10 @@ import numpy as np
 from flax import nnx
 
 from . import prefix as px
+from . import swap
 from . import transitions as tr
 from .block_keys import ROOT, key_words, next_key
+from .disk import DiskTier
 from .memory import architectural_minimum, memory_report
 from .plan import RestorePlan
 from .policy import RetentionPolicy, eviction_order, receptive_field
@@ -80,18 +82,27 @@ class Engine:
     "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
     retention: where SWA + TAIL snapshots are kept (prefix cache on when config.prefix_records > 0).
     cache_salt: extra bytes in every block key (adapter id, tenant salt).
+    disk: an `hkv.DiskTier`: cached blocks the eviction policy moves out of device memory are written
+    there (write-behind, never waited on by a step) and restored from there on a later hit, after
+    verification (needs the prefix cache).
     """
 
     def __init__(self, model, config: CacheConfig, *, block_tokens: int = 16, prefill_chunk: int = 32,
                  model_id: str = "unknown", progress: Callable[[str], None] | None = None,
                  kernel_options: dict | None = None, retention: RetentionPolicy | None = None,
-                 cache_salt: bytes = b""):
+                 cache_salt: bytes = b"", disk: DiskTier | None = None):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"{prefill_chunk=} must be a positive integer")
         if config.prefix_records and prefill_chunk % block_tokens:
             raise ValueError(f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
                              f"(chunks end on block boundaries, where records are taken)")
+        if disk is not None and not config.prefix_records:
+            raise ValueError("the disk tier holds prefix blocks: it needs the prefix cache "
+                             f"(CacheConfig.prefix_records={config.prefix_records} must be > 0)")
+        if disk is not None and not isinstance(disk, DiskTier):
+            raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
         self.model = model
+        self.disk = disk
         self.spec = model.cache_spec(block_tokens=block_tokens, model_id=model_id)
         self.layout = CacheLayout(self.spec, config)
         self.cache = init_cache(self.layout)
@@ -143,7 +154,12 @@ class Engine:
             return cache, plan, st
 
         self._restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
-        self._stats.update(ttft_seconds=[], window_recomputes=0)
+        self._stats.update(ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0,
+                           disk_blocks_offloaded=0)
+        self._swap_in = jax.jit(swap.swap_in, static_argnums=0, donate_argnums=1)
+        self._mark_on_disk = jax.jit(swap.mark_on_disk, static_argnums=0, donate_argnums=1)
+        self._disk_futures: list = []
+        self._disk_inflight: set[tuple[bytes, bool]] = set()
         self._running: dict[int, _Seq] = {}
 
     # ---------------------------------------------------------------------------------- api
@@ -157,6 +173,7 @@ class Engine:
         self._running = running
         clock = 0
         while queue or running:
+            self._poll_disk()
             # admit while slots are free
             while queue and len(running) < self.layout.slots:
                 seq = queue.popleft()
@@ -180,6 +197,27 @@ class Engine:
                            else np.zeros((0, self.model.cfg.vocab_size), np.float32),
                            plan=d.plan or RestorePlan.cold(len(d.prompt))) for d in
                 [done[i] for i in range(len(prompts))]]
+
+    def write_through(self) -> int:
+        """Copy every cached block that ends in an SWA + TAIL snapshot (and the blocks of its chain
+        the disk tier lacks) to the disk tier, without evicting anything; asynchronous (see
+        `flush_disk`). Returns the number of blocks queued. E.g. before a planned shutdown."""
+        if self.disk is None:
+            raise ValueError("write_through needs a disk tier (Engine(..., disk=hkv.DiskTier(path)))")
+        p = jax.device_get(self.cache.prefix)
+        alive = np.asarray(p.state) == px.RecordState.ALIVE
+        snap = alive & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
+        return self._offload(p, [int(r) for r in np.nonzero(snap)[0]])
+
+    def flush_disk(self) -> None:
+        """Wait for every disk write issued so far and mark the committed blocks on disk."""
+        if self.disk is not None:
+            self.disk.flush()
+            self._poll_disk()
+
+    def close(self) -> None:
+        """Finish pending disk writes (the engine stays usable)."""
+        self.flush_disk()
 
     def stats(self) -> dict[str, Any]:
         """Engine counters, the cache's transition counters and the prefix metrics (a host snapshot)."""
@@ -328,9 +366,12 @@ class Engine:
             plan = RestorePlan.from_vector(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
+        vec = np.asarray(vec)
+        if self.disk is not None:
+            plan, vec = self._disk_extend(seq, ids, keys, usable, plan, vec)
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_recompute_tokens
-        if (plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
+        if (plan.disk_tokens is None and plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
                 and abi_ok - plan.restored_tokens > r):
             # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
             # slot and restore the entries at the longer boundary, then recompute its window.
@@ -359,9 +400,12 @@ class Engine:
         if seq.plan is None:  # a preempted request keeps the plan of its first admission
             seq.plan = plan
         restored = plan.restored_tokens
+        on_device = plan.disk_tokens[0] if plan.disk_tokens else restored
         seq.fed = restored
-        seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if restored else -1
-        seq.keys = [bytes(key_words_bytes(k)) for k in keys[:restored // bt]]
+        seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if on_device else -1
+        seq.keys = [bytes(key_words_bytes(k)) for k in keys[:on_device // bt]]
+        if plan.disk_tokens:
+            self._after_step(seq)  # the blocks that came from disk are cached on device again
         self._say(f"prompt {seq.index}: hash hit {plan.hash_hit_tokens} tokens, restored {restored}"
                   + (f" (stopped at stage {plan.first_failed_stage}: {plan.reason})" if plan.reason else ""))
         return restored
@@ -408,9 +452,150 @@ class Engine:
         snap, whole = np.zeros(nr, bool), np.zeros(nr, bool)
         for kind, r in batch:
             (snap if kind == "snapshot" else whole)[r] = True
+        if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
+            held = meta["swa_held"] & (meta["tail_slot"] >= 0)
+            self._offload(p, [r for _, r in batch if held[r]])
         self.cache = self._evict(self.layout, self.cache, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
         self._say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
         return True
+
+    # ----------------------------------------------------------------------------- disk tier
+    def _offload(self, p, records: list[int]) -> int:
+        """Queue one disk segment with the snapshot blocks of `records` (alive, holding a snapshot)
+        and every block of their chains the tier lacks. p: host snapshot of the prefix index."""
+        bt = self.spec.block_tokens
+        abi = self.spec.fingerprint()
+        payloads, seen = [], set()
+        lasts = {key_words_bytes(p.key[r]) for r in records}  # blocks written with their snapshot
+        for r in records:
+            chain, q = [], int(r)
+            while q >= 0:
+                chain.append(q)
+                q = int(p.parent[q])
+            keys = {int(p.length[q]) // bt - 1: key_words_bytes(p.key[q]) for q in chain}
+            last = int(p.length[r]) // bt - 1
+            need = []
+            for b in sorted(keys):
+                k = keys[b]
+                stored, with_snap = self.disk.contains(abi, k)
+                if b == last:
+                    if not with_snap and (k, True) not in self._disk_inflight and (k, True) not in seen:
+                        need.append(b)
+                elif not stored and k not in lasts and not ({(k, True), (k, False)} & (seen | self._disk_inflight)):
+                    need.append(b)
+            if need:
+                for pl in swap.swap_out(self.layout, self.cache, p, int(r), need, keys):
+                    seen.add((pl.key, pl.snapshot))
+                    payloads.append(pl)
+        if not payloads:
+            return 0
+        marks = {(pl.key, pl.snapshot) for pl in payloads}
+        self._disk_inflight |= marks
+        fut = self.disk.write_async(abi, payloads)
+        self._disk_futures.append((fut, marks))
+        self._stats["disk_blocks_offloaded"] += len(payloads)
+        self._say(f"disk tier: queued {len(payloads)} blocks")
+        return len(payloads)
+
+    def _poll_disk(self) -> None:
+        """Mark the blocks of completed disk writes `on_disk` in the prefix index (only once their
+        manifest is published); a failed write is reported and its blocks stay device-only."""
+        if not self._disk_futures:
+            return
+        done = [(f, m) for f, m in self._disk_futures if f.done()]
+        if not done:
+            return
+        self._disk_futures = [(f, m) for f, m in self._disk_futures if not f.done()]
+        keys = []
+        for fut, marks in done:
+            self._disk_inflight -= marks
+            if fut.exception() is not None:
+                self._say(f"disk tier write failed (blocks stay on device only): {fut.exception()}")
+                continue
+            keys += fut.result()
+        if keys:
+            k = swap.bucket(len(keys))
+            arr = np.zeros((k, 4), np.uint32)
+            arr[:len(keys)] = [key_words(x) for x in keys]
+            self.cache = self._mark_on_disk(self.layout, self.cache, jnp.asarray(arr), jnp.arange(k) < len(keys))
+
+    def _disk_extend(self, seq: _Seq, ids: list[int], keys: np.ndarray, usable: int, plan: RestorePlan,
+                     vec: np.ndarray) -> tuple[RestorePlan, np.ndarray]:
+        """Extend the device-restored prefix [0, L0) with verified blocks from the disk tier, up to
+        the longest boundary where a stored snapshot lies and every block before it passes stages 2
+        and 4; install them with one `swap_in` transition. A bad or missing block shortens the plan
+        and names the reason; nothing unverified is installed."""
+        bt = self.spec.block_tokens
+        l0 = plan.restored_tokens
+        i0 = l0 // bt
+        kb = [key_words_bytes(k) for k in keys[:usable]]
+        toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
+        chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=i0)
+        refs = chain.refs
+        snaps = [j for j, r in enumerate(refs) if r.snapshot]
+        reason, l1, payloads = None, l0, []
+        if snaps:
+            res = self.disk.read(refs[:snaps[-1] + 1],
+                                 expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"]))
+            got = res.payloads
+            reason = res.reason
+            iver = int(self.cache.indexer_version)
+            if swap.has_indexer(self.layout):
+                for j, pl in enumerate(got):
+                    if pl.indexer_version != iver:
+                        got, reason = got[:j], reason or "indexer_version"
+                        break
+            ok = [j for j in snaps if j < len(got)]
+            if ok:
+                payloads = got[:ok[-1] + 1]
+                l1 = l0 + len(payloads) * bt
+        if payloads:
+            rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
+            while True:
+                self.cache, st = self._swap_in(self.layout, self.cache, jnp.int32(seq.slot), jnp.int32(l0),
+                                               jnp.int32(l1), rows, tails)
+                if int(st) != Status.NO_PAGES or not self._make_room():
+                    break
+            if int(st) != Status.OK:
+                self._say(f"prompt {seq.index}: disk blocks verified but not installed ({Status(int(st)).name})")
+                l1 = l0
+        found = (i0 + len(refs)) * bt
+        if reason is None and chain.stop == "disk_abi":
+            reason = "disk_abi"
+        if reason is None and chain.stop == "absent" and i0 + len(refs) < usable:
+            # a tombstone that says its block went to disk, but the tier has no such block
+            p = jax.device_get(self.cache.prefix)
+            want = key_words(kb[i0 + len(refs)])
+            if np.any(np.all(np.asarray(p.key) == want, axis=1) & np.asarray(p.on_disk)):
+                reason = "disk_missing"
+        hash_hit = max(plan.hash_hit_tokens, found)
+        if l1 == l0 and reason is None:
+            return plan, vec
+        after = dict(plan.tokens_after_stage)
+        disk_stage = {"lifecycle": found, "abi": found, "intersection": (i0 + snaps[-1] + 1) * bt if snaps else l0,
+                      "byte": l1}
+        after = {k: max(v, disk_stage[k]) for k, v in after.items()}
+        if l1 >= hash_hit:
+            stage, why = None, None
+        elif reason is not None:
+            why = reason
+            stage = px.STAGES[px.REASON_STAGE.get(px.Reason[why.upper()], 4)]
+        else:
+            stage, why = plan.first_failed_stage, plan.reason
+        vec = np.asarray(vec).copy()
+        f = px.PLAN_FIELDS.index
+        vec[f("hash_blocks")] = hash_hit // bt
+        vec[f("byte_blocks")] = l1 // bt
+        vec[f("disk_blocks")] = (l1 - l0) // bt
+        vec[f("reason")] = px.Reason[why.upper()] if why else px.Reason.NONE
+        vec[f("first_failed_stage")] = px.STAGES.index(stage) if stage else -1
+        if l1 > l0:
+            self._stats["disk_restores"] += 1
+            self._stats["disk_restored_tokens"] += l1 - l0
+        plan = dataclasses.replace(plan, hash_hit_tokens=hash_hit, tokens_after_stage=after, restored_tokens=l1,
+                                   first_failed_stage=stage, reason=why, recompute=(l1, len(ids)),
+                                   disk_tokens=(l0, l1) if l1 > l0 else None)
+        return plan, vec
 
     def prefix_stats(self) -> dict[str, Any]:
         """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""

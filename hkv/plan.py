@@ -24,6 +24,7 @@ class RestorePlan:
     window_recomputed: when the SWA window / TAIL at the restored boundary was missing and rebuilding
     it was cheaper than recomputing the gap, the [L - R, L) tokens re-run (without sealing) to rebuild
     them; R = layers x (window - 1), the receptive field of the windows.
+    disk_tokens: [L0, L1) tokens installed from the disk tier (verified before use), or None.
     """
 
     prompt_tokens: int
@@ -35,6 +36,7 @@ class RestorePlan:
     recompute: tuple[int, int]
     status: str = "OK"
     window_recomputed: tuple[int, int] | None = None
+    disk_tokens: tuple[int, int] | None = None
 
     @classmethod
     def from_vector(cls, vec, block_tokens: int, prompt_tokens: int) -> "RestorePlan":

@@ -54,12 +54,17 @@ class Reason(enum.IntEnum):
     TAIL_MISSING = 7
     INDEXER_VERSION = 8
     CHECKSUM = 9
+    DISK_CHECKSUM = 10  # a disk-tier manifest or chunk fails its checksum
+    DISK_MISSING = 11  # a block the index or a tombstone says is on disk is not (manifest or data gone)
+    DISK_ABI = 12  # the stored block was written by another ABI fingerprint
+    DISK_TRUNCATED = 13  # a disk-tier chunk is shorter than written
 
 
 STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
 assert tuple(r.name.lower() for r in Reason if r != Reason.NONE) == PREFIX_REJECTIONS
 REASON_STAGE = {Reason.COLLISION: 1, Reason.FREED: 1, Reason.PAGE_REUSED: 1, Reason.ABI_MISMATCH: 2,
-                Reason.SWA_MISSING: 3, Reason.TAIL_MISSING: 3, Reason.INDEXER_VERSION: 3, Reason.CHECKSUM: 4}
+                Reason.SWA_MISSING: 3, Reason.TAIL_MISSING: 3, Reason.INDEXER_VERSION: 3, Reason.CHECKSUM: 4,
+                Reason.DISK_CHECKSUM: 4, Reason.DISK_MISSING: 4, Reason.DISK_ABI: 2, Reason.DISK_TRUNCATED: 4}
 
 
 @struct.dataclass
@@ -80,6 +85,7 @@ class PrefixIndex:
     swa_held: jax.Array  # bool[NR]
     tail_slot: jax.Array  # int32[NR]  snapshot slot, -1 = none
     checksum: jax.Array  # uint32[NR]
+    on_disk: jax.Array  # bool[NR]  a committed disk-tier copy exists (set when its manifest is published)
     snaps: tuple  # per compressor TailState with leading dim NT
     snap_used: jax.Array  # bool[NT]
     clock: jax.Array  # int32
@@ -105,12 +111,12 @@ def init_prefix(layout: CacheLayout) -> PrefixIndex:
         pages=tuple(jnp.full((nr, mg), -1, jnp.int32) for mg in m),
         gens=tuple(jnp.zeros((nr, mg), jnp.int32) for mg in m),
         swa_held=jnp.zeros((nr,), bool), tail_slot=jnp.full((nr,), -1, jnp.int32),
-        checksum=jnp.zeros((nr,), jnp.uint32), snaps=tuple(snaps), snap_used=jnp.zeros((nt,), bool),
+        checksum=jnp.zeros((nr,), jnp.uint32), on_disk=jnp.zeros((nr,), bool), snaps=tuple(snaps), snap_used=jnp.zeros((nt,), bool),
         clock=jnp.zeros((), jnp.int32))
 
 
 PLAN_FIELDS = ("hash_blocks", "lifecycle_blocks", "abi_blocks", "intersection_blocks", "byte_blocks",
-               "first_failed_stage", "reason", "status", "record")
+               "first_failed_stage", "reason", "status", "record", "disk_blocks")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -246,6 +252,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         state=px.state.at[r].set(jnp.where(do, jnp.int8(RecordState.ALIVE), px.state[r])),
         last_used=px.last_used.at[r].set(jnp.where(do | exists, clock, px.last_used[r])),
         hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
+        on_disk=px.on_disk.at[r].set(jnp.where(do, False, px.on_disk[r])),
         pages=tuple(pages), gens=tuple(gens),
         swa_held=px.swa_held.at[r].set(jnp.where(do | upgrade, snap_now, px.swa_held[r])),
         tail_slot=px.tail_slot.at[r].set(jnp.where(snap_now, t, jnp.where(do, -1, px.tail_slot[r]))),
@@ -412,7 +419,7 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     ok = enough & valid_slot
     status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
     plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status,
-                      jnp.where(ok & do, r, -1)]).astype(jnp.int32)
+                      jnp.where(ok & do, r, -1), 0]).astype(jnp.int32)
     counters = count_plan(layout, cache, plan).counters if count else cache.counters
     out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
                        cache.replace(counters=counters))
@@ -428,6 +435,7 @@ def count_plan(layout: CacheLayout, cache: HybridCache, plan: jax.Array) -> Hybr
     counters = _count(cache.counters, "prefix_lookups", 1)
     counters = _count(counters, "prefix_hash_hit_tokens", f["hash_blocks"] * bt)
     counters = _count(counters, "prefix_restored_tokens", f["byte_blocks"] * bt)
+    counters = _count(counters, "prefix_disk_restored_tokens", f["disk_blocks"] * bt)
     for reason_ in Reason:
         if reason_ != Reason.NONE:
             counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}",

@@ -188,11 +188,12 @@ class HybridCache:
 
 
 PREFIX_REJECTIONS = ("no_hash_match", "collision", "freed", "page_reused", "abi_mismatch", "swa_missing",
-                     "tail_missing", "indexer_version", "checksum")
+                     "tail_missing", "indexer_version", "checksum", "disk_checksum", "disk_missing", "disk_abi",
+                     "disk_truncated")
 COUNTERS = ("transitions", "failed_no_pages", "failed_slot_cap", "failed_context_cap",
             "pages_allocated", "pages_released", "tokens_written", "entries_sealed",
             "records_created", "snapshots_taken", "snapshots_skipped_full",
-            "prefix_lookups", "prefix_hash_hit_tokens", "prefix_restored_tokens",
+            "prefix_lookups", "prefix_hash_hit_tokens", "prefix_restored_tokens", "prefix_disk_restored_tokens",
             "evicted_swa_snapshots", "evicted_tail_snapshots", "evicted_records") + tuple(
     f"prefix_rejected_{r}" for r in PREFIX_REJECTIONS)
 

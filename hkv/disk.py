@@ -1,0 +1,578 @@
+"""`DiskTier`: the on-disk prefix tier — checksummed, atomic, asynchronous, verified before use.
+
+The fifth cache object. Sealed prefix blocks that leave device memory are written here and come back
+on a later hit, but only after every byte is proven complete and intact; otherwise the hit is a
+shorter plan with a reason (`disk_missing`, `disk_checksum`, `disk_truncated`, `disk_abi`), never an
+exception in the decode loop and never a wrong token.
+
+Storage (any tensorstore kvstore: `file` by default, `memory`, `ocdbt`, `gcs`, `s3`):
+
+    manifests/<abi>/<segment>.json     the segment's manifest (`hkv.disk_manifest`), published LAST
+    data/<abi>/<segment>/              a zarr3 uint8 array: one shard of `chunk_bytes` inner chunks,
+                                       crc32c in the chunk and the shard-index codecs
+    hits/<abi>/<writer>.json           restore counts per block key of one writer (for `stats`)
+
+A *segment* is one write batch (one or more blocks, every object of each block: its COMPRESSED and
+INDEXER rows and, when the retention policy kept one, the SWA window and TAIL at its end boundary).
+Content addressing: a block is found by (block key, ABI fingerprint); the ABI is also inside the
+manifest, so a manifest that claims another fingerprint is rejected as `disk_abi`. The bytes are
+committed in one tensorstore transaction, then the manifest is written (a single-key write, atomic
+in every kvstore); a reader never sees a partial block, and a writer killed mid-write leaves only
+unreferenced data that `verify` reports as orphaned. Two writers never share a segment name
+(random ids), so engines sharing a store cannot corrupt each other.
+
+Writes are asynchronous (`write_async` returns a `concurrent.futures.Future` that resolves once the
+manifest is published); reads are issued concurrently and verified (stage 2: ABI; stage 4: dtype,
+shape, alignment, per-object crc32 on top of zarr's crc32c) before anything is returned.
+No pickle anywhere: manifests are JSON, arrays are raw bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from . import disk_manifest as mf
+
+MISSING, CHECKSUM, TRUNCATED, ABI = "disk_missing", "disk_checksum", "disk_truncated", "disk_abi"
+DISK_REASONS = (CHECKSUM, MISSING, ABI, TRUNCATED)
+
+
+def dtype_of(name: str) -> np.dtype:
+    """numpy dtype for a manifest dtype name (bfloat16 / float8 via ml_dtypes)."""
+    if name not in mf.DTYPES:
+        raise ValueError(f"dtype {name!r} must be one of {mf.DTYPES}")
+    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16", "float8_e4m3fn") else np.dtype(name)
+
+
+@dataclasses.dataclass
+class BlockPayload:
+    """One block's bytes on the host. objects: name -> (array, row_start) (see `hkv.disk_manifest`)."""
+
+    key: bytes
+    parent: bytes | None  # None for the first block of a prompt
+    index: int
+    length: int
+    tokens: list[int]
+    indexer_version: int
+    snapshot: bool
+    objects: dict[str, tuple[np.ndarray, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRef:
+    """A block as a manifest lists it: where its objects are."""
+
+    abi: str
+    segment: str
+    entry: dict  # the manifest's block entry
+
+    @property
+    def snapshot(self) -> bool:
+        return self.entry["snapshot"]
+
+
+@dataclasses.dataclass
+class ChainLookup:
+    """`DiskTier.find_chain`: refs[i] is block start + i (ours, tokens equal); `stop` says why the chain
+    ended before the keys did: None (it did not), "absent", "collision" or `disk_abi`."""
+
+    refs: list[BlockRef]
+    stop: str | None
+
+
+@dataclasses.dataclass
+class ReadResult:
+    """`DiskTier.read`: the verified payloads of refs[:len(payloads)]; `reason` why the next one failed."""
+
+    payloads: list[BlockPayload]
+    reason: str | None = None
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class _Segment:
+    abi: str
+    name: str
+    manifest_key: str
+    stored_bytes: int
+    data_bytes: int
+    chunk_bytes: int
+    created: float
+    keys: tuple[str, ...]
+    parents: tuple[str, ...]
+    last_hit: float = 0.0
+
+
+def _kvstore_spec(store) -> dict | str:
+    if isinstance(store, (str, os.PathLike)):
+        s = os.fspath(store)
+        if "://" in s:
+            return s
+        return {"driver": "file", "path": os.path.abspath(s).rstrip("/") + "/"}
+    if isinstance(store, dict) and "driver" in store:
+        return store
+    raise ValueError(f"store={store!r} must be a directory path, a kvstore URL (file://, memory://, gs://, s3://) "
+                     f"or a tensorstore kvstore spec dict with a 'driver'")
+
+
+def _array_spec(kv: ts.KvStore, n: int, chunk: int) -> dict:
+    return {"driver": "zarr3", "kvstore": kv.spec().to_json(), "store_data_equal_to_fill_value": True,
+            "metadata": {"shape": [n], "data_type": "uint8", "fill_value": 0,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [n]}},
+                         "codecs": [{"name": "sharding_indexed", "configuration": {
+                             "chunk_shape": [chunk], "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                              {"name": "crc32c"}],
+                             "index_location": "end"}}]}}
+
+
+def _layout_bytes(data_bytes: int, chunk_bytes: int) -> tuple[int, int, int]:
+    """(inner chunk, padded array bytes, shard file bytes) for `data_bytes` of payload."""
+    chunk = min(chunk_bytes, max(4096, 1 << max(data_bytes - 1, 1).bit_length()))
+    n_chunks = max(1, math.ceil(data_bytes / chunk))
+    return chunk, n_chunks * chunk, n_chunks * (chunk + 4) + n_chunks * 16 + 4
+
+
+class DiskTier:
+    """The on-disk prefix tier. See the module docstring for the format.
+
+    store: a directory (file kvstore), a kvstore URL, or a tensorstore kvstore spec dict (e.g.
+    {"driver": "ocdbt", "base": "file:///path"} or {"driver": "memory"}).
+    budget_bytes: stored bytes the tier may hold (None = unbounded); over it, whole segments are
+    deleted, leaves of the block chains first, least recently hit first.
+    chunk_bytes: inner chunk size of the zarr3 shard (a few hundred KiB: large sequential I/O).
+    writer_id: this writer's name in manifests and hit files (default: random).
+    refresh_seconds: how stale the in-memory view of other writers' manifests may get.
+    """
+
+    def __init__(self, store="hkv-store", *, budget_bytes: int | None = None, chunk_bytes: int = 1 << 19,
+                 writer_id: str | None = None, refresh_seconds: float = 0.5, context: ts.Context | None = None,
+                 progress: Callable[[str], None] | None = None):
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+            raise ValueError(f"{budget_bytes=} must be an integer >= 0 or None")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
+            raise ValueError(f"{chunk_bytes=} must be a power of two >= 4096")
+        self.spec = _kvstore_spec(store)
+        self.context = context or ts.Context()
+        try:
+            self.kv = ts.KvStore.open(self.spec, context=self.context).result()
+        except Exception as e:  # noqa: BLE001 — tensorstore raises ValueError/RuntimeError by driver
+            raise ValueError(f"cannot open disk tier store {self.spec!r}: {e}") from None
+        self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
+        self.writer_id = writer_id or uuid.uuid4().hex[:12]
+        self.refresh_seconds = refresh_seconds
+        self.progress = progress
+        self._lock = threading.RLock()
+        self._segments: dict[tuple[str, str], _Segment] = {}
+        self._blocks: dict[str, list[BlockRef]] = {}  # key hex -> refs in any ABI
+        self._bad: dict[str, str] = {}  # manifest key -> why it was rejected
+        self._refreshed = -math.inf
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk")
+        self._pending: set[concurrent.futures.Future] = set()
+        self._hits: dict[str, dict[str, int]] = {}
+        self.counters = {"segments_written": 0, "blocks_written": 0, "bytes_written": 0, "write_failures": 0,
+                         "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
+                         **{f"rejected_{r}": 0 for r in DISK_REASONS}}
+        self.refresh(force=True)
+
+    # ------------------------------------------------------------------------------- index
+    def refresh(self, force: bool = False) -> None:
+        """Re-list the published manifests (other writers', other processes'). Cheap when fresh."""
+        if not force and time.monotonic() - self._refreshed < self.refresh_seconds:
+            return
+        names = [k.decode() for k in self.kv.list(ts.KvStore.KeyRange("manifests/", "manifests0")).result()]
+        names = [n for n in names if n.endswith(".json")]
+        with self._lock:
+            known = {s.manifest_key for s in self._segments.values()}
+            for gone in known - set(names):
+                self._drop_segment(next(k for k, s in self._segments.items() if s.manifest_key == gone))
+            new = [n for n in names if n not in known and n not in self._bad]
+        reads = {n: self.kv.read(n) for n in new}
+        for n, fut in reads.items():
+            r = fut.result()
+            if r.state != "value":
+                continue
+            try:
+                doc = mf.parse(r.value)
+                if n.split("/")[1] != doc["abi"]:
+                    raise mf.ManifestError(f"manifest under ABI {n.split('/')[1]} claims ABI {doc['abi']}")
+            except mf.ManifestError as e:
+                self._bad[n] = str(e)
+                continue
+            self._add_segment(n, doc)
+        self._refreshed = time.monotonic()
+
+    def _add_segment(self, manifest_key: str, doc: dict) -> None:
+        seg = _Segment(abi=doc["abi"], name=doc["segment"], manifest_key=manifest_key,
+                       stored_bytes=doc["stored_bytes"], data_bytes=doc["data_bytes"], chunk_bytes=doc["chunk_bytes"],
+                       created=float(doc.get("created", 0.0)), keys=tuple(b["key"] for b in doc["blocks"]),
+                       parents=tuple(b["parent"] for b in doc["blocks"]))
+        with self._lock:
+            self._segments[(seg.abi, seg.name)] = seg
+            for b in doc["blocks"]:
+                self._blocks.setdefault(b["key"], []).append(BlockRef(seg.abi, seg.name, b))
+
+    def _drop_segment(self, sid: tuple[str, str]) -> None:
+        with self._lock:
+            seg = self._segments.pop(sid, None)
+            if seg is None:
+                return
+            for k in seg.keys:
+                refs = [r for r in self._blocks.get(k, []) if (r.abi, r.segment) != sid]
+                if refs:
+                    self._blocks[k] = refs
+                else:
+                    self._blocks.pop(k, None)
+
+    def contains(self, abi: str, key: bytes) -> tuple[bool, bool]:
+        """(stored under `abi`, stored with a snapshot) for block `key`, as of the last refresh."""
+        refs = [r for r in self._blocks.get(key.hex(), []) if r.abi == abi]
+        return bool(refs), any(r.snapshot for r in refs)
+
+    def find_chain(self, abi: str, keys: list[bytes], tokens: list[list[int]], start: int = 0) -> ChainLookup:
+        """The stored blocks keys[start], keys[start + 1], ... as long as each is present under `abi`
+        with equal token ids (a key collision stops the chain). Prefers a copy with a snapshot."""
+        self.refresh()
+        refs: list[BlockRef] = []
+        with self._lock:
+            for i in range(start, len(keys)):
+                cands = self._blocks.get(keys[i].hex(), [])
+                ours = [r for r in cands if r.abi == abi]
+                if not ours:
+                    return ChainLookup(refs, ABI if cands else "absent")
+                same = [r for r in ours if r.entry["tokens"] == list(tokens[i]) and r.entry["index"] == i]
+                if not same:
+                    return ChainLookup(refs, "collision")
+                refs.append(max(same, key=lambda r: (r.snapshot, self._segments[(r.abi, r.segment)].created)))
+        return ChainLookup(refs, None)
+
+    # ------------------------------------------------------------------------------- write
+    def write_async(self, abi: str, blocks: list[BlockPayload]) -> concurrent.futures.Future:
+        """Write `blocks` as one segment in the background. The future resolves to the list of block
+        keys once the manifest is published (an exception if the write failed: nothing was
+        published). The arrays must not be modified afterwards (they are host copies)."""
+        if not blocks:
+            raise ValueError("write_async needs at least one block")
+        mf._hex(abi, 32, "abi")
+        fut = self._pool.submit(self._write_segment, abi, blocks)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._written)
+        return fut
+
+    def _written(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            if fut.exception() is not None:
+                self.counters["write_failures"] += 1
+
+    def write(self, abi: str, blocks: list[BlockPayload]) -> list[bytes]:
+        """Synchronous `write_async`."""
+        return self.write_async(abi, blocks).result()
+
+    def _write_segment(self, abi: str, blocks: list[BlockPayload]) -> list[bytes]:
+        entries, parts, off = [], [], 0
+        for b in blocks:
+            objs = []
+            for name, (arr, row_start) in b.objects.items():
+                a = np.ascontiguousarray(arr)
+                raw = a.view(np.uint8).reshape(-1).tobytes() if a.size else b""
+                objs.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "row_start": int(row_start),
+                             "offset": off, "nbytes": len(raw), "crc32": zlib.crc32(raw)})
+                parts.append((off, raw))
+                off += -(-len(raw) // mf.ALIGN) * mf.ALIGN if raw else 0
+            entries.append({"key": b.key.hex(), "parent": b.parent.hex() if b.parent else "", "index": int(b.index),
+                            "length": int(b.length), "tokens": [int(t) for t in b.tokens],
+                            "indexer_version": int(b.indexer_version), "snapshot": bool(b.snapshot),
+                            "objects": objs})
+        data_bytes = max(off, 1)
+        chunk, padded, stored = _layout_bytes(data_bytes, self.chunk_bytes)
+        buf = np.zeros((padded,), np.uint8)
+        for o, raw in parts:
+            buf[o:o + len(raw)] = np.frombuffer(raw, np.uint8)
+        seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{self.writer_id}-{uuid.uuid4().hex[:8]}"
+        txn = ts.Transaction()
+        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), create=True, context=self.context,
+                      transaction=txn).result()
+        arr[...] = buf
+        txn.commit_async().result()
+        doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
+               "stored_bytes": stored, "chunk_bytes": chunk, "blocks": entries}
+        raw = mf.seal(doc)
+        key = f"manifests/{abi}/{seg}.json"
+        self.kv.write(key, raw).result()  # published: from here on the blocks exist
+        self._add_segment(key, mf.parse(raw))
+        with self._lock:
+            self.counters["segments_written"] += 1
+            self.counters["blocks_written"] += len(blocks)
+            self.counters["bytes_written"] += stored + len(raw)
+        self._say(f"disk tier: wrote {len(blocks)} blocks ({stored:,} bytes) as segment {seg}")
+        self.enforce_budget()
+        return [b.key for b in blocks]
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for every write issued so far (its manifest published or its failure recorded)."""
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=timeout)
+        self.save_hits()
+
+    # -------------------------------------------------------------------------------- read
+    def read(self, refs: list[BlockRef], expect: Callable[[dict], dict[str, tuple[np.dtype, tuple]]] | None = None,
+             count: bool = True) -> ReadResult:
+        """Read and verify the blocks `refs` (in order; reads issued concurrently). Returns the
+        leading blocks that passed every check and the reason the first failing one did not:
+        `disk_missing` (manifest or data gone), `disk_checksum` (manifest or bytes corrupted),
+        `disk_truncated` (data shorter than written), `disk_abi` (manifest claims another ABI).
+        expect(entry) -> {object name: (dtype, shape)} the running engine needs for that block.
+        count=False (used by `verify`): no hit or rejection is counted."""
+        manifests: dict[tuple[str, str], object] = {}
+        for r in refs:
+            sid = (r.abi, r.segment)
+            if sid not in manifests:
+                manifests[sid] = self.kv.read(f"manifests/{r.abi}/{r.segment}.json")
+        checked: dict[tuple[str, str], tuple[str | None, str, dict | None]] = {}
+        arrays: dict[tuple[str, str], object] = {}
+        for sid, fut in manifests.items():
+            res = fut.result()
+            if res.state != "value":
+                checked[sid] = (MISSING, f"manifest of segment {sid[1]} is gone", None)
+                continue
+            try:
+                doc = mf.parse(res.value)
+            except mf.ManifestError as e:
+                checked[sid] = (CHECKSUM, f"manifest of segment {sid[1]}: {e}", None)
+                continue
+            if doc["abi"] != sid[0]:
+                checked[sid] = (ABI, f"manifest of segment {sid[1]} claims ABI {doc['abi']}, stored under {sid[0]}", None)
+                continue
+            checked[sid] = (None, "", doc)
+            chunk, padded, _ = _layout_bytes(doc["data_bytes"], doc["chunk_bytes"])
+            arrays[sid] = ts.open(_array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", padded, chunk), open=True,
+                                  assume_metadata=True, context=self.context)
+        # issue every object read at once
+        reads: list[list[tuple[dict, object]]] = []
+        for r in refs:
+            sid = (r.abi, r.segment)
+            reason, _, doc = checked[sid]
+            entry = None if reason is not None else next(
+                (b for b in doc["blocks"] if b["key"] == r.entry["key"] and b["index"] == r.entry["index"]), None)
+            if entry is None:
+                reads.append([])
+                continue
+            try:
+                arr = arrays[sid].result()
+            except Exception:  # noqa: BLE001 — checked (and classified) per block below
+                reads.append(None)
+                continue
+            reads.append([(o, arr[o["offset"]:o["offset"] + o["nbytes"]].read()) for o in entry["objects"]])
+        out: list[BlockPayload] = []
+        for r, objs in zip(refs, reads):
+            sid = (r.abi, r.segment)
+            reason, detail, doc = checked[sid]
+            if reason is None:
+                reason, detail, payload = self._check_block(r, doc, objs, expect)
+            if reason is not None:
+                with self._lock:
+                    self.counters[f"rejected_{reason}"] += count
+                return ReadResult(out, reason, detail)
+            out.append(payload)
+            if not count:
+                continue
+            with self._lock:
+                self.counters["blocks_read"] += 1
+                self.counters["bytes_read"] += sum(int(a.nbytes) for a, _ in payload.objects.values())
+                h = self._hits.setdefault(r.abi, {})
+                h[r.entry["key"]] = h.get(r.entry["key"], 0) + 1
+                if sid in self._segments:
+                    self._segments[sid].last_hit = time.time()
+        return ReadResult(out)
+
+    def _check_block(self, ref: BlockRef, doc: dict, objs, expect):
+        sid = (ref.abi, ref.segment)
+        entry = next((b for b in doc["blocks"] if b["key"] == ref.entry["key"] and b["index"] == ref.entry["index"]),
+                     None)
+        if entry is None or entry != ref.entry:
+            return CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None
+        want = expect(entry) if expect is not None else None
+        if want is not None and set(want) != {o["name"] for o in entry["objects"]}:
+            return CHECKSUM, (f"block {entry['index']} holds objects {sorted(o['name'] for o in entry['objects'])}, "
+                              f"the engine needs {sorted(want)}"), None
+        if objs is None:
+            return self._probe(sid, doc, "data array unreadable")
+        objects = {}
+        for o, fut in objs:
+            dt = dtype_of(o["dtype"])
+            n = int(np.prod(o["shape"], dtype=np.int64)) * dt.itemsize
+            if o["offset"] % mf.ALIGN or n != o["nbytes"]:
+                return CHECKSUM, f"object {o['name']}: offset {o['offset']} / {o['nbytes']} bytes disagree with " \
+                                 f"{o['dtype']}{o['shape']} at alignment {mf.ALIGN}", None
+            if want is not None and (np.dtype(want[o["name"]][0]) != dt or tuple(want[o["name"]][1]) != tuple(o["shape"])):
+                return CHECKSUM, (f"object {o['name']} is {o['dtype']}{o['shape']}, the engine needs "
+                                  f"{np.dtype(want[o['name']][0]).name}{list(want[o['name']][1])}"), None
+            try:
+                raw = fut.result()
+            except Exception as e:  # noqa: BLE001 — zarr's crc32c or a short read
+                return self._probe(sid, doc, str(e))
+            if zlib.crc32(raw.tobytes()) != o["crc32"]:
+                return self._probe(sid, doc, f"object {o['name']} fails its crc32")
+            objects[o["name"]] = (raw.view(dt).reshape(o["shape"]), o["row_start"])
+        parent = bytes.fromhex(entry["parent"]) if entry["parent"] else None
+        return None, "", BlockPayload(bytes.fromhex(entry["key"]), parent, entry["index"], entry["length"],
+                                      entry["tokens"], entry["indexer_version"], entry["snapshot"], objects)
+
+    def _probe(self, sid: tuple[str, str], doc: dict, detail: str):
+        """Classify a data failure by the raw shard: gone, shorter than written, or corrupted."""
+        raw = self.kv.read(f"data/{sid[0]}/{sid[1]}/c/0").result()
+        if raw.state != "value":
+            return MISSING, f"segment {sid[1]}'s data is gone ({detail})", None
+        if len(raw.value) < doc["stored_bytes"]:
+            return TRUNCATED, f"segment {sid[1]}'s data has {len(raw.value)} of {doc['stored_bytes']} bytes", None
+        return CHECKSUM, f"segment {sid[1]}: {detail}", None
+
+    # ------------------------------------------------------------------------------ budget
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return sum(s.stored_bytes for s in self._segments.values())
+
+    def enforce_budget(self) -> int:
+        """Delete whole segments until the stored bytes fit `budget_bytes`: segments no other
+        segment's blocks extend first (leaves of the chains), least recently hit (or written) first.
+        A deleted segment's manifest goes first, so a concurrent reader sees `disk_missing`, never
+        half a segment. Returns the number of segments deleted."""
+        if self.budget_bytes is None:
+            return 0
+        n = 0
+        while True:
+            with self._lock:
+                total = sum(s.stored_bytes for s in self._segments.values())
+                if total <= self.budget_bytes or not self._segments:
+                    return n
+                parents = {(s.abi, p) for s in self._segments.values() for p in s.parents}
+                covered = {}
+                for s in self._segments.values():
+                    for k in s.keys:
+                        covered[(s.abi, k)] = covered.get((s.abi, k), 0) + 1
+
+                def rank(s: _Segment):
+                    inner = any((s.abi, k) in parents and covered[(s.abi, k)] == 1 for k in s.keys)
+                    return (inner, max(s.last_hit, s.created))
+
+                victim = min(self._segments.values(), key=rank)
+            self.delete_segment(victim.abi, victim.name)
+            n += 1
+
+    def delete_segment(self, abi: str, segment: str) -> None:
+        """Unpublish a segment (manifest first), then delete its data."""
+        with self._lock:
+            seg = self._segments.get((abi, segment))
+        self.kv.delete(f"manifests/{abi}/{segment}.json").result()
+        prefix = f"data/{abi}/{segment}/"
+        self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+        self._drop_segment((abi, segment))
+        if seg is not None:
+            with self._lock:
+                self.counters["segments_evicted"] += 1
+                self.counters["bytes_evicted"] += seg.stored_bytes
+            self._say(f"disk tier: evicted segment {segment} ({seg.stored_bytes:,} bytes) over budget")
+
+    # ---------------------------------------------------------------------- verify / stats
+    def verify(self) -> dict:
+        """Check every manifest and every object's bytes. Returns {"blocks_ok": n, "segments": n,
+        per reason: n blocks, "orphaned_segments": data with no manifest, "problems": [str]}."""
+        self.refresh(force=True)
+        report = {"segments": 0, "blocks_ok": 0, **dict.fromkeys(DISK_REASONS, 0), "orphaned_segments": 0,
+                  "problems": []}
+        for key, why in sorted(self._bad.items()):
+            report[ABI if "claims ABI" in why else CHECKSUM] += 1
+            report["problems"].append(f"{key}: {why}")
+        with self._lock:
+            segs = list(self._segments.values())
+        for s in segs:
+            report["segments"] += 1
+            refs = [BlockRef(s.abi, s.name, r.entry) for k in dict.fromkeys(s.keys)
+                    for r in self._blocks.get(k, []) if (r.abi, r.segment) == (s.abi, s.name)]
+            while refs:
+                res = self.read(refs, count=False)
+                report["blocks_ok"] += len(res.payloads)
+                if res.reason is None:
+                    break
+                report[res.reason] += 1
+                report["problems"].append(f"{s.manifest_key} block {refs[len(res.payloads)].entry['index']}: "
+                                          f"{res.reason}: {res.detail}")
+                refs = refs[len(res.payloads) + 1:]
+        published = {(s.abi, s.name) for s in segs}
+        data = {tuple(k.decode().split("/")[1:3]) for k in self.kv.list(ts.KvStore.KeyRange("data/", "data0")).result()}
+        orphans = sorted(d for d in data if len(d) == 2 and d not in published)
+        report["orphaned_segments"] = len(orphans)
+        report["problems"] += [f"data/{a}/{s}/: no manifest (an interrupted write; ignored)" for a, s in orphans]
+        return report
+
+    def save_hits(self) -> None:
+        """Persist this writer's restore counts (read by `stats` of any process)."""
+        with self._lock:
+            hits = {abi: dict(h) for abi, h in self._hits.items()}
+        for abi, h in hits.items():
+            self.kv.write(f"hits/{abi}/{self.writer_id}.json", json.dumps({"hits": h}).encode()).result()
+
+    def stats(self) -> dict:
+        """Size, segments, blocks (per ABI) and restore hit counts (all writers that saved them)."""
+        self.refresh(force=True)
+        with self._lock:
+            segs = list(self._segments.values())
+            per_abi: dict[str, dict] = {}
+            for s in segs:
+                d = per_abi.setdefault(s.abi, {"segments": 0, "blocks": 0, "snapshots": 0, "stored_bytes": 0,
+                                               "hits": 0})
+                d["segments"] += 1
+                d["stored_bytes"] += s.stored_bytes
+            for k, refs in self._blocks.items():
+                for abi in {r.abi for r in refs}:
+                    per_abi[abi]["blocks"] += 1
+                    per_abi[abi]["snapshots"] += any(r.snapshot for r in refs if r.abi == abi)
+            local = {abi: dict(h) for abi, h in self._hits.items()}
+        for k in self.kv.list(ts.KvStore.KeyRange("hits/", "hits0")).result():
+            name = k.decode()
+            abi, writer = name.split("/")[1], name.split("/")[2][:-5]
+            if writer == self.writer_id:
+                continue
+            try:
+                h = json.loads(self.kv.read(name).result().value.decode())["hits"]
+            except (ValueError, KeyError, AttributeError):
+                continue
+            for key, n in h.items():
+                local.setdefault(abi, {})
+                local[abi][key] = local[abi].get(key, 0) + int(n)
+        for abi, h in local.items():
+            if abi in per_abi:
+                per_abi[abi]["hits"] = sum(h.values())
+        return {"store": self.spec if isinstance(self.spec, str) else json.dumps(self.spec),
+                "segments": len(segs), "stored_bytes": sum(s.stored_bytes for s in segs),
+                "budget_bytes": self.budget_bytes, "abis": per_abi, "counters": dict(self.counters)}
+
+    def close(self) -> None:
+        """Wait for pending writes, persist hit counts and stop the writer thread."""
+        self.flush()
+        self._pool.shutdown(wait=True)
+
+    def _say(self, msg: str) -> None:
+        if self.progress is not None:
+            self.progress(msg)
+
+
+__all__ = ["ABI", "BlockPayload", "BlockRef", "CHECKSUM", "ChainLookup", "DISK_REASONS", "DiskTier", "MISSING",
+           "ReadResult", "TRUNCATED", "dtype_of"]

@@ -1,0 +1,215 @@
+"""Moving cached blocks between the device pools and the disk tier: `swap_out` and `swap_in`.
+
+`swap_out` is the host side of write-behind: from one host snapshot of the prefix index it copies
+the rows a record's chain needs to host memory (one gather per group over the record's pages, run
+before the donated eviction step, so no donated buffer is ever read later) and returns them as
+`hkv.disk.BlockPayload`s: per block its COMPRESSED / INDEXER rows, and for the record's own block
+the SWA window and TAIL snapshot at its boundary.
+
+`swap_in` is the transition that installs verified payloads: it extends a slot holding a prefix of
+L0 tokens (0, or a device-restored prefix) to L1 tokens — reserves the pages (all or nothing),
+writes the rows of every group, installs the TAIL at L1, advances and slides. It never runs on
+unverified bytes: `hkv.disk.DiskTier.read` checks them first.
+
+`mark_on_disk` records in the prefix index which records have a committed disk copy (set only when
+the segment's manifest is published).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .disk import BlockPayload
+from .spec import ObjectKind
+from .state import CacheLayout, HybridCache, Status, TailState
+from .transitions import _locate, advance, reserve, slide
+
+TAIL_FIELDS = ("tail_kv", "tail_gate", "overlap_kv", "overlap_gate")
+
+
+def has_indexer(layout: CacheLayout) -> bool:
+    """Whether any group holds INDEXER keys (whose version a restored block must match)."""
+    return any(g.kind == ObjectKind.INDEXER for g in layout.groups)
+
+
+def bucket(n: int) -> int:
+    """Static row capacity for n rows: the next power of two (>= 1); bounds recompilations."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def window_rows(layout: CacheLayout, g: int, length: int) -> tuple[int, int]:
+    """Rows [lo, hi) an SWA group holds at a boundary of `length` tokens."""
+    grp = layout.groups[g]
+    hi = length // grp.unit
+    return (0 if grp.keep is None else max(hi - grp.keep, 0)), hi
+
+
+def expected_objects(layout: CacheLayout, length: int, snapshot: bool) -> dict[str, tuple[np.dtype, tuple]]:
+    """{object name: (dtype, shape)} of the block ending at boundary `length` (see hkv.disk_manifest)."""
+    bt = layout.spec.block_tokens
+    dt = np.dtype(layout.spec.storage_dtype)
+    out = {}
+    for gi, grp in enumerate(layout.groups):
+        if grp.kind == ObjectKind.SWA:
+            if snapshot:
+                lo, hi = window_rows(layout, gi, length)
+                out[f"g{gi}.window"] = (dt, (len(grp.layers), hi - lo, grp.dim))
+        else:
+            n = length // grp.unit - (length - bt) // grp.unit
+            out[f"g{gi}.rows"] = (dt, (len(grp.layers), n, grp.dim))
+    if snapshot:
+        for ci, (_, _, c) in enumerate(layout.spec.compressors()):
+            ov = c.ratio if c.overlap else 0
+            out[f"t{ci}.tail_kv"] = (dt, (c.ratio, c.proj_width))
+            out[f"t{ci}.tail_gate"] = (dt, (c.ratio, c.proj_width))
+            out[f"t{ci}.overlap_kv"] = (dt, (ov, c.entry_dim))
+            out[f"t{ci}.overlap_gate"] = (np.dtype(np.float32), (ov, c.entry_dim))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=())
+def _gather(pool: jax.Array, ids: jax.Array) -> jax.Array:
+    return pool[:, ids]
+
+
+def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Host copy of rows [lo, hi) of group gi through a record's page row int32[M]: [L_g, hi - lo, dim]."""
+    grp, ps = layout.groups[gi], layout.page_size
+    pool = cache.groups[gi].pool
+    if hi <= lo:
+        return np.zeros((len(grp.layers), 0, grp.dim), np.dtype(pool.dtype))
+    p0, p1 = lo // ps, -(-hi // ps)
+    ids = np.zeros((bucket(p1 - p0),), np.int32)
+    ids[:p1 - p0] = page_row[p0:p1]
+    if np.any(ids[:p1 - p0] < 0):
+        raise RuntimeError(f"record maps no page for rows [{lo}, {hi}) of group {gi}")  # an invariant, not input
+    got = np.asarray(jax.device_get(_gather(pool, jnp.asarray(ids))))  # [L_g, n, ps, dim]
+    got = got.reshape(got.shape[0], -1, got.shape[-1])
+    return got[:, lo - p0 * ps:hi - p0 * ps]
+
+
+def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks: list[int],
+             keys: dict[int, bytes]) -> list[BlockPayload]:
+    """Host payloads for `blocks` (block indices along `record`'s chain, ascending) of alive record
+    `record`. meta: a host snapshot (jax.device_get) of `cache.prefix`; keys: block index -> key
+    (and index - 1 -> parent key). The block ending at the record's own boundary carries the SWA
+    window and TAIL snapshot when the record holds one."""
+    bt = layout.spec.block_tokens
+    L = int(meta.length[record])
+    last = L // bt - 1
+    snap = bool(meta.swa_held[record]) and int(meta.tail_slot[record]) >= 0
+    out_rows: dict[int, dict[str, tuple[np.ndarray, int]]] = {b: {} for b in blocks}
+    lo_tok = min(blocks) * bt
+    for gi, grp in enumerate(layout.groups):
+        row = np.asarray(meta.pages[gi][record])
+        if grp.kind == ObjectKind.SWA:
+            if snap and last in out_rows:
+                lo, hi = window_rows(layout, gi, L)
+                out_rows[last][f"g{gi}.window"] = (_rows_of(layout, cache, gi, row, lo, hi), lo)
+            continue
+        r_lo, r_hi = lo_tok // grp.unit, (max(blocks) + 1) * bt // grp.unit
+        rows = _rows_of(layout, cache, gi, row, r_lo, r_hi)
+        for b in blocks:
+            a, z = b * bt // grp.unit, (b + 1) * bt // grp.unit
+            out_rows[b][f"g{gi}.rows"] = (np.ascontiguousarray(rows[:, a - r_lo:z - r_lo]), a)
+    if snap and last in out_rows:
+        t = int(meta.tail_slot[record])
+        for ci, s in enumerate(meta.snaps):
+            for f in TAIL_FIELDS:
+                out_rows[last][f"t{ci}.{f}"] = (np.ascontiguousarray(np.asarray(getattr(s, f))[t]), 0)
+    payloads = []
+    for b in blocks:
+        q = chain_record(meta, record, b, bt)
+        payloads.append(BlockPayload(
+            key=keys[b], parent=keys.get(b - 1) if b > 0 else None, index=b, length=(b + 1) * bt,
+            tokens=[int(x) for x in np.asarray(meta.tokens[q])], indexer_version=int(meta.iver[q]),
+            snapshot=snap and b == last, objects=out_rows[b]))
+    return payloads
+
+
+def chain_record(meta, record: int, block: int, bt: int) -> int:
+    """The record of block `block` on `record`'s parent chain."""
+    q = record
+    while int(meta.length[q]) > (block + 1) * bt:
+        q = int(meta.parent[q])
+    return q
+
+
+def swap_in(layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Array, l1: jax.Array,
+            rows: tuple, tails: tuple) -> tuple[HybridCache, jax.Array]:
+    """Extend `slot` (active, holding exactly l0 tokens) to l1 tokens from host rows.
+
+    rows[g]: for a COMPRESSED / INDEXER group, [L_g, R, dim] rows starting at l0 // unit (the first
+    l1 // unit - l0 // unit are used); for an SWA group, [L_g, K, dim] window rows starting at
+    max(l1 // unit - keep, 0) (rows < l1 used). tails[c]: TailState of compressor c at l1 without
+    the slot dimension. Returns (cache, status): BAD_REQUEST unless l0 < l1, both on block boundaries
+    and the slot holds l0 tokens; NO_PAGES if the pools cannot hold it — the cache then unchanged.
+    """
+    bt = layout.spec.block_tokens
+    slot = jnp.asarray(slot, jnp.int32)
+    s = jnp.clip(slot, 0, layout.slots - 1)
+    good = ((slot >= 0) & (slot < layout.slots) & cache.active[s] & (cache.lengths[s] == l0) & (l0 < l1)
+            & (l0 % bt == 0) & (l1 % bt == 0) & (l1 <= layout.config.max_context))
+    c, st = reserve(layout, cache, s[None], l1[None], good[None])
+    ok = good & (st == Status.OK)
+    groups = list(c.groups)
+    for gi, grp in enumerate(layout.groups):
+        g = groups[gi]
+        vals = rows[gi]
+        if grp.kind == ObjectKind.SWA:
+            hi = l1 // grp.unit
+            lo = jnp.zeros_like(hi) if grp.keep is None else jnp.maximum(hi - grp.keep, 0)
+        else:
+            lo, hi = l0 // grp.unit, l1 // grp.unit
+        pos = lo + jnp.arange(vals.shape[1])
+        page, off, _ = _locate(layout, g, s[None], pos[None], (ok & (pos < hi))[None])
+        groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
+    new_tails = []
+    for t, src in zip(c.tails, tails):
+        def put(arr, new):
+            return arr.at[s].set(jnp.where(ok, new.astype(arr.dtype), arr[s])) if arr.shape[1] else arr
+
+        new_tails.append(TailState(tail_kv=put(t.tail_kv, src.tail_kv), tail_gate=put(t.tail_gate, src.tail_gate),
+                                   overlap_kv=put(t.overlap_kv, src.overlap_kv),
+                                   overlap_gate=put(t.overlap_gate, src.overlap_gate)))
+    c = c.replace(groups=tuple(groups), tails=tuple(new_tails))
+    c = advance(layout, c, s[None], l1[None], ok[None])
+    c = slide(layout, c, s[None], ok[None])
+    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), c, cache)
+    status = jnp.where(good, st, Status.BAD_REQUEST).astype(jnp.int32)
+    return out, status
+
+
+def swap_in_inputs(layout: CacheLayout, payloads: list[BlockPayload], l0: int) -> tuple[tuple, tuple]:
+    """(rows, tails) for `swap_in` from verified payloads of consecutive blocks starting at boundary
+    l0, the last of which carries the snapshot at l1."""
+    last = payloads[-1]
+    rows = []
+    for gi, grp in enumerate(layout.groups):
+        if grp.kind == ObjectKind.SWA:
+            a = last.objects[f"g{gi}.window"][0]
+        else:
+            a = np.concatenate([p.objects[f"g{gi}.rows"][0] for p in payloads], axis=1)
+        buf = np.zeros((a.shape[0], bucket(a.shape[1]), a.shape[2]), a.dtype)
+        buf[:, :a.shape[1]] = a
+        rows.append(buf)
+    tails = tuple(TailState(**{f: last.objects[f"t{ci}.{f}"][0] for f in TAIL_FIELDS})
+                  for ci in range(len(layout.spec.compressors())))
+    return tuple(rows), tails
+
+
+def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid: jax.Array) -> HybridCache:
+    """Set `on_disk` for every record (alive or tombstone) whose key is one of keys uint32[K, 4]
+    (rows where `valid`): their segment's manifest has been published."""
+    px = cache.prefix
+    hit = jnp.any(jnp.all(px.key[:, None, :] == keys[None, :, :], axis=-1) & valid[None, :], axis=1)
+    hit = hit & (px.state != 0)
+    return cache.replace(prefix=px.replace(on_disk=px.on_disk | hit))
+
+
+__all__ = ["bucket", "has_indexer", "chain_record", "expected_objects", "mark_on_disk", "swap_in", "swap_in_inputs", "swap_out",
+           "window_rows"]
