@@ -222,6 +222,8 @@ class DiskTier:
                        created=float(doc.get("created", 0.0)), keys=tuple(b["key"] for b in doc["blocks"]),
                        parents=tuple(b["parent"] for b in doc["blocks"]))
         with self._lock:
+            if (seg.abi, seg.name) in self._segments:  # a refresh and the writer thread both saw it published
+                return
             self._segments[(seg.abi, seg.name)] = seg
             for b in doc["blocks"]:
                 self._blocks.setdefault(b["key"], []).append(BlockRef(seg.abi, seg.name, b))
