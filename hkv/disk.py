@@ -200,6 +200,8 @@ class DiskTier:
             known = {s.manifest_key for s in self._segments.values()}
             for gone in known - set(names):
                 self._drop_segment(next(k for k, s in self._segments.items() if s.manifest_key == gone))
+            for gone in set(self._bad) - set(names):  # a rejected manifest deleted since
+                del self._bad[gone]
             new = [n for n in names if n not in known and n not in self._bad]
         reads = {n: self.kv.read(n) for n in new}
         for n, fut in reads.items():
@@ -518,6 +520,7 @@ class DiskTier:
                                           f"{res.reason}: {res.detail}")
                 refs = refs[len(res.payloads) + 1:]
         published = {(s.abi, s.name) for s in segs}
+        published |= {(k.split("/")[1], k.split("/")[2][:-5]) for k in list(self._bad)}  # rejected above, not orphans
         data = {tuple(k.decode().split("/")[1:3]) for k in self.kv.list(ts.KvStore.KeyRange("data/", "data0")).result()}
         orphans = sorted(d for d in data if len(d) == 2 and d not in published)
         report["orphaned_segments"] = len(orphans)
