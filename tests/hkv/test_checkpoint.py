@@ -1,0 +1,252 @@
+"""Warm restart (hkv.checkpoint): an engine saved after a conversation turn and restored into a new
+engine has a bit-identical, invariant-clean cache, serves the next turn from its prefix records with
+exactly the original's output, and every way a checkpoint can be wrong raises a named error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hkv
+from hkv import checkpoint as hc
+from hkv.policy import RetentionPolicy
+from models.deepseek_v4 import init, tiny_config
+
+CFG = tiny_config()
+BT = 16
+PROMPT = np.random.default_rng(7).integers(0, CFG.vocab_size, 100).tolist()
+NEW = 6
+SALT = b"tenant-7"
+
+
+def make_engine(model, **kw):
+    """The engine of test_prefix.py (same static shapes, so the suite compiles its programs once)."""
+    base = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), base)
+    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))  # room for cached blocks
+    config = hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96)
+    return hkv.Engine(model, config, block_tokens=BT, prefill_chunk=BT,
+                      retention=RetentionPolicy(every_n_blocks=2), cache_salt=SALT, **kw)
+
+
+def host_leaves(cache):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(cache))]
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit equality (NaN payloads and -0.0 included), dtype and shape too."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(model, tmp_path_factory):
+    """(original engine after turn 1, its generation, the checkpoint path, host copy of the saved cache)."""
+    engine = make_engine(model)
+    (gen,) = engine.generate([PROMPT], NEW)
+    path = tmp_path_factory.mktemp("ckpt") / "engine"
+    hc.save_engine(engine, path)
+    return engine, gen, path, host_leaves(engine.cache)
+
+
+@pytest.fixture(scope="module")
+def restored(model, saved):
+    _, _, path, _ = saved
+    return hc.restore_engine(path, model)
+
+
+def copy_ckpt(saved, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(saved[2], dst)
+    return dst
+
+
+def edit_metadata(path: Path, edit, reseal: bool = True) -> None:
+    f = path / hc.METADATA_FILE
+    doc = json.loads(f.read_text())
+    edit(doc)
+    if reseal:
+        doc["metadata_crc32"] = hc._seal(doc)
+    f.write_text(json.dumps(doc))
+
+
+# --------------------------------------------------------------------------------- round trip
+def test_restored_cache_is_bit_identical_and_invariant_clean(saved, restored):
+    engine, _, path, want = saved
+    hkv.check_invariants(restored.layout, restored.cache)
+    got = host_leaves(restored.cache)
+    assert len(got) == len(want)
+    assert all(same_bits(g, w) for g, w in zip(got, want))
+    fresh = hkv.init_cache(restored.layout)
+    for g, f in zip(jax.tree_util.tree_leaves(restored.cache), jax.tree_util.tree_leaves(fresh)):
+        assert g.sharding == f.sharding  # default device, like init_cache
+    # host-side settings came back too
+    assert restored.layout.config == engine.layout.config
+    assert restored.spec == engine.spec and restored.spec.fingerprint() == engine.spec.fingerprint()
+    assert (restored.prefill_chunk, restored.retention, restored.cache_salt) == (BT, RetentionPolicy(2), SALT)
+    assert int(restored.stats()["cache"]["records_created"]) > 0
+    # the metadata is plain JSON; nothing is pickled
+    doc = hc.read_metadata(path)
+    assert doc["engine"]["cache_salt"] == SALT.hex() and doc["config"]["prefix_records"] == 96
+    assert not [p for p in Path(path).rglob("*") if p.suffix in (".pkl", ".pickle")]
+    assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_second_turn_restores_its_prefix_and_matches_the_original(saved, restored):
+    engine, gen, _, _ = saved
+    turn2 = PROMPT + gen.tokens + [5, 17, 99, 3]
+    (a,) = engine.generate([turn2], 4)
+    (b,) = restored.generate([turn2], 4)
+    assert b.plan.restored_tokens > 0
+    assert b.plan.restored_tokens == a.plan.restored_tokens
+    assert b.tokens == a.tokens
+    assert np.abs(b.logits - a.logits).max() <= 1e-5
+    hkv.check_invariants(restored.layout, restored.cache)
+
+
+def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
+    """bfloat16 storage (the production dtype) through orbax: every bit, NaN payloads and -0.0 too."""
+    bf = init(CFG, seed=0, dtype=jnp.bfloat16)
+    engine = make_engine(bf, model_id="tiny-bf16")
+    rng = np.random.default_rng(1)
+    groups = []
+    for g in engine.cache.groups:
+        bits = rng.integers(0, 2 ** 16, g.pool.shape, dtype=np.uint16)
+        bits.flat[:3] = (0x7FC1, 0x8000, 0xFF81)  # NaN with payload, -0.0, negative NaN
+        groups.append(g.replace(pool=jnp.asarray(bits.view(ml_dtypes.bfloat16))))
+    engine.cache = engine.cache.replace(groups=tuple(groups))
+    assert engine.cache.groups[0].pool.dtype == jnp.bfloat16
+    want = host_leaves(engine.cache)
+    hc.save_engine(engine, tmp_path / "bf")
+    back = hc.restore_engine(tmp_path / "bf", bf)
+    assert all(same_bits(g, w) for g, w in zip(host_leaves(back.cache), want))
+    assert back.spec.model_id == "tiny-bf16" and back.spec.dtype == "bfloat16"
+    # the same checkpoint does not restore into a float32 model: different ABI
+    with pytest.raises(hc.EngineCheckpointError, match="dtype"):
+        hc.restore_engine(tmp_path / "bf", init(CFG, seed=0))
+
+
+# ------------------------------------------------------------------------------ named errors
+def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path):
+    path = saved[2]
+    saved_fp = saved[0].spec.fingerprint()
+    with pytest.raises(hc.EngineCheckpointError, match="model_id") as e:
+        hc.restore_engine(path, model, model_id="other")
+    other = model.cache_spec(block_tokens=BT, model_id="other").fingerprint()
+    assert saved_fp in str(e.value) and other in str(e.value)
+    wider = init(tiny_config(sliding_window=16), seed=0)
+    with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*layers"):
+        hc.restore_engine(path, wider)
+
+
+def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):
+    path = copy_ckpt(saved, tmp_path)
+    f = path / hc.METADATA_FILE
+    good = f.read_text()
+    f.write_text(good[: len(good) // 2])  # truncated JSON
+    with pytest.raises(hc.EngineCheckpointError, match="corrupt metadata"):
+        hc.restore_engine(path, model)
+    f.write_text(good)
+    edit_metadata(path, lambda d: d.update(version=99))
+    with pytest.raises(hc.EngineCheckpointError, match="unknown version=99"):
+        hc.restore_engine(path, model)
+    f.write_text(good)
+    edit_metadata(path, lambda d: d["config"].update(slots=3), reseal=False)  # valid JSON, edited
+    with pytest.raises(hc.EngineCheckpointError, match="metadata_crc32"):
+        hc.restore_engine(path, model)
+    f.write_text(good)
+    edit_metadata(path, lambda d: d["engine"].pop("prefill_chunk"))
+    with pytest.raises(hc.EngineCheckpointError, match="missing field engine.'prefill_chunk'"):
+        hc.restore_engine(path, model)
+    f.unlink()
+    with pytest.raises(hc.EngineCheckpointError, match="missing"):
+        hc.restore_engine(path, model)
+    with pytest.raises(hc.EngineCheckpointError, match="not a directory"):
+        hc.restore_engine(tmp_path / "nowhere", model)
+
+
+def test_corrupt_arrays_are_detected(model, saved, tmp_path):
+    # 1. a flipped byte in orbax's (compressed) data: orbax reads it back without complaint or fails
+    #    to decode it; either way the restore refuses
+    path = copy_ckpt(saved, tmp_path)
+    data = max((p for p in (path / hc.CACHE_DIR).rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(hc.EngineCheckpointError, match="crc32|could not read"):
+        hc.restore_engine(path, model)
+    # 2. a checksum that disagrees with the stored bytes names the leaf
+    path2 = tmp_path / "copy2"
+    shutil.copytree(saved[2], path2)
+    doc = json.loads((path2 / hc.METADATA_FILE).read_text())
+    i = next(k for k, m in enumerate(doc["leaves"]) if ".prefix.key" in m["path"])
+    edit_metadata(path2, lambda d: d["leaves"][i].update(crc32=(d["leaves"][i]["crc32"] + 1) % 2 ** 32))
+    with pytest.raises(hc.EngineCheckpointError, match=r"leaf \d+ cache\.prefix\.key: crc32"):
+        hc.restore_engine(path2, model)
+    # 3. a declared dtype that differs from the engine's (orbax itself would silently cast)
+    shutil.rmtree(path2)
+    shutil.copytree(saved[2], path2)
+    edit_metadata(path2, lambda d: d["leaves"][i].update(dtype="int32"))
+    with pytest.raises(hc.EngineCheckpointError, match="prefix.key int32"):
+        hc.restore_engine(path2, model)
+    # 4. the array directory is gone
+    shutil.rmtree(path2)
+    shutil.copytree(saved[2], path2)
+    shutil.rmtree(path2 / hc.CACHE_DIR)
+    with pytest.raises(hc.EngineCheckpointError, match="could not read"):
+        hc.restore_engine(path2, model)
+
+
+def test_invariant_violation_is_refused(model, saved, tmp_path, monkeypatch):
+    """A checkpoint whose arrays are intact but whose state breaks an invariant is not installed."""
+    engine = saved[0]
+    bad = engine.cache.replace(lengths=engine.cache.lengths.at[0].set(7))  # inactive slot with a length
+    monkeypatch.setattr(engine, "cache", bad)
+    hc.save_engine(engine, tmp_path / "bad")
+    with pytest.raises(hkv.InvariantError, match="inactive slots"):
+        hc.restore_engine(tmp_path / "bad", model)
+
+
+def test_save_refuses_while_running_and_overwrite_needs_consent(model, saved, restored, tmp_path):
+    path = tmp_path / "ck"
+    hc.save_engine(restored, path)
+    with pytest.raises(hc.EngineCheckpointError, match="already exists"):
+        hc.save_engine(restored, path)
+    hc.save_engine(restored, path, overwrite=True)
+    assert hc.read_metadata(path)["abi_fingerprint"] == restored.spec.fingerprint()
+    other = tmp_path / "not-a-checkpoint"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(hc.EngineCheckpointError, match="not an hkv engine checkpoint"):
+        hc.save_engine(restored, other, overwrite=True)
+    assert (other / "precious.txt").read_text() == "keep me"
+
+    # mid-generation: the progress callback fires while the first prompt is running
+    errors = []
+
+    def try_save(msg):
+        if restored._running:
+            with pytest.raises(hc.EngineCheckpointError, match="running") as e:
+                hc.save_engine(restored, tmp_path / "mid")
+            errors.append(str(e.value))
+
+    restored.progress = try_save
+    try:
+        restored.generate([PROMPT[:40], PROMPT[:20]], 2)
+    finally:
+        restored.progress = None
+    assert errors and not (tmp_path / "mid").exists()
+    assert sorted(os.listdir(tmp_path)) == ["ck", "not-a-checkpoint"]  # no temp dirs left behind
