@@ -484,7 +484,7 @@ class DiskTier:
         """Unpublish a segment (manifest first), then delete its data."""
         with self._lock:
             seg = self._segments.get((abi, segment))
-        self.kv.delete(f"manifests/{abi}/{segment}.json").result()
+        self.kv.write(f"manifests/{abi}/{segment}.json", None).result()  # None: delete the key
         prefix = f"data/{abi}/{segment}/"
         self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
         self._drop_segment((abi, segment))
