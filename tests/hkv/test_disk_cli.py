@@ -126,6 +126,19 @@ def test_deleted_manifest_leaves_orphaned_data_not_a_failure(store, capsys):
     assert "OK: every published block is intact" in out
 
 
+def test_write_killed_before_any_commit_is_an_orphan(store, capsys):
+    # the file driver writes <key>.__lock then renames it: a write killed before the rename leaves
+    # only that temporary file, which kvstore listing (and so DiskTier.verify) does not show
+    seg_dir = os.path.join(store, "data", ABI, "20990101T000000-deadbeef0000-00000000")
+    os.makedirs(os.path.join(seg_dir, "c"))
+    open(os.path.join(seg_dir, "c", "0.__lock"), "wb").write(b"\0" * 100)
+    code, out, _ = _run(capsys, "store", "verify", "--json", store)
+    rep = json.loads(out)
+    assert code == 0 and rep["ok"] and rep["blocks_ok"] == 7 and rep["orphaned_segments"] == 1
+    assert rep["orphans"] == [f"data/{ABI}/20990101T000000-deadbeef0000-00000000/: only temporary files of an "
+                              f"interrupted write (ignored)"]
+
+
 def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
     seg = _segment_of(store, ABI, "b")
     m = os.path.join(store, "manifests", ABI, f"{seg}.json")
