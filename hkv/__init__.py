@@ -8,6 +8,7 @@
     engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
 """
 
+from .disk import DiskTier
 from .engine import CacheCapacityError, Engine, Generation
 from .invariants import InvariantError, check_invariants
 from .memory import architectural_minimum, memory_report, uniform_full_kv_bytes
@@ -18,6 +19,7 @@ from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, ini
 
 __all__ = [
     "CacheCapacityError",
+    "DiskTier",
     "Engine",
     "Generation",
     "architectural_minimum",

@@ -130,6 +130,7 @@ def _kvstore_spec(store) -> dict | str:
 
 def _array_spec(kv: ts.KvStore, n: int, chunk: int) -> dict:
     return {"driver": "zarr3", "kvstore": kv.spec().to_json(), "store_data_equal_to_fill_value": True,
+            "fill_missing_data_reads": False,  # a missing shard is an error (disk_missing), never zeros
             "metadata": {"shape": [n], "data_type": "uint8", "fill_value": 0,
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [n]}},
                          "codecs": [{"name": "sharding_indexed", "configuration": {
@@ -309,17 +310,18 @@ class DiskTier:
         for o, raw in parts:
             buf[o:o + len(raw)] = np.frombuffer(raw, np.uint8)
         seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{self.writer_id}-{uuid.uuid4().hex[:8]}"
+        doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
+               "stored_bytes": stored, "chunk_bytes": chunk, "blocks": entries}
+        raw = mf.seal(doc)
+        checked = mf.parse(raw)  # a manifest that would not parse is never written, nor its data
         txn = ts.Transaction()
         arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), create=True, context=self.context,
                       transaction=txn).result()
         arr[...] = buf
         txn.commit_async().result()
-        doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
-               "stored_bytes": stored, "chunk_bytes": chunk, "blocks": entries}
-        raw = mf.seal(doc)
         key = f"manifests/{abi}/{seg}.json"
         self.kv.write(key, raw).result()  # published: from here on the blocks exist
-        self._add_segment(key, mf.parse(raw))
+        self._add_segment(key, checked)
         with self._lock:
             self.counters["segments_written"] += 1
             self.counters["blocks_written"] += len(blocks)
@@ -466,14 +468,19 @@ class DiskTier:
                 total = sum(s.stored_bytes for s in self._segments.values())
                 if total <= self.budget_bytes or not self._segments:
                     return n
-                parents = {(s.abi, p) for s in self._segments.values() for p in s.parents}
+                # (abi, key) -> segments holding a block whose parent is that key
+                extended: dict[tuple[str, str], set[str]] = {}
+                for s in self._segments.values():
+                    for p in s.parents:
+                        extended.setdefault((s.abi, p), set()).add(s.name)
                 covered = {}
                 for s in self._segments.values():
                     for k in s.keys:
                         covered[(s.abi, k)] = covered.get((s.abi, k), 0) + 1
 
                 def rank(s: _Segment):
-                    inner = any((s.abi, k) in parents and covered[(s.abi, k)] == 1 for k in s.keys)
+                    inner = any(extended.get((s.abi, k), set()) - {s.name} and covered[(s.abi, k)] == 1
+                                for k in s.keys)
                     return (inner, max(s.last_hit, s.created))
 
                 victim = min(self._segments.values(), key=rank)

@@ -215,6 +215,22 @@ class Engine:
             self.disk.flush()
             self._poll_disk()
 
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Warm-restart checkpoint: the whole `HybridCache` (orbax) and the engine's settings (JSON),
+        written atomically; pending disk-tier writes are finished first so the saved prefix index's
+        `on_disk` bits match the store. Only between `generate` calls. See `hkv.checkpoint`."""
+        from .checkpoint import save_engine
+        self.flush_disk()
+        save_engine(self, path, overwrite=overwrite)
+
+    @classmethod
+    def restore(cls, path, model, **engine_kwargs) -> "Engine":
+        """An engine rebuilt from `save(path)` with its device cache verified (per-array checksums,
+        ABI fingerprint, `check_invariants`) before use. engine_kwargs override the saved settings or
+        add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
+        from .checkpoint import restore_engine
+        return restore_engine(path, model, **engine_kwargs)
+
     def close(self) -> None:
         """Finish pending disk writes (the engine stays usable)."""
         self.flush_disk()
@@ -615,6 +631,7 @@ class Engine:
         hh, rt = c["prefix_hash_hit_tokens"], c["prefix_restored_tokens"]
         return {
             "lookups": c["prefix_lookups"], "hash_hit_tokens": hh, "restored_tokens": rt,
+            "disk_restored_tokens": c["prefix_disk_restored_tokens"],
             "lookups_ending_in_hash_miss": c["prefix_rejected_no_hash_match"],
             "complete_restoration_ratio": rt / hh if hh else None, "rejections": rejections,
             "occupancy": {"records": int((state == px.RecordState.ALIVE).sum()),
@@ -622,6 +639,7 @@ class Engine:
                           "record_capacity": int(state.shape[0]),
                           "snapshots": int(np.asarray(p.snap_used).sum()),
                           "snapshot_capacity": int(np.asarray(p.snap_used).shape[0]),
+                          "records_on_disk": int(np.asarray(p.on_disk)[state != px.RecordState.EMPTY].sum()),
                           "pages_held_by_records": held},
             "evictions": {"swa_snapshots": c["evicted_swa_snapshots"], "tail_snapshots": c["evicted_tail_snapshots"],
                           "records": c["evicted_records"]},
@@ -645,6 +663,8 @@ class Engine:
                [({}, ps["hash_hit_tokens"])])
         metric("hkv_prefix_restored_tokens_total", "counter", "Tokens restored after all four validation stages.",
                [({}, ps["restored_tokens"])])
+        metric("hkv_prefix_disk_restored_tokens_total", "counter", "Tokens installed from the disk tier after "
+               "verification.", [({}, ps["disk_restored_tokens"])])
         metric("hkv_prefix_rejections_total", "counter", "Plans shrunk, by validation stage and reason.",
                [({"stage": st, "reason": r}, n) for st, rs in ps["rejections"].items() for r, n in rs.items()])
         metric("hkv_prefix_records", "gauge", "Cached block records by state.",
@@ -664,6 +684,16 @@ class Engine:
         metric("hkv_transitions_total", "counter", "Cache transitions.", [({}, c["transitions"])])
         metric("hkv_failed_transitions_total", "counter", "Transitions that returned the cache unchanged.",
                [({"reason": r}, c[f"failed_{r}"]) for r in ("no_pages", "slot_cap", "context_cap")])
+        if self.disk is not None:
+            d = self.disk.counters
+            metric("hkv_disk_bytes_total", "counter", "Disk tier bytes by direction.",
+                   [({"op": "written"}, d["bytes_written"]), ({"op": "read"}, d["bytes_read"]),
+                    ({"op": "evicted"}, d["bytes_evicted"])])
+            metric("hkv_disk_blocks_total", "counter", "Disk tier blocks by operation.",
+                   [({"op": "written"}, d["blocks_written"]), ({"op": "read"}, d["blocks_read"])])
+            metric("hkv_disk_write_failures_total", "counter", "Disk tier writes that published nothing.",
+                   [({}, d["write_failures"])])
+            metric("hkv_disk_stored_bytes", "gauge", "Bytes the disk tier holds.", [({}, self.disk.stored_bytes())])
         return "\n".join(lines) + "\n"
 
 

@@ -57,14 +57,14 @@ def saved(model, tmp_path_factory):
     engine = make_engine(model)
     (gen,) = engine.generate([PROMPT], NEW)
     path = tmp_path_factory.mktemp("ckpt") / "engine"
-    hc.save_engine(engine, path)
+    engine.save(path)  # the public wrapper of hc.save_engine
     return engine, gen, path, host_leaves(engine.cache)
 
 
 @pytest.fixture(scope="module")
 def restored(model, saved):
     _, _, path, _ = saved
-    return hc.restore_engine(path, model)
+    return hkv.Engine.restore(path, model)
 
 
 def copy_ckpt(saved, tmp_path) -> Path:

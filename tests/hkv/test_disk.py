@@ -1,0 +1,257 @@
+"""The disk tier through the engine: blocks evicted to disk come back exact at every block boundary
+(file, ocdbt, memory stores), and every storage fault ends in a shorter plan with its named reason
+and exact output. (Format-level checks: test_disk_tier.py; CLI and processes: test_disk_cli.py,
+test_disk_processes.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hkv
+from hkv import disk_manifest as mf
+from hkv import prefix as px
+from hkv.disk import DiskTier
+from models.deepseek_v4 import init
+from models.deepseek_v4.greedy import greedy_stateless
+
+from .test_prefix import BASE, BT, CFG, diverge, make_engine
+
+NEW = 1
+CUT = 160  # the store holds two segments: blocks [0, CUT) and [CUT, 304)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return make_engine(model)
+
+
+def forget_device(engine, check=False):
+    """Evict every cached record from device memory (tombstones remain, with their on_disk bits)."""
+    every = jnp.ones((engine.layout.config.prefix_records,), bool)
+    engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+    if check:
+        hkv.check_invariants(engine.layout, engine.cache)
+
+
+def reference(model, prompts):
+    tokens, logits = greedy_stateless(model, prompts, NEW)
+    return tokens, logits
+
+
+def assert_same(gens, ref):
+    for g, t, lg in zip(gens, *ref):
+        assert g.tokens == t
+        assert np.abs(g.logits - lg).max() < 1e-4
+
+
+def fill(engine, tier):
+    """Store BASE's blocks in `tier` as two segments ([0, CUT) then the rest); device forgets them."""
+    engine.disk = tier
+    forget_device(engine)
+    engine.generate([BASE[:CUT + 1]], NEW)
+    assert engine.write_through() == CUT // BT
+    engine.flush_disk()
+    engine.generate([BASE], NEW)  # restores [0, CUT) from device, records the rest
+    assert engine.write_through() == len(BASE) // BT - CUT // BT
+    engine.flush_disk()
+    forget_device(engine, check=True)
+    p = jax.device_get(engine.cache.prefix)
+    assert np.asarray(p.on_disk).sum() >= len(BASE) // BT  # residency DISK once committed
+
+
+@pytest.fixture(scope="module")
+def stored(engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("store") / "s"
+    fill(engine, DiskTier(str(root)))
+    return root
+
+
+STORES = {
+    "file": lambda tmp: str(tmp / "file"),
+    "ocdbt": lambda tmp: {"driver": "ocdbt", "base": f"file://{tmp}/ocdbt/"},
+    "memory": lambda tmp: {"driver": "memory"},
+}
+
+
+@pytest.mark.parametrize("kind", list(STORES))
+def test_round_trip_every_block_boundary(model, engine, tmp_path, kind):
+    fill(engine, DiskTier(STORES[kind](tmp_path)))
+    ks = range(0, len(BASE) // BT + 1) if kind == "file" else (1, 7, CUT // BT + 2, len(BASE) // BT)
+    prompts = [diverge(k * BT, tail=3, seed=k) for k in ks]
+    gens = []
+    for k, prompt in zip(ks, prompts):
+        forget_device(engine)
+        (g,) = engine.generate([prompt], NEW)
+        assert g.plan.restored_tokens == g.plan.hash_hit_tokens == k * BT, (k, g.plan)
+        assert g.plan.disk_tokens == ((0, k * BT) if k else None)
+        assert g.plan.reason in (None, "no_hash_match")
+        gens.append(g)
+    assert_same(gens, reference(model, prompts))
+    st = engine.stats()
+    assert st["cache"]["prefix_disk_restored_tokens"] >= sum(ks) * BT
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def _segment(root, first_block: int) -> tuple[str, str]:
+    """(abi, segment) of the manifest holding block `first_block`."""
+    for abi in os.listdir(root / "manifests"):
+        for name in os.listdir(root / "manifests" / abi):
+            doc = json.loads((root / "manifests" / abi / name).read_bytes())
+            if any(b["index"] == first_block for b in doc["blocks"]):
+                return abi, name[:-5]
+    raise AssertionError(f"no segment holds block {first_block}")
+
+
+def _flip(path, at=None):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3 if at is None else at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+FAULTS = {
+    "flipped byte": (lambda root, abi, seg: _flip(root / "data" / abi / seg / "c" / "0"), "disk_checksum"),
+    "truncated chunk": (lambda root, abi, seg: (root / "data" / abi / seg / "c" / "0").write_bytes(
+        (root / "data" / abi / seg / "c" / "0").read_bytes()[:1000]), "disk_truncated"),
+    "deleted chunk": (lambda root, abi, seg: os.remove(root / "data" / abi / seg / "c" / "0"), "disk_missing"),
+    "deleted manifest": (lambda root, abi, seg: os.remove(root / "manifests" / abi / f"{seg}.json"), "disk_missing"),
+    "corrupted manifest": (lambda root, abi, seg: _flip(root / "manifests" / abi / f"{seg}.json", at=40),
+                           "disk_checksum"),
+    "manifest of another ABI": (lambda root, abi, seg: _reseal(root / "manifests" / abi / f"{seg}.json",
+                                                               abi="f" * 32), "disk_abi"),
+}
+
+
+def _reseal(path, **changes):
+    doc = json.loads(path.read_bytes())
+    doc.update(changes)
+    path.write_bytes(mf.seal({k: v for k, v in doc.items() if k not in ("checksum", "format", "version")}))
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, stored, tmp_path, fault):
+    root = tmp_path / "copy"
+    shutil.copytree(stored, root)
+    tier = DiskTier(str(root))  # indexes both segments before the fault (manifests read at open)
+    engine.disk = tier
+    forget_device(engine)
+    abi, seg = _segment(root, CUT // BT)
+    damage, reason = FAULTS[fault]
+    damage(root, abi, seg)
+    prompt = diverge(len(BASE) // BT * BT, tail=3, seed=7)
+    (g,) = engine.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == len(BASE) // BT * BT
+    assert g.plan.restored_tokens == CUT and g.plan.disk_tokens == (0, CUT), g.plan
+    assert g.plan.reason == reason
+    assert g.plan.first_failed_stage == ("abi" if reason == "disk_abi" else "byte")
+    assert_same([g], reference(model, [prompt]))
+    assert engine.stats()["prefix"]["rejections"][g.plan.first_failed_stage][reason] >= 1
+    # a freshly opened tier (a restarted server) never lists the broken segment's blocks as restorable
+    report = DiskTier(str(root)).verify()
+    assert report["blocks_ok"] == CUT // BT
+    assert sum(report[r] for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi")) + \
+        report["orphaned_segments"] >= 1
+
+
+def test_foreign_abi_blocks_are_reported_not_restored(model, engine, stored, tmp_path):
+    """Blocks stored only under another ABI fingerprint (another model revision) stop the chain as
+    `disk_abi` rather than a silent miss."""
+    root = tmp_path / "copy"
+    shutil.copytree(stored, root)
+    abi, seg = _segment(root, CUT // BT)
+    other = "e" * 32
+    for sub, name in (("manifests", f"{seg}.json"), ("data", seg)):
+        (root / sub / other).mkdir(parents=True, exist_ok=True)
+        os.rename(root / sub / abi / name, root / sub / other / name)
+    _reseal(root / "manifests" / other / f"{seg}.json", abi=other)
+    engine.disk = DiskTier(str(root))
+    forget_device(engine)
+    prompt = diverge(len(BASE) // BT * BT, tail=3, seed=8)
+    (g,) = engine.generate([prompt], NEW)
+    assert g.plan.restored_tokens == CUT and g.plan.reason == "disk_abi" and g.plan.first_failed_stage == "abi"
+    assert_same([g], reference(model, [prompt]))
+
+
+def test_write_behind_marks_residency_only_after_the_manifest_commit(model, engine, tmp_path):
+    tier = DiskTier(str(tmp_path / "slow"))
+    gate = threading.Event()
+    real = tier._write_segment
+
+    def slow(*a, **kw):
+        assert gate.wait(60)
+        return real(*a, **kw)
+
+    tier._write_segment = slow
+    engine.disk = tier
+    forget_device(engine)
+    engine.generate([BASE[:CUT + 1]], NEW)
+    p = jax.device_get(engine.cache.prefix)
+    mine = np.asarray(p.state) == px.RecordState.ALIVE
+    assert mine.sum() == CUT // BT
+    assert engine.write_through() == CUT // BT
+    # the write is in flight: nothing is marked on disk, and generation goes on without waiting
+    other = np.random.default_rng(9).integers(0, CFG.vocab_size, 40).tolist()
+    (g,) = engine.generate([other], NEW)
+    assert g.tokens == reference(model, [other])[0][0]
+    assert not np.asarray(engine.cache.prefix.on_disk)[mine].any()
+    assert tier.stats()["segments"] == 0
+    gate.set()
+    engine.flush_disk()
+    assert np.asarray(engine.cache.prefix.on_disk)[mine].all()
+    assert tier.stats()["segments"] == 1
+
+
+def test_eviction_under_pressure_writes_behind_and_restores_from_disk(model, tmp_path):
+    engine = make_engine(model, scale=1, records=24, disk=DiskTier(str(tmp_path / "pressure")))
+    first = BASE[:CUT + 1]
+    other = diverge(16, tail=290, seed=11)
+    engine.generate([first, other], NEW)  # 31 boundaries > 24 records: the policy evicts to disk
+    engine.flush_disk()
+    st = engine.stats()
+    assert st["disk_blocks_offloaded"] > 0 and st["prefix"]["evictions"]["records"] > 0
+    again = diverge(CUT, tail=3, seed=12)
+    (g,) = engine.generate([again], NEW)
+    assert g.plan.restored_tokens == CUT and g.plan.disk_tokens is not None
+    assert_same([g], reference(model, [again]))
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_a_new_engine_on_the_same_store_finds_its_blocks(model, stored, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(stored, root)
+    fresh = make_engine(model, disk=DiskTier(str(root)))  # a restarted process: empty device cache
+    prompt = diverge(CUT + 2 * BT, tail=3, seed=13)
+    (g,) = fresh.generate([prompt], NEW)
+    assert g.plan.disk_tokens == (0, CUT + 2 * BT) and g.plan.reason is None
+    assert_same([g], reference(model, [prompt]))
+    assert "hkv_prefix_disk_restored_tokens_total" in fresh.metrics_text()
+
+
+def test_disk_tier_needs_the_prefix_cache(model, tmp_path):
+    with pytest.raises(ValueError, match="prefix_records"):
+        hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64), disk=DiskTier(str(tmp_path / "x")))
+
+
+def test_warm_restart_keeps_disk_residency_and_reopens_the_store(model, engine, stored, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(stored, root)
+    engine.disk = DiskTier(str(root))
+    engine.save(tmp_path / "ckpt")
+    back = hkv.Engine.restore(tmp_path / "ckpt", model, disk=DiskTier(str(root)))
+    assert np.array_equal(np.asarray(back.cache.prefix.on_disk), np.asarray(engine.cache.prefix.on_disk))
+    prompt = diverge(CUT, tail=3, seed=14)
+    (g,) = back.generate([prompt], NEW)
+    assert g.plan.disk_tokens == (0, CUT)
+    assert_same([g], reference(model, [prompt]))

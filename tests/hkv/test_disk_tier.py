@@ -1,0 +1,156 @@
+"""`hkv.DiskTier` on its own (no model): the manifest schema, chain lookup, the byte budget and its
+leaf-first eviction, failed writes publishing nothing, and argument errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hkv import disk_manifest as mf
+from hkv.disk import BlockPayload, DiskTier
+
+ABI = "ab" * 16
+BT = 4
+
+
+def chain(name: str, n: int, *, snapshot_every: int = 1, kib: int = 8, start: int = 0) -> list[BlockPayload]:
+    """n deterministic blocks of chain `name` (keys chained like hkv.block_keys), ~kib KiB each."""
+    out, parent = [], None
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    for i in range(start + n):
+        key = hashlib.blake2b((parent or b"") + f"{name}-{i}".encode(), digest_size=16).digest()
+        if i >= start:
+            rows = rng.standard_normal((2, kib * 128, 4)).astype(ml_dtypes.bfloat16)
+            snap = (i + 1) % snapshot_every == 0
+            objs = {"g0.rows": (rows, i * 2)}
+            if snap:
+                objs["t0.tail_kv"] = (rng.standard_normal((4, 8)).astype(np.float32), 0)
+            out.append(BlockPayload(key, parent, i, (i + 1) * BT, [i] * BT, 1, snap, objs))
+        parent = key
+    return out
+
+
+def test_round_trip_returns_the_exact_bytes_and_dtypes(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    blocks = chain("a", 5)
+    assert tier.write(ABI, blocks) == [b.key for b in blocks]
+    found = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks])
+    assert found.stop is None and len(found.refs) == 5
+    res = tier.read(found.refs)
+    assert res.reason is None and len(res.payloads) == 5
+    for got, want in zip(res.payloads, blocks):
+        assert got.key == want.key and got.parent == want.parent and got.snapshot == want.snapshot
+        for name, (arr, row) in want.objects.items():
+            assert got.objects[name][0].dtype == arr.dtype and got.objects[name][1] == row
+            assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
+
+
+def test_chain_stops_at_an_absent_block_a_collision_or_a_foreign_abi(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    blocks = chain("b", 4)
+    tier.write(ABI, blocks[:2])
+    keys, toks = [b.key for b in blocks], [b.tokens for b in blocks]
+    assert (len(tier.find_chain(ABI, keys, toks).refs), tier.find_chain(ABI, keys, toks).stop) == (2, "absent")
+    bad = [list(t) for t in toks]
+    bad[1][0] += 1  # same key, other tokens: a hash collision is never a hit
+    assert (len(tier.find_chain(ABI, keys, bad).refs), tier.find_chain(ABI, keys, bad).stop) == (1, "collision")
+    tier.write("cd" * 16, blocks[2:])
+    got = tier.find_chain(ABI, keys, toks)
+    assert (len(got.refs), got.stop) == (2, "disk_abi")
+    assert tier.find_chain(ABI, keys, toks, start=1).refs[0].entry["index"] == 1
+
+
+def test_expectation_mismatch_is_rejected_before_use(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    blocks = chain("c", 2)
+    tier.write(ABI, blocks)
+    refs = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks]).refs
+
+    def expect(entry):  # the running engine wants float32 rows: a different storage dtype
+        want = {o["name"]: (np.dtype(o["dtype"]) if o["dtype"] != "bfloat16" else np.float32, tuple(o["shape"]))
+                for o in entry["objects"]}
+        return want
+
+    res = tier.read(refs, expect=expect)
+    assert res.payloads == [] and res.reason == "disk_checksum" and "needs float32" in res.detail
+
+
+def test_budget_evicts_leaf_segments_least_recently_hit_first(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    trunk, leaf_a, leaf_b = chain("t", 4), chain("t", 2, start=4), chain("u", 3)
+    for blocks in (trunk, leaf_a, leaf_b):
+        tier.write(ABI, blocks)
+    sizes = {s.name: s.stored_bytes for s in tier._segments.values()}
+    assert len(sizes) == 3
+    # leaf_b was restored recently; the trunk is extended by leaf_a: leaf_a goes first
+    ref = tier.find_chain(ABI, [b.key for b in leaf_b], [b.tokens for b in leaf_b]).refs
+    assert tier.read(ref).reason is None
+    tier.budget_bytes = sum(sizes.values()) - 1
+    assert tier.enforce_budget() == 1
+    keys = [b.key for b in trunk + leaf_a]
+    left = tier.find_chain(ABI, keys, [b.tokens for b in trunk + leaf_a])
+    assert len(left.refs) == 4 and left.stop == "absent"  # the trunk survives its leaf
+    assert tier.stored_bytes() <= tier.budget_bytes
+    # a second opener (another process) sees the same store
+    assert DiskTier(str(tmp_path)).stats()["segments"] == 2
+    assert tier.counters["segments_evicted"] == 1
+
+
+def test_write_over_budget_keeps_the_store_within_it(tmp_path):
+    tier = DiskTier(str(tmp_path), budget_bytes=3 * 40_000)
+    for i in range(6):
+        tier.write(ABI, chain(f"w{i}", 2, kib=8))
+    assert tier.stored_bytes() <= 3 * 40_000
+    assert tier.stats()["segments"] >= 1 and tier.counters["segments_evicted"] >= 3
+    report = tier.verify()
+    assert report["blocks_ok"] == 2 * report["segments"] and report["orphaned_segments"] == 0
+
+
+def test_failed_write_publishes_nothing(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    bad = chain("f", 1)
+    bad[0].objects["g0.rows"] = (np.zeros((2, 2), np.complex64), 0)  # no manifest dtype for complex
+    fut = tier.write_async(ABI, bad)
+    with pytest.raises(Exception):
+        fut.result()
+    tier.flush()
+    assert tier.counters["write_failures"] == 1
+    assert tier.stats()["segments"] == 0
+    assert not os.path.exists(tmp_path / "manifests")
+
+
+def test_manifest_schema_errors_name_the_field():
+    blocks = [{"key": "0" * 32, "parent": "", "index": 0, "length": 4, "tokens": [1, 2, 3, 4],
+               "indexer_version": 1, "snapshot": False,
+               "objects": [{"name": "g0.rows", "dtype": "bfloat16", "shape": [1, 1, 4], "row_start": 0,
+                            "offset": 0, "nbytes": 8, "crc32": 0}]}]
+    doc = {"abi": ABI, "segment": "s", "writer": "w", "created": 0.0, "data_bytes": 8, "stored_bytes": 10,
+           "chunk_bytes": 4096, "blocks": blocks}
+    assert mf.parse(mf.seal(doc))["blocks"][0]["tokens"] == [1, 2, 3, 4]
+    with pytest.raises(mf.ManifestError, match="checksum"):
+        mf.parse(mf.seal(doc).replace(b'"writer":"w"', b'"writer":"x"'))
+    with pytest.raises(mf.ManifestError, match="not JSON"):
+        mf.parse(b"{")
+    for field, value, match in (("abi", "XYZ", "abi"), ("data_bytes", 4, "exceed data_bytes"),
+                                ("version", 2, "version")):
+        raw = json.loads(mf.seal(doc))
+        raw[field] = value
+        raw["checksum"] = mf.zlib.crc32(mf._canonical(raw))
+        with pytest.raises(mf.ManifestError, match=match):
+            mf.parse(json.dumps(raw).encode())
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="budget_bytes"):
+        DiskTier(str(tmp_path), budget_bytes=-1)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        DiskTier(str(tmp_path), chunk_bytes=1000)
+    with pytest.raises(ValueError, match="store"):
+        DiskTier(12)
+    with pytest.raises(ValueError, match="at least one block"):
+        DiskTier(str(tmp_path)).write_async(ABI, [])
