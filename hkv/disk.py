@@ -189,6 +189,20 @@ class DiskTier:
                          "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
                          **{f"rejected_{r}": 0 for r in DISK_REASONS}}
         self.refresh(force=True)
+        self._load_own_hits()
+
+    def _load_own_hits(self) -> None:
+        """A writer reopened under the same `writer_id` continues its saved hit counts."""
+        for k in self.kv.list(ts.KvStore.KeyRange("hits/", "hits0")).result():
+            name = k.decode()
+            parts = name.split("/")
+            if len(parts) != 3 or parts[2] != f"{self.writer_id}.json":
+                continue
+            try:
+                h = json.loads(self.kv.read(name).result().value.decode())["hits"]
+                self._hits[parts[1]] = {str(key): int(n) for key, n in h.items()}
+            except (ValueError, KeyError, AttributeError, TypeError):
+                continue  # an unreadable hit file only loses statistics
 
     # ------------------------------------------------------------------------------- index
     def refresh(self, force: bool = False) -> None:

@@ -154,3 +154,16 @@ def test_bad_arguments_are_named(tmp_path):
         DiskTier(12)
     with pytest.raises(ValueError, match="at least one block"):
         DiskTier(str(tmp_path)).write_async(ABI, [])
+
+
+def test_hit_counts_survive_a_writer_reopened_under_its_id(tmp_path):
+    tier = DiskTier(str(tmp_path), writer_id="server-1")
+    blocks = chain("h", 2)
+    tier.write(ABI, blocks)
+    refs = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks]).refs
+    assert tier.read(refs).reason is None
+    tier.close()
+    again = DiskTier(str(tmp_path), writer_id="server-1")
+    assert again.read(refs).reason is None
+    again.flush()
+    assert DiskTier(str(tmp_path)).stats()["abis"][ABI]["hits"] == 4
