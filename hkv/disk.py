@@ -140,9 +140,11 @@ def _array_spec(kv: ts.KvStore, n: int, chunk: int) -> dict:
                              "index_location": "end"}}]}}
 
 
-def _layout_bytes(data_bytes: int, chunk_bytes: int) -> tuple[int, int, int]:
-    """(inner chunk, padded array bytes, shard file bytes) for `data_bytes` of payload."""
-    chunk = min(chunk_bytes, max(4096, 1 << max(data_bytes - 1, 1).bit_length()))
+def _layout_bytes(data_bytes: int, chunk_bytes: int, *, written: bool = False) -> tuple[int, int, int]:
+    """(inner chunk, padded array bytes, shard file bytes) for `data_bytes` of payload. A segment
+    smaller than `chunk_bytes` gets one chunk rounded up to 4 KiB (padding stays under 4 KiB);
+    written=True: `chunk_bytes` is the chunk a manifest recorded."""
+    chunk = chunk_bytes if written else min(chunk_bytes, -(-max(data_bytes, 1) // 4096) * 4096)
     n_chunks = max(1, math.ceil(data_bytes / chunk))
     return chunk, n_chunks * chunk, n_chunks * (chunk + 4) + n_chunks * 16 + 4
 
@@ -381,7 +383,7 @@ class DiskTier:
                 checked[sid] = (ABI, f"manifest of segment {sid[1]} claims ABI {doc['abi']}, stored under {sid[0]}", None)
                 continue
             checked[sid] = (None, "", doc)
-            chunk, padded, _ = _layout_bytes(doc["data_bytes"], doc["chunk_bytes"])
+            chunk, padded, _ = _layout_bytes(doc["data_bytes"], doc["chunk_bytes"], written=True)
             arrays[sid] = ts.open(_array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", padded, chunk), open=True,
                                   assume_metadata=True, context=self.context)
         # issue every object read at once

@@ -209,6 +209,23 @@ class Engine:
         snap = alive & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
         return self._offload(p, [int(r) for r in np.nonzero(snap)[0]])
 
+    def evict_prefixes(self) -> int:
+        """Evict every cached prefix record from device memory (between `generate` calls), writing the
+        snapshot blocks the disk tier lacks first when there is one. Returns the records evicted."""
+        if self._running:
+            raise ValueError(f"evict_prefixes while {len(self._running)} sequences run; call it between generate calls")
+        if not self.prefix_enabled:
+            return 0
+        p = jax.device_get(self.cache.prefix)
+        alive = np.asarray(p.state) == px.RecordState.ALIVE
+        if self.disk is not None:
+            snap = alive & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
+            self._offload(p, [int(r) for r in np.nonzero(snap)[0]])
+        every = jnp.asarray(alive)
+        self.cache = self._evict(self.layout, self.cache, every, every, every)
+        self._say(f"evicted {int(alive.sum())} cached prefix records from device memory")
+        return int(alive.sum())
+
     def flush_disk(self) -> None:
         """Wait for every disk write issued so far and mark the committed blocks on disk."""
         if self.disk is not None:
@@ -546,25 +563,12 @@ class Engine:
         i0 = l0 // bt
         kb = [key_words_bytes(k) for k in keys[:usable]]
         toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
-        chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=i0)
-        refs = chain.refs
-        snaps = [j for j, r in enumerate(refs) if r.snapshot]
-        reason, l1, payloads = None, l0, []
-        if snaps:
-            res = self.disk.read(refs[:snaps[-1] + 1],
-                                 expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"]))
-            got = res.payloads
-            reason = res.reason
-            iver = int(self.cache.indexer_version)
-            if swap.has_indexer(self.layout):
-                for j, pl in enumerate(got):
-                    if pl.indexer_version != iver:
-                        got, reason = got[:j], reason or "indexer_version"
-                        break
-            ok = [j for j in snaps if j < len(got)]
-            if ok:
-                payloads = got[:ok[-1] + 1]
-                l1 = l0 + len(payloads) * bt
+        try:
+            refs, stop, snaps, reason, payloads = self._disk_read(kb, toks, i0)
+        except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
+            self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
+            refs, stop, snaps, reason, payloads = [], None, [], "disk_missing", []
+        l1 = l0 + len(payloads) * bt
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
             while True:
@@ -576,9 +580,9 @@ class Engine:
                 self._say(f"prompt {seq.index}: disk blocks verified but not installed ({Status(int(st)).name})")
                 l1 = l0
         found = (i0 + len(refs)) * bt
-        if reason is None and chain.stop == "disk_abi":
+        if reason is None and stop == "disk_abi":
             reason = "disk_abi"
-        if reason is None and chain.stop == "absent" and i0 + len(refs) < usable:
+        if reason is None and stop == "absent" and i0 + len(refs) < usable:
             # a tombstone that says its block went to disk, but the tier has no such block
             p = jax.device_get(self.cache.prefix)
             want = key_words(kb[i0 + len(refs)])
@@ -612,6 +616,26 @@ class Engine:
                                    first_failed_stage=stage, reason=why, recompute=(l1, len(ids)),
                                    disk_tokens=(l0, l1) if l1 > l0 else None)
         return plan, vec
+
+    def _disk_read(self, kb: list[bytes], toks: list[list[int]], i0: int):
+        """(refs of the stored chain from block i0, why it stopped, indices of refs with a snapshot,
+        the reason verification stopped, verified payloads up to the last usable snapshot)."""
+        chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=i0)
+        refs = chain.refs
+        snaps = [j for j, r in enumerate(refs) if r.snapshot]
+        if not snaps:
+            return refs, chain.stop, snaps, None, []
+        res = self.disk.read(refs[:snaps[-1] + 1],
+                             expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"]))
+        got, reason = res.payloads, res.reason
+        if swap.has_indexer(self.layout):
+            iver = int(self.cache.indexer_version)
+            for j, pl in enumerate(got):
+                if pl.indexer_version != iver:  # written under older indexer weights
+                    got, reason = got[:j], reason or "indexer_version"
+                    break
+        ok = [j for j in snaps if j < len(got)]
+        return refs, chain.stop, snaps, reason, got[:ok[-1] + 1] if ok else []
 
     def prefix_stats(self) -> dict[str, Any]:
         """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""

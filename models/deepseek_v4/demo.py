@@ -4,11 +4,14 @@ A tiny random DeepSeek-V4 (every layer type: sliding, CSA with lightning indexer
 batch of prompts of different lengths with `hkv.Engine` (chunked prefill, one batched decode step per
 token), then checks every token and logit against the stateless forward (no cache, O(T) per token).
 A second conversation turn then restores the first turn's prefix from the cache (a verified
-restoration plan) and is checked against the stateless forward too.
+restoration plan) and is checked against the stateless forward too. Finally the device prefix cache
+is evicted to the on-disk tier (a temporary directory) and a third turn restores its prefix from
+disk, verified before use, and is checked the same way.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import numpy as np
@@ -30,9 +33,10 @@ def main() -> None:
     new = 24
     base = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=512, page_size=16))
     pools = tuple(3 * base.pool_pages(g) for g in range(len(base.groups)))  # room for cached prefixes
+    store = tempfile.TemporaryDirectory(prefix="hkv-demo-store-")
     engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=512, page_size=16, pool_pages=pools,
                                                prefix_records=128), prefill_chunk=32,
-                        progress=lambda m: print("  " + m, flush=True))
+                        progress=lambda m: print("  " + m, flush=True), disk=hkv.DiskTier(store.name))
     t0 = time.perf_counter()
     gens = engine.generate(prompts, new)
     dt = time.perf_counter() - t0
@@ -65,6 +69,21 @@ def main() -> None:
     print(f"second turn tokens identical to the stateless forward = {g2.tokens == t2}")
     if g2.tokens != t2:
         raise SystemExit("restored prefix changed the output")
+    # a third turn after the device forgot every cached prefix: it comes back from the disk tier
+    n = engine.evict_prefixes()
+    engine.flush_disk()
+    turn3 = turn2 + g2.tokens + rng.integers(2, cfg.vocab_size, 12).tolist()
+    t0 = time.perf_counter()
+    (g3,) = engine.generate([turn3], 8)
+    plan = g3.plan
+    print(f"third turn ({len(turn3)} tokens) after evicting {n} device records to disk: restored "
+          f"{plan.restored_tokens} tokens, {plan.disk_tokens} from disk (verified), in "
+          f"{time.perf_counter() - t0:.2f}s; disk tier {engine.disk.stats()['stored_bytes']:,} bytes")
+    (t3,), _ = greedy_stateless(model, [turn3], 8)
+    print(f"third turn tokens identical to the stateless forward = {g3.tokens == t3}")
+    if g3.tokens != t3 or not plan.disk_tokens:
+        raise SystemExit("the disk tier did not restore the prefix exactly")
+    store.cleanup()
     print("prefix metrics (Prometheus):")
     print("\n".join("  " + line for line in engine.metrics_text().splitlines() if not line.startswith("#"))[:1500])
 
