@@ -17,8 +17,6 @@ the segment's manifest is published).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,8 +69,9 @@ def expected_objects(layout: CacheLayout, length: int, snapshot: bool) -> dict[s
     return out
 
 
-@functools.partial(jax.jit, static_argnums=())
+@jax.jit
 def _gather(pool: jax.Array, ids: jax.Array) -> jax.Array:
+    """pool[:, ids]: [L_g, len(ids), page_size, dim] (a copy; the pool may be donated afterwards)."""
     return pool[:, ids]
 
 
