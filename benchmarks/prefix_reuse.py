@@ -23,17 +23,29 @@ last reply token, which is never fed), at most prompt_len - 1, rounded down to w
 Cold TTFT: the same prompts (each user's last, >= target tokens) on an engine without a prefix cache,
 whose generated tokens must equal the warm engine's ("exact"). Warm TTFT: those last turns on the
 prefix-cached engine. TTFT is the engine's own (`stats()["ttft_seconds"]`: admission to first logits).
+
+Disk tier (`--disk DIR`, or `--disk auto` for a fresh temporary directory deleted at the end; default
+none): the warm engine gets `hkv.DiskTier(DIR)`, so the chains whose snapshots the eviction policy
+drops from device memory are written to disk (write-behind) and a later hit restores them from there
+after verification. Reported: tokens restored from disk (plans' `disk_tokens`, engine counters),
+blocks offloaded (`stats()["disk_blocks_offloaded"]`) and the tier's `stats()` (segments, stored
+bytes, I/O counters). The warm-up also runs one disk restore (write_through, evict everything,
+restore) so its first compilation is not timed; other row buckets of `swap_in` still compile on
+first use inside the workload.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 
 import jax
@@ -103,7 +115,7 @@ def size_cache(args, spec, users) -> tuple[hkv.CacheConfig, int]:
 
 def counters_delta(after: dict, before: dict) -> dict:
     out = {}
-    for k in ("lookups", "hash_hit_tokens", "restored_tokens", "lookups_ending_in_hash_miss"):
+    for k in ("lookups", "hash_hit_tokens", "restored_tokens", "disk_restored_tokens", "lookups_ending_in_hash_miss"):
         out[k] = after[k] - before[k]
     out["evictions"] = {k: after["evictions"][k] - before["evictions"].get(k, 0) for k in after["evictions"]}
     rej = {}
@@ -142,6 +154,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="one line per turn")
     ap.add_argument("--json", help="write every figure to this file")
+    ap.add_argument("--disk", metavar="DIR", help="give the warm engine an hkv.DiskTier in DIR ('auto': a fresh "
+                    "temporary directory, deleted at the end); default: no disk tier")
     args = ap.parse_args()
     if args.snapshot_slots is None:
         args.snapshot_slots = 2 * args.users
@@ -186,8 +200,16 @@ def main() -> None:
         if msg.startswith("evicted"):
             evict_calls[0] += 1
 
+    disk = None
+    if args.disk:
+        disk_dir = args.disk
+        if disk_dir == "auto":
+            disk_dir = tempfile.mkdtemp(prefix="hkv-prefix-reuse-")
+            atexit.register(shutil.rmtree, disk_dir, True)
+        disk = hkv.DiskTier(disk_dir)
+        _say(f"disk tier: {disk_dir}{' (temporary, deleted at the end)' if args.disk == 'auto' else ''}")
     engine = hkv.Engine(model, config, block_tokens=args.block_tokens, prefill_chunk=args.prefill_chunk,
-                        model_id="tiny-seed0", retention=retention, progress=progress)
+                        model_id="tiny-seed0", retention=retention, progress=progress, disk=disk)
     # ---- warm-up: compile prefill, decode, record, restore, evict and the window-recompute restore
     # (a hit whose snapshot was evicted) before timing; the engine has no public way to do this
     t0 = time.perf_counter()
@@ -198,8 +220,19 @@ def main() -> None:
     g2 = engine.generate([wp + g.tokens + [1]], 2)[0]
     if g2.plan.window_recomputed is None:
         _say(f"  (warm-up did not exercise the window recompute: {g2.plan})")
+    if disk is not None:  # compile one disk restore too: offload a fresh chain, drop it from device, hit it
+        wd = rng.integers(0, args.vocab, 2 * args.block_tokens + 3).tolist()
+        gd = engine.generate([wd], 2)[0]  # its last boundary keeps a snapshot (request end)
+        engine.write_through()
+        engine.flush_disk()
+        engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+        g3 = engine.generate([wd + gd.tokens + [1]], 2)[0]
+        if g3.plan.disk_tokens is None:
+            _say(f"  (warm-up did not exercise a disk restore: {g3.plan})")
+        engine.flush_disk()
     before = engine.prefix_stats()
     before_stats = engine.stats()
+    disk_before = dict(disk.counters) if disk is not None else {}
     _say(f"warm-up (compilation) {time.perf_counter() - t0:.1f} s")
 
     # ---- the chat workload
@@ -237,6 +270,7 @@ def main() -> None:
             last = next_msg[u] == len(usr["messages"])
             turns.append({"round": rnd, "user": u, "prompt": len(prompt), "reusable": reusable,
                           "hash_hit": p.hash_hit_tokens, "restored": p.restored_tokens,
+                          "disk": p.disk_tokens[1] - p.disk_tokens[0] if p.disk_tokens else 0,
                           "stage": p.first_failed_stage, "reason": p.reason, "ttft": ttft, "wall": wall,
                           "window": p.window_recomputed is not None, "evict_calls": evict_calls[0],
                           "over_capacity": held > capacity_blocks,
@@ -244,7 +278,8 @@ def main() -> None:
             ttfts_round.append(ttft)
             if args.verbose:
                 _say(f"  r{rnd:>2} user {u} prompt {len(prompt):>5} reusable {reusable:>5} hash-hit "
-                     f"{p.hash_hit_tokens:>5} restored {p.restored_tokens:>5} "
+                     f"{p.hash_hit_tokens:>5} restored {p.restored_tokens:>5}"
+                     f"{f' ({p.disk_tokens[1] - p.disk_tokens[0]} from disk)' if p.disk_tokens else ''} "
                      f"{(p.first_failed_stage or '-') + ':' + (p.reason or '-'):<24}"
                      f"{' +window' if p.window_recomputed else '        '} ttft {ttft * 1e3:7.1f} ms; "
                      f"{evict_calls[0]} evictions, pages used "
@@ -255,11 +290,15 @@ def main() -> None:
                 history[u] = prompt + gen.tokens + usr["messages"][next_msg[u]]
             next_msg[u] += 1
         done = turns[-len(active):]
+        from_disk = f" ({sum(x['disk'] for x in done)} from disk)" if disk is not None else ""
         _say(f"round {rnd:>2}: {len(active)} turns, prompts {min(x['prompt'] for x in done)}-"
              f"{max(x['prompt'] for x in done)}, restored {sum(x['restored'] for x in done)}/"
-             f"{sum(x['reusable'] for x in done)} reusable tokens, median TTFT "
+             f"{sum(x['reusable'] for x in done)} reusable tokens"
+             f"{from_disk}, median TTFT "
              f"{statistics.median(ttfts_round) * 1e3:.0f} ms  [{time.perf_counter() - t_start:.0f} s]")
     work_s = time.perf_counter() - t_work
+    if disk is not None:
+        engine.flush_disk()  # pending write-behind segments, so the tier's figures are final
     after = engine.prefix_stats()
     delta = counters_delta(after, before)
 
@@ -297,6 +336,29 @@ def main() -> None:
          f"{'met' if restored >= 0.95 * reusable else 'NOT met'}]")
     _say(f"complete-restoration rate (restored / hash-hit tokens): {restored / hh:.1%}" if hh else
          "complete-restoration rate: no hash hits")
+    disk_report = None
+    if disk is not None:
+        dst = engine.stats()
+        dtier = disk.stats()
+        dcount = {k: v - disk_before.get(k, 0) for k, v in dtier["counters"].items()}
+        from_disk = sum(x["disk"] for x in turns)
+        disk_report = {
+            "restored_tokens_plans": from_disk, "turns": sum(1 for x in turns if x["disk"]),
+            "disk_restores": dst["disk_restores"] - before_stats["disk_restores"],
+            "disk_restored_tokens": dst["disk_restored_tokens"] - before_stats["disk_restored_tokens"],
+            "prefix_disk_restored_tokens": delta["disk_restored_tokens"],
+            "blocks_offloaded": dst["disk_blocks_offloaded"] - before_stats["disk_blocks_offloaded"],
+            "segments": dtier["segments"], "stored_bytes": dtier["stored_bytes"], "counters": dcount,
+            "records_on_disk": after["occupancy"]["records_on_disk"]}
+        _say(f"  from disk: {from_disk} restored tokens ({from_disk / reusable:.1%} of reusable) in "
+             f"{disk_report['turns']} turns; engine stats: disk_restores {disk_report['disk_restores']}, "
+             f"disk_restored_tokens {disk_report['disk_restored_tokens']} (stats()['prefix']: "
+             f"{disk_report['prefix_disk_restored_tokens']}); from device: {restored - from_disk} "
+             f"({(restored - from_disk) / reusable:.1%} of reusable)")
+        _say(f"  disk tier: {disk_report['blocks_offloaded']} blocks offloaded (stats()['disk_blocks_offloaded']); "
+             f"store holds {dtier['segments']} segments, {dtier['stored_bytes'] / 2**20:.1f} MiB "
+             f"(warm-up included); {after['occupancy']['records_on_disk']} index entries marked on disk")
+        _say(f"  disk tier counters over the workload: {json.dumps(dcount)}")
     wr = [x for x in turns if x["window"]]
     _say(f"  {len(wr)} turns restored by rebuilding a missing SWA window + TAIL ({engine.window_recompute_tokens} "
          f"tokens re-run each); {sum(x['hash_hit'] > x['restored'] for x in turns)} turns restored less than "
@@ -360,13 +422,15 @@ def main() -> None:
          f"{'met' if cold_med >= 10 * warm_med else 'NOT met'}]")
     _say(f"correctness: {'exact' if exact and all(exact) else 'MISMATCH'} (warm tokens == cold tokens for "
          f"{len(exact)} last turns)")
+    if disk is not None:
+        disk.close()
     _say(f"total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "config": str(config), "turns": [
                 {k: v for k, v in x.items() if k not in ("tokens", "prompt_ids")} for x in turns],
                 "delta": delta, "occupancy": after["occupancy"], "cold": cold, "cold_prefix": cold_prefix,
-                "exact": exact}, f, indent=1)
+                "exact": exact, "disk": disk_report}, f, indent=1)
     if exact and not all(exact):
         raise SystemExit("warm and cold generations differ")
 
