@@ -161,6 +161,9 @@ class Engine:
         self._disk_futures: list = []
         self._disk_inflight: set[tuple[bytes, bool]] = set()
         self._running: dict[int, _Seq] = {}
+        self._admitting: _Seq | None = None  # the sequence being prefilled (its chain is pinned too)
+        # measured costs for restore choices: seconds per prefill chunk, seconds per token from disk
+        self._cost = {"chunk": None, "disk_token": None}
 
     # ---------------------------------------------------------------------------------- api
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
@@ -300,20 +303,31 @@ class Engine:
             return False
         slot = int(slot)
         ids = seq.prompt + seq.tokens
-        c = self.prefill_chunk
         t0 = time.perf_counter()
         seq.slot, seq.fed, seq.keys, seq.parent_record = slot, 0, [], -1
+        self._admitting = seq
+        try:
+            return self._prefill_seq(seq, ids, clock, t0)
+        finally:
+            self._admitting = None
+
+    def _prefill_seq(self, seq: _Seq, ids: list[int], clock: int, t0: float) -> bool:
+        c = self.prefill_chunk
         start0 = self._lookup(seq, ids) if self.prefix_enabled else 0
+        slot = seq.slot  # a window rebuild may have re-claimed the slot
         last = None
         for start in range(start0, len(ids), c):
             chunk = ids[start:start + c]
             buf = np.zeros((1, c), np.int32)
             buf[0, :len(chunk)] = chunk
             while True:
+                t1, compiled = time.perf_counter(), self.compilations["prefill"]
                 self.cache, logits, status = self._prefill(self.layout, self.cache, self._weights, jnp.asarray(buf),
                                                            jnp.array([slot], jnp.int32),
                                                            jnp.array([len(chunk)], jnp.int32))
                 st = int(status)
+                if compiled == self.compilations["prefill"]:
+                    self._measure("chunk", time.perf_counter() - t1)
                 if st != Status.NO_PAGES or not self._make_room():
                     break
             if st != Status.OK:
@@ -381,6 +395,32 @@ class Engine:
                 self._finish(seq, running, done)
 
     # ------------------------------------------------------------------------- prefix cache
+    def _measure(self, what: str, seconds: float) -> None:
+        old = self._cost[what]
+        self._cost[what] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def _restore_costs(self, prompt: int, l0: int, window_at: int | None, disk_at: int) -> dict[str, float]:
+        """Estimated seconds to reach the prompt's end from each option: recompute from l0 ("shrink"),
+        rebuild the window at `window_at` ("window"), or install [l0, disk_at) from disk ("disk").
+        Prefill costs per chunk and disk costs per token are measured as the engine runs; until a disk
+        restore has been timed it is assumed 10x cheaper per token than prefill (the case for any
+        real model: reading a block moves bytes, recomputing it runs every layer)."""
+        c = self.prefill_chunk
+        chunk = self._cost["chunk"] or 1.0
+        disk_tok = self._cost["disk_token"] if self._cost["disk_token"] is not None else 0.1 * chunk / c
+
+        def compute(n: int) -> float:
+            return -(-max(n, 0) // c) * chunk
+
+        out = {"shrink": compute(prompt - l0)}
+        if window_at is not None:
+            # one step over exactly R tokens (not padded to a chunk), then the chunks after window_at
+            out["window"] = self.window_recompute_tokens / c * chunk + compute(prompt - window_at)
+        if disk_at > l0:
+            out["disk"] = (disk_at - l0) * disk_tok + compute(prompt - disk_at)
+        return out
+
+
     def _lookup(self, seq: _Seq, ids: list[int]) -> int:
         """Restore the longest verified prefix of `ids` into seq's fresh slot; returns its length."""
         bt = self.spec.block_tokens
@@ -400,12 +440,17 @@ class Engine:
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
         vec = np.asarray(vec)
-        if self.disk is not None:
-            plan, vec = self._disk_extend(seq, ids, keys, usable, plan, vec)
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_recompute_tokens
-        if (plan.disk_tokens is None and plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
-                and abi_ok - plan.restored_tokens > r):
+        window_ok = (plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
+                     and abi_ok - plan.restored_tokens > r)
+        probe = self._disk_probe(seq, keys, ids, usable, plan.restored_tokens) if self.disk is not None else None
+        costs = self._restore_costs(len(ids), plan.restored_tokens, abi_ok if window_ok else None,
+                                    probe["reach"] if probe else 0)
+        choice = min(costs, key=costs.get)
+        if probe is not None and (choice == "disk" or "disk" not in costs):
+            plan, vec = self._disk_extend(seq, ids, probe, plan, vec)  # also names disk failures
+        if choice == "window" or (choice == "disk" and plan.disk_tokens is None and window_ok):
             # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
             # slot and restore the entries at the longer boundary, then recompute its window.
             self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
@@ -476,7 +521,8 @@ class Engine:
         p = jax.device_get(self.cache.prefix)
         meta = {k: np.asarray(getattr(p, k)) for k in ("state", "parent", "length", "last_used", "swa_held",
                                                         "tail_slot")}
-        pinned = {q.parent_record for q in self._running.values() if q.parent_record >= 0}
+        live = list(self._running.values()) + ([self._admitting] if self._admitting is not None else [])
+        pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
         order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned) if k in kinds]
         if not order:
             return False
@@ -552,7 +598,23 @@ class Engine:
             arr[:len(keys)] = [key_words(x) for x in keys]
             self.cache = self._mark_on_disk(self.layout, self.cache, jnp.asarray(arr), jnp.arange(k) < len(keys))
 
-    def _disk_extend(self, seq: _Seq, ids: list[int], keys: np.ndarray, usable: int, plan: RestorePlan,
+    def _disk_probe(self, seq: _Seq, keys: np.ndarray, ids: list[int], usable: int, l0: int) -> dict:
+        """What the disk tier's index holds past the device-restored prefix [0, l0) (no data read):
+        the stored chain from block l0 / block_tokens, and `reach`, the longest boundary with a stored
+        snapshot. A store that fails to answer is an empty chain with `error` set."""
+        bt = self.spec.block_tokens
+        kb = [key_words_bytes(k) for k in keys[:usable]]
+        toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
+        try:
+            chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=l0 // bt)
+        except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
+            self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
+            return {"kb": kb, "refs": [], "stop": None, "snaps": [], "reach": l0, "error": True}
+        snaps = [j for j, r in enumerate(chain.refs) if r.snapshot]
+        return {"kb": kb, "refs": chain.refs, "stop": chain.stop, "snaps": snaps, "error": False,
+                "reach": l0 + (snaps[-1] + 1) * bt if snaps else l0}
+
+    def _disk_extend(self, seq: _Seq, ids: list[int], probe: dict, plan: RestorePlan,
                      vec: np.ndarray) -> tuple[RestorePlan, np.ndarray]:
         """Extend the device-restored prefix [0, L0) with verified blocks from the disk tier, up to
         the longest boundary where a stored snapshot lies and every block before it passes stages 2
@@ -561,13 +623,15 @@ class Engine:
         bt = self.spec.block_tokens
         l0 = plan.restored_tokens
         i0 = l0 // bt
-        kb = [key_words_bytes(k) for k in keys[:usable]]
-        toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
+        kb, refs, stop, snaps = probe["kb"], probe["refs"], probe["stop"], probe["snaps"]
+        usable = len(kb)
+        t0 = time.perf_counter()
+        compiled = self._swap_in._cache_size()
         try:
-            refs, stop, snaps, reason, payloads = self._disk_read(kb, toks, i0)
+            reason, payloads = ("disk_missing", []) if probe["error"] else self._disk_read(refs, snaps)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
             self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
-            refs, stop, snaps, reason, payloads = [], None, [], "disk_missing", []
+            reason, payloads = "disk_missing", []
         l1 = l0 + len(payloads) * bt
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
@@ -579,6 +643,8 @@ class Engine:
             if int(st) != Status.OK:
                 self._say(f"prompt {seq.index}: disk blocks verified but not installed ({Status(int(st)).name})")
                 l1 = l0
+            elif self._swap_in._cache_size() == compiled:
+                self._measure("disk_token", (time.perf_counter() - t0) / (l1 - l0))
         found = (i0 + len(refs)) * bt
         if reason is None and stop == "disk_abi":
             reason = "disk_abi"
@@ -617,14 +683,10 @@ class Engine:
                                    disk_tokens=(l0, l1) if l1 > l0 else None)
         return plan, vec
 
-    def _disk_read(self, kb: list[bytes], toks: list[list[int]], i0: int):
-        """(refs of the stored chain from block i0, why it stopped, indices of refs with a snapshot,
-        the reason verification stopped, verified payloads up to the last usable snapshot)."""
-        chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=i0)
-        refs = chain.refs
-        snaps = [j for j, r in enumerate(refs) if r.snapshot]
+    def _disk_read(self, refs: list, snaps: list[int]) -> tuple[str | None, list]:
+        """(why verification stopped, the verified payloads up to the last usable snapshot)."""
         if not snaps:
-            return refs, chain.stop, snaps, None, []
+            return None, []
         res = self.disk.read(refs[:snaps[-1] + 1],
                              expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"]))
         got, reason = res.payloads, res.reason
@@ -635,7 +697,7 @@ class Engine:
                     got, reason = got[:j], reason or "indexer_version"
                     break
         ok = [j for j in snaps if j < len(got)]
-        return refs, chain.stop, snaps, reason, got[:ok[-1] + 1] if ok else []
+        return reason, got[:ok[-1] + 1] if ok else []
 
     def prefix_stats(self) -> dict[str, Any]:
         """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""

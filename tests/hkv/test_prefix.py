@@ -235,8 +235,9 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
 
 def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model):
     # Chunks of 4 blocks: boundaries 16, 32, 48 inside the first chunk get COMPRESSED/INDEXER-only
-    # records; the chunk end (64) gets the snapshot. A hit at 6 blocks then rebuilds the window
-    # (gap 32 > R = 28) instead of shrinking to 64.
+    # records; the chunk end (64) gets the snapshot. A hit at 6 blocks of a 129-token prompt then
+    # rebuilds the window (one 28-token step + 1 chunk for [96, 129)) instead of shrinking to 64
+    # (2 chunks for [64, 129)): the engine picks the cheaper by its measured chunk cost.
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
@@ -248,9 +249,12 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
     assert sorted(np.asarray(p.length)[alive].tolist())[:4] == [16, 32, 48, 64]
     assert not np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 48)].any()
     assert np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 64)].all()
-    prompt = diverge(6 * BT + 3)
+    prompt = diverge(6 * BT + 3, tail=30)
     (g,) = engine.generate([prompt], NEW)
     assert g.plan.hash_hit_tokens == g.plan.restored_tokens == 6 * BT
     assert g.plan.window_recomputed == (6 * BT - engine.window_recompute_tokens, 6 * BT)
+    # with the gap [64, 96) and the rest [96, 108) inside one chunk each, shrinking is cheaper
+    (g2,) = engine.generate([diverge(6 * BT + 3, seed=5)], NEW)
+    assert g2.plan.restored_tokens == 4 * BT and g2.plan.window_recomputed is None
     assert_exact(model, [prompt], [g])
     hkv.check_invariants(engine.layout, engine.cache)
