@@ -258,3 +258,28 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
     assert g2.plan.restored_tokens == 4 * BT and g2.plan.window_recomputed is None
     assert_exact(model, [prompt], [g])
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model):
+    """6 records; A caches 4 blocks, then B (8 blocks) must evict. B's own chain is pinned while it
+    is prefilled, so A's records go and B keeps one unbroken chain of its first 6 blocks (before the
+    fix it evicted its own parent records and kept one block, the rest refused as orphans)."""
+    config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
+    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
+                                               prefix_records=6), block_tokens=BT, prefill_chunk=BT)
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
+    b = rng.integers(0, CFG.vocab_size, 8 * BT + 1).tolist()
+    engine.generate([a], 1)
+    engine.generate([b], 1)
+    p = jax.device_get(engine.cache.prefix)
+    alive = np.asarray(p.state) == px.RecordState.ALIVE
+    lengths, parents = np.asarray(p.length), np.asarray(p.parent)
+    assert sorted(lengths[alive].tolist()) == [k * BT for k in range(1, 7)]
+    for r in np.nonzero(alive)[0]:
+        assert (parents[r] < 0) if lengths[r] == BT else (lengths[parents[r]] == lengths[r] - BT)
+    (g,) = engine.generate([b[:7 * BT + 3]], 1)
+    assert g.plan.restored_tokens == 6 * BT
+    hkv.check_invariants(engine.layout, engine.cache)
