@@ -207,10 +207,7 @@ class Engine:
         `flush_disk`). Returns the number of blocks queued. E.g. before a planned shutdown."""
         if self.disk is None:
             raise ValueError("write_through needs a disk tier (Engine(..., disk=hkv.DiskTier(path)))")
-        p = jax.device_get(self.cache.prefix)
-        alive = np.asarray(p.state) == px.RecordState.ALIVE
-        snap = alive & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
-        return self._offload(p, [int(r) for r in np.nonzero(snap)[0]])
+        return self._offload(jax.device_get(self.cache.prefix))
 
     def evict_prefixes(self) -> int:
         """Evict every cached prefix record from device memory (between `generate` calls), writing the
@@ -222,8 +219,7 @@ class Engine:
         p = jax.device_get(self.cache.prefix)
         alive = np.asarray(p.state) == px.RecordState.ALIVE
         if self.disk is not None:
-            snap = alive & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
-            self._offload(p, [int(r) for r in np.nonzero(snap)[0]])
+            self._offload(p)
         every = jnp.asarray(alive)
         self.cache = self._evict(self.layout, self.cache, every, every, every)
         self._say(f"evicted {int(alive.sum())} cached prefix records from device memory")
@@ -532,18 +528,20 @@ class Engine:
         for kind, r in batch:
             (snap if kind == "snapshot" else whole)[r] = True
         if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
-            held = meta["swa_held"] & (meta["tail_slot"] >= 0)
-            self._offload(p, [r for _, r in batch if held[r]])
+            self._offload(p, [r for _, r in batch])
         self.cache = self._evict(self.layout, self.cache, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
         self._say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
         return True
 
     # ----------------------------------------------------------------------------- disk tier
-    def _offload(self, p, records: list[int]) -> int:
-        """Queue one disk segment with the snapshot blocks of `records` (alive, holding a snapshot)
-        and every block of their chains the tier lacks. p: host snapshot of the prefix index."""
+    def _offload(self, p, records: list[int] | None = None) -> int:
+        """Queue one disk segment with the snapshot blocks of `records` (default: every alive record;
+        only those holding an SWA + TAIL snapshot end a restorable block) and every block of their
+        chains the tier lacks. p: host snapshot of the prefix index."""
         bt = self.spec.block_tokens
         abi = self.spec.fingerprint()
+        held = (np.asarray(p.state) == px.RecordState.ALIVE) & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
+        records = [int(r) for r in (np.nonzero(held)[0] if records is None else records) if held[r]]
         payloads, seen = [], set()
         lasts = {key_words_bytes(p.key[r]) for r in records}  # blocks written with their snapshot
         for r in records:
@@ -650,9 +648,9 @@ class Engine:
             reason = "disk_abi"
         if reason is None and stop == "absent" and i0 + len(refs) < usable:
             # a tombstone that says its block went to disk, but the tier has no such block
-            p = jax.device_get(self.cache.prefix)
+            rec_keys, on_disk = jax.device_get((self.cache.prefix.key, self.cache.prefix.on_disk))
             want = key_words(kb[i0 + len(refs)])
-            if np.any(np.all(np.asarray(p.key) == want, axis=1) & np.asarray(p.on_disk)):
+            if np.any(np.all(np.asarray(rec_keys) == want, axis=1) & np.asarray(on_disk)):
                 reason = "disk_missing"
         hash_hit = max(plan.hash_hit_tokens, found)
         if l1 == l0 and reason is None:
