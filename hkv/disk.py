@@ -322,26 +322,28 @@ class DiskTier:
                             "objects": objs})
         data_bytes = max(off, 1)
         chunk, padded, stored = _layout_bytes(data_bytes, self.chunk_bytes)
-        buf = np.empty((padded,), np.uint8)  # each object copied once, checksummed in place
-        end = 0
-        for o, a in parts:
-            buf[end:o["offset"]] = 0
-            view = buf[o["offset"]:o["offset"] + o["nbytes"]]
-            if o["nbytes"]:
-                view[...] = a.reshape(-1).view(np.uint8)
-            o["crc32"] = zlib.crc32(view)
-            end = o["offset"] + o["nbytes"]
-        buf[end:] = 0
         seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{self.writer_id}-{uuid.uuid4().hex[:8]}"
         doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
                "stored_bytes": stored, "chunk_bytes": chunk, "blocks": entries}
-        raw = mf.seal(doc)
-        checked = mf.parse(raw)  # a manifest that would not parse is never written, nor its data
+        mf.parse(mf.seal(doc))  # a manifest that would not parse is never written, nor its data
         txn = ts.Transaction()
-        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), create=True, context=self.context,
-                      transaction=txn).result()
+        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), open=True, assume_metadata=True,
+                      context=self.context, transaction=txn).result()
+        buf = np.empty((padded,), np.uint8)  # each object copied once into the segment's bytes
+        end = 0
+        for o, a in parts:
+            buf[end:o["offset"]] = 0
+            if o["nbytes"]:
+                buf[o["offset"]:o["offset"] + o["nbytes"]] = a.reshape(-1).view(np.uint8)
+            end = o["offset"] + o["nbytes"]
+        buf[end:] = 0
         arr[...] = buf
-        txn.commit_async().result()
+        commit = txn.commit_async()
+        for o, _ in parts:  # checksums computed while the bytes are written
+            o["crc32"] = zlib.crc32(buf[o["offset"]:o["offset"] + o["nbytes"]])
+        commit.result()
+        raw = mf.seal(doc)
+        checked = mf.parse(raw)
         key = f"manifests/{abi}/{seg}.json"
         self.kv.write(key, raw).result()  # published: from here on the blocks exist
         self._add_segment(key, checked)
