@@ -9,7 +9,8 @@ Storage (any tensorstore kvstore: `file` by default, `memory`, `ocdbt`, `gcs`, `
 
     manifests/<abi>/<segment>.json     the segment's manifest (`hkv.disk_manifest`), published LAST
     data/<abi>/<segment>/              a zarr3 uint8 array: one shard of `chunk_bytes` inner chunks,
-                                       crc32c in the chunk and the shard-index codecs
+                                       crc32c in the chunk and the shard-index codecs (its zarr.json is
+                                       not stored: the manifest's data_bytes / chunk_bytes determine it)
     hits/<abi>/<writer>.json           restore counts per block key of one writer (for `stats`)
 
 A *segment* is one write batch (one or more blocks, every object of each block: its COMPRESSED and
