@@ -48,11 +48,12 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
 import numpy as np
+
+import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 
 T0 = time.perf_counter()
 
@@ -613,12 +614,7 @@ def main() -> None:
 
     import jax
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
-    except OSError:
-        rev = "?"
+    cores, rev = _machine.cores(), _machine.hkv_revision()
     fs = "?"
     try:
         best = ""

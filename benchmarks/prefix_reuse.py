@@ -40,16 +40,16 @@ import argparse
 import atexit
 import datetime
 import json
-import os
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
 import jax
 import numpy as np
+
+import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 
 import hkv
 from hkv.state import CacheLayout
@@ -161,12 +161,7 @@ def main() -> None:
         args.snapshot_slots = 2 * args.users
 
     t_start = time.perf_counter()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
-    except OSError:
-        rev = "?"
+    cores, rev = _machine.cores(), _machine.hkv_revision()
     _say(f"date {datetime.date.today().isoformat()}; machine: {cores}-core {platform.machine()} "
          f"{jax.default_backend().upper()}, jax {jax.__version__}, numpy {np.__version__}; hkv at {rev}")
     rng = np.random.default_rng(args.seed)
