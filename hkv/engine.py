@@ -492,6 +492,14 @@ class Engine:
         bt = self.spec.block_tokens
         ids = seq.prompt + seq.tokens
         final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
+        # admission control (record slots): record -> prefix clock it was last recorded at; a sequence's
+        # own previous use is that of the record its restore ended at, its own standing the length
+        # restored. A sequence that restored nothing may displace only never-reused chains.
+        stamps = self.__dict__.setdefault("_record_stamps", {})
+        if "prev_use" not in seq.__dict__:
+            r0 = seq.parent_record
+            seq.prev_use = stamps.get(r0, -1) if r0 >= 0 else None
+            seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
         for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
             seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt:n * bt], self.cache_salt))
             at_end = n * bt == seq.fed
@@ -499,6 +507,8 @@ class Engine:
                 n, request_end=(n == final // bt),
                 branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
                 and seq.plan.restored_tokens < seq.fed)
+            if seq.__dict__.get("record_stopped"):
+                continue  # admission control refused a record slot: this request caches no more blocks
             if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
                 self._make_room(kinds=("snapshot",))
             block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
@@ -506,20 +516,34 @@ class Engine:
                 self.cache, r, status = self._record(
                     self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(key_words(seq.keys[n - 1])),
                     jnp.int32(seq.parent_record), jnp.asarray(block), jnp.bool_(retain), jnp.int32(n * bt))
-                if int(status) != Status.NO_PAGES or not self._make_room(kinds=("record",)):
+                if int(status) != Status.NO_PAGES:
                     break
+                # admission control: for a record slot evict only chains last used before this
+                # sequence's own previous use, shorter than what it restored, or never reused
+                if not self._make_room(kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len,
+                                       never_hit=True):
+                    seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
+                    break
+            if seq.__dict__.get("record_stopped"):
+                continue
             seq.parent_record = int(r)
+            if int(r) >= 0:
+                stamps[int(r)] = int(self.cache.prefix.last_used[int(r)])
 
-    def _make_room(self, kinds=("snapshot", "record")) -> bool:
-        """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was."""
+    def _make_room(self, kinds=("snapshot", "record"), used_before: int | None = None,
+                   shorter_than: int | None = None, never_hit: bool = False) -> bool:
+        """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was.
+        used_before, shorter_than, never_hit: admission control — only objects of chains last used
+        before this prefix clock, shorter than this many tokens, or never reused (hkv.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
         p = jax.device_get(self.cache.prefix)
         meta = {k: np.asarray(getattr(p, k)) for k in ("state", "parent", "length", "last_used", "swa_held",
-                                                        "tail_slot")}
+                                                        "tail_slot", "hits")}
         live = list(self._running.values()) + ([self._admitting] if self._admitting is not None else [])
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
-        order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned) if k in kinds]
+        order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than,
+                                                     never_hit) if k in kinds]
         if not order:
             return False
         batch = order[:max(1, len(order) // 8)]

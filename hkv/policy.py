@@ -13,6 +13,19 @@ Eviction (`eviction_order`): candidates are ranked by reconstruction cost per by
     L tokens for every request that would have hit it; only leaves (records no alive record extends)
     are candidates, so no cached block is ever left unrestorable while still holding memory — the
     cross-type coordinator rule. Ties go least recently used first.
+
+Admission control (`eviction_order(..., used_before=, shorter_than=, never_hit=)`; the engine uses it
+when a request needs a record slot only to cache its own new blocks — page pressure in a step keeps
+the full policy): the request may evict only objects of chains
+  * last used before `used_before` (the request's own previous use: e.g. a finished conversation),
+  * reaching less far than `shorter_than` tokens (the request's own restored length), so losses
+    concentrate on the chains already shortest instead of every chain losing its tail in turn,
+  * or never reused (`never_hit`: no restore hit anywhere on the chain; one-shot content is
+    probationary, and it is all a request that restored nothing may displace).
+Otherwise it stops caching and keeps what it has. In a round-robin chat the user who just had its
+turn is needed furthest in the future, so evicting the other users' more recent chains for it would
+only make each of them miss and re-record in turn (a cascade of record evictions). Pinned records are
+still never evicted whole, only leaves are, and snapshots still go before records.
 """
 
 from __future__ import annotations
@@ -68,14 +81,74 @@ def receptive_field(spec: CacheSpec) -> int:
     return sum((l.window - 1) for l in spec.layers if l.window)
 
 
-def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int] = frozenset()) -> list[tuple[str, int]]:
+def chain_last_used(meta: dict[str, np.ndarray]) -> np.ndarray:
+    """int[NR]: the most recent `last_used` over each alive record and every alive record extending it
+    (the last use of any chain through it); -1 for records not alive."""
+    state, parent, length = meta["state"], meta["parent"], meta["length"]
+    alive = state == 1
+    out = np.where(alive, meta["last_used"], -1).astype(np.int64)
+    for r in sorted(np.nonzero(alive)[0], key=lambda q: -int(length[q])):  # children before parents
+        q = int(parent[r])
+        if q >= 0 and alive[q]:
+            out[q] = max(out[q], out[r])
+    return out
+
+
+def chain_max_length(meta: dict[str, np.ndarray]) -> np.ndarray:
+    """int[NR]: the longest boundary over each alive record and every alive record extending it (how far
+    the longest chain through it reaches); -1 for records not alive."""
+    state, parent, length = meta["state"], meta["parent"], meta["length"]
+    alive = state == 1
+    out = np.where(alive, length, -1).astype(np.int64)
+    for r in sorted(np.nonzero(alive)[0], key=lambda q: -int(length[q])):  # children before parents
+        q = int(parent[r])
+        if q >= 0 and alive[q]:
+            out[q] = max(out[q], out[r])
+    return out
+
+
+def chain_hits(meta: dict[str, np.ndarray]) -> np.ndarray:
+    """int[NR]: the most hits (restores) of any alive record on a chain through each alive record (its
+    ancestors, itself and every record extending it); 0 means that content was never reused."""
+    state, parent, length = meta["state"], meta["parent"], meta["length"]
+    alive = state == 1
+    hits = np.where(alive, meta["hits"], 0).astype(np.int64)
+    order = sorted(np.nonzero(alive)[0], key=lambda q: int(length[q]))
+    up, down = hits.copy(), hits.copy()
+    for r in order:  # parents before children: the most hits on the path from the root
+        q = int(parent[r])
+        if q >= 0 and alive[q]:
+            up[r] = max(up[r], up[q])
+    for r in reversed(order):  # children before parents: the most hits below
+        q = int(parent[r])
+        if q >= 0 and alive[q]:
+            down[q] = max(down[q], down[r])
+    return np.maximum(up, down)
+
+
+def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int] = frozenset(),
+                   used_before: int | None = None, shorter_than: int | None = None,
+                   never_hit: bool = False) -> list[tuple[str, int]]:
     """[("snapshot" | "record", record index), ...] lowest reconstruction cost per byte first.
 
     meta: host snapshot of the prefix index — state, parent, length, last_used, swa_held, tail_slot.
     pinned: records running sequences are extending (never evicted whole, so their chains go on).
+    used_before, shorter_than, never_hit: admission control — when any is given, only objects whose
+    chain (the record and every record extending it) was last used before clock `used_before`, or
+    reaches no further than `shorter_than` tokens (exclusive), or (never_hit; meta then needs `hits`)
+    whose chains were never restored (one-shot content) are candidates.
     """
     state, parent, length = meta["state"], meta["parent"], meta["length"]
     alive = state == 1
+    admission = used_before is not None or shorter_than is not None or never_hit
+    if admission:
+        old = np.zeros(len(state), bool)
+        if never_hit:
+            old |= chain_hits(meta) == 0
+        if used_before is not None:
+            old |= chain_last_used(meta) < used_before
+        if shorter_than is not None:
+            old |= chain_max_length(meta) < shorter_than
     has_snap = alive & (meta["swa_held"] | (meta["tail_slot"] >= 0))
     children = np.zeros(len(state), int)
     for r in np.nonzero(alive)[0]:
@@ -85,6 +158,8 @@ def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int
     rf = max(receptive_field(spec), 1)
     out = []
     for r in np.nonzero(has_snap)[0]:
+        if admission and not old[r]:
+            continue
         prev, back, seen = parent[r], spec.block_tokens, {int(r)}
         while prev >= 0 and not has_snap[prev] and prev not in seen:
             seen.add(int(prev))
@@ -92,7 +167,7 @@ def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int
             prev = parent[prev]
         out.append((min(back, rf) / snap_b, int(meta["last_used"][r]), "snapshot", int(r)))
     for r in np.nonzero(alive & (children == 0))[0]:
-        if int(r) in pinned:
+        if int(r) in pinned or (admission and not old[r]):
             continue
         out.append((float(length[r]) / rec_b, int(meta["last_used"][r]), "record", int(r)))
     out.sort()
