@@ -66,6 +66,12 @@ class _Seq:
     keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
     parent_record: int = -1  # prefix record of the last recorded block
     plan: RestorePlan | None = None
+    # admission control for record slots (hkv.policy): fixed at the request's first recorded step — the
+    # prefix clock of its own previous use and the length it restored (None: it restored nothing)
+    admission_set: bool = False
+    prev_use: int | None = None
+    prev_len: int | None = None
+    record_stopped: bool = False  # refused a record slot: this request caches no more blocks
 
     @property
     def done(self) -> bool:
@@ -162,6 +168,7 @@ class Engine:
         self._disk_inflight: set[tuple[bytes, bool]] = set()
         self._running: dict[int, _Seq] = {}
         self._admitting: _Seq | None = None  # the sequence being prefilled (its chain is pinned too)
+        self._record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
         # measured costs for restore choices: seconds per prefill chunk, seconds per token from disk
         self._cost = {"chunk": None, "disk_token": None}
 
@@ -495,8 +502,9 @@ class Engine:
         # admission control (record slots): record -> prefix clock it was last recorded at; a sequence's
         # own previous use is that of the record its restore ended at, its own standing the length
         # restored. A sequence that restored nothing may displace only never-reused chains.
-        stamps = self.__dict__.setdefault("_record_stamps", {})
-        if "prev_use" not in seq.__dict__:
+        stamps = self._record_stamps
+        if not seq.admission_set:
+            seq.admission_set = True
             r0 = seq.parent_record
             seq.prev_use = stamps.get(r0, -1) if r0 >= 0 else None
             seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
@@ -507,8 +515,8 @@ class Engine:
                 n, request_end=(n == final // bt),
                 branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
                 and seq.plan.restored_tokens < seq.fed)
-            if seq.__dict__.get("record_stopped"):
-                continue  # admission control refused a record slot: this request caches no more blocks
+            if seq.record_stopped:
+                continue
             if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
                 self._make_room(kinds=("snapshot",))
             block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
@@ -524,7 +532,7 @@ class Engine:
                                        never_hit=True):
                     seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
                     break
-            if seq.__dict__.get("record_stopped"):
+            if seq.record_stopped:
                 continue
             seq.parent_record = int(r)
             if int(r) >= 0:
