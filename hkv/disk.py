@@ -187,6 +187,7 @@ class DiskTier:
         self._refreshed = -math.inf
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk")
         self._pending: set[concurrent.futures.Future] = set()
+        self._staging = np.empty((0,), np.uint8)  # the writer thread's segment buffer (largest segment so far)
         self._hits: dict[str, dict[str, int]] = {}
         self.counters = {"segments_written": 0, "blocks_written": 0, "bytes_written": 0, "write_failures": 0,
                          "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
@@ -330,7 +331,11 @@ class DiskTier:
         txn = ts.Transaction()
         arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), open=True, assume_metadata=True,
                       context=self.context, transaction=txn).result()
-        buf = np.empty((padded,), np.uint8)  # each object copied once into the segment's bytes
+        # each object copied once into the segment's bytes; the staging buffer is reused by the next
+        # write (writes run one at a time on the writer thread), so its pages are faulted in only once
+        if self._staging.size < padded:
+            self._staging = np.empty((padded,), np.uint8)
+        buf = self._staging[:padded]
         end = 0
         for o, a in parts:
             buf[end:o["offset"]] = 0
