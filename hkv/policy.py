@@ -81,30 +81,29 @@ def receptive_field(spec: CacheSpec) -> int:
     return sum((l.window - 1) for l in spec.layers if l.window)
 
 
-def chain_last_used(meta: dict[str, np.ndarray]) -> np.ndarray:
-    """int[NR]: the most recent `last_used` over each alive record and every alive record extending it
-    (the last use of any chain through it); -1 for records not alive."""
+def _subtree_max(meta: dict[str, np.ndarray], values: np.ndarray) -> np.ndarray:
+    """int[NR]: the max of `values` over each alive record and every alive record extending it;
+    -1 for records not alive."""
     state, parent, length = meta["state"], meta["parent"], meta["length"]
     alive = state == 1
-    out = np.where(alive, meta["last_used"], -1).astype(np.int64)
+    out = np.where(alive, values, -1).astype(np.int64)
     for r in sorted(np.nonzero(alive)[0], key=lambda q: -int(length[q])):  # children before parents
         q = int(parent[r])
         if q >= 0 and alive[q]:
             out[q] = max(out[q], out[r])
     return out
+
+
+def chain_last_used(meta: dict[str, np.ndarray]) -> np.ndarray:
+    """int[NR]: the most recent `last_used` over each alive record and every alive record extending it
+    (the last use of any chain through it); -1 for records not alive."""
+    return _subtree_max(meta, meta["last_used"])
 
 
 def chain_max_length(meta: dict[str, np.ndarray]) -> np.ndarray:
     """int[NR]: the longest boundary over each alive record and every alive record extending it (how far
     the longest chain through it reaches); -1 for records not alive."""
-    state, parent, length = meta["state"], meta["parent"], meta["length"]
-    alive = state == 1
-    out = np.where(alive, length, -1).astype(np.int64)
-    for r in sorted(np.nonzero(alive)[0], key=lambda q: -int(length[q])):  # children before parents
-        q = int(parent[r])
-        if q >= 0 and alive[q]:
-            out[q] = max(out[q], out[r])
-    return out
+    return _subtree_max(meta, meta["length"])
 
 
 def chain_hits(meta: dict[str, np.ndarray]) -> np.ndarray:
@@ -112,18 +111,12 @@ def chain_hits(meta: dict[str, np.ndarray]) -> np.ndarray:
     ancestors, itself and every record extending it); 0 means that content was never reused."""
     state, parent, length = meta["state"], meta["parent"], meta["length"]
     alive = state == 1
-    hits = np.where(alive, meta["hits"], 0).astype(np.int64)
-    order = sorted(np.nonzero(alive)[0], key=lambda q: int(length[q]))
-    up, down = hits.copy(), hits.copy()
-    for r in order:  # parents before children: the most hits on the path from the root
+    up = np.where(alive, meta["hits"], 0).astype(np.int64)
+    for r in sorted(np.nonzero(alive)[0], key=lambda q: int(length[q])):  # parents before children
         q = int(parent[r])
         if q >= 0 and alive[q]:
             up[r] = max(up[r], up[q])
-    for r in reversed(order):  # children before parents: the most hits below
-        q = int(parent[r])
-        if q >= 0 and alive[q]:
-            down[q] = max(down[q], down[r])
-    return np.maximum(up, down)
+    return np.maximum(up, _subtree_max(meta, meta["hits"]))  # the most hits on the path / below
 
 
 def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int] = frozenset(),
