@@ -41,6 +41,11 @@ def key_words(key: bytes) -> np.ndarray:
     return np.frombuffer(key, dtype="<u4").astype(np.uint32)
 
 
+def key_bytes(words) -> bytes:
+    """uint32[4] words (as the device-side prefix index stores a key) back to the 16-byte key."""
+    return np.asarray(words, dtype="<u4").tobytes()
+
+
 def next_key(parent: bytes, block: Sequence[int], extra: bytes = b"") -> bytes:
     """The key of one more block after `parent` (same chain as `chain_keys`)."""
     return chain_keys(block, len(block), extra=extra, parent=parent)[0]

@@ -195,18 +195,24 @@ class DiskTier:
         self.refresh(force=True)
         self._load_own_hits()
 
-    def _load_own_hits(self) -> None:
-        """A writer reopened under the same `writer_id` continues its saved hit counts."""
+    def _saved_hits(self):
+        """(abi, writer, {block key hex: restores}) of every hit file in the store; an unreadable one
+        only loses statistics and is skipped."""
         for k in self.kv.list(ts.KvStore.KeyRange("hits/", "hits0")).result():
-            name = k.decode()
-            parts = name.split("/")
-            if len(parts) != 3 or parts[2] != f"{self.writer_id}.json":
+            parts = k.decode().split("/")
+            if len(parts) != 3 or not parts[2].endswith(".json"):
                 continue
             try:
-                h = json.loads(self.kv.read(name).result().value.decode())["hits"]
-                self._hits[parts[1]] = {str(key): int(n) for key, n in h.items()}
+                h = json.loads(self.kv.read(k.decode()).result().value.decode())["hits"]
+                yield parts[1], parts[2][:-5], {str(key): int(n) for key, n in h.items()}
             except (ValueError, KeyError, AttributeError, TypeError):
-                continue  # an unreadable hit file only loses statistics
+                continue
+
+    def _load_own_hits(self) -> None:
+        """A writer reopened under the same `writer_id` continues its saved hit counts."""
+        for abi, writer, h in self._saved_hits():
+            if writer == self.writer_id:
+                self._hits[abi] = h
 
     # ------------------------------------------------------------------------------- index
     def refresh(self, force: bool = False) -> None:
@@ -589,18 +595,12 @@ class DiskTier:
                     per_abi[abi]["blocks"] += 1
                     per_abi[abi]["snapshots"] += any(r.snapshot for r in refs if r.abi == abi)
             local = {abi: dict(h) for abi, h in self._hits.items()}
-        for k in self.kv.list(ts.KvStore.KeyRange("hits/", "hits0")).result():
-            name = k.decode()
-            abi, writer = name.split("/")[1], name.split("/")[2][:-5]
+        for abi, writer, h in self._saved_hits():
             if writer == self.writer_id:
-                continue
-            try:
-                h = json.loads(self.kv.read(name).result().value.decode())["hits"]
-            except (ValueError, KeyError, AttributeError):
-                continue
+                continue  # this writer's counts are the in-memory ones
             for key, n in h.items():
                 local.setdefault(abi, {})
-                local[abi][key] = local[abi].get(key, 0) + int(n)
+                local[abi][key] = local[abi].get(key, 0) + n
         for abi, h in local.items():
             if abi in per_abi:
                 per_abi[abi]["hits"] = sum(h.values())

@@ -32,7 +32,7 @@ from flax import nnx
 from . import prefix as px
 from . import swap
 from . import transitions as tr
-from .block_keys import ROOT, key_words, next_key
+from .block_keys import ROOT, key_bytes, key_words, next_key
 from .disk import DiskTier
 from .memory import architectural_minimum, memory_report
 from .plan import RestorePlan
@@ -423,7 +423,6 @@ class Engine:
             out["disk"] = (disk_at - l0) * disk_tok + compute(prompt - disk_at)
         return out
 
-
     def _lookup(self, seq: _Seq, ids: list[int]) -> int:
         """Restore the longest verified prefix of `ids` into seq's fresh slot; returns its length."""
         bt = self.spec.block_tokens
@@ -456,9 +455,7 @@ class Engine:
         if choice == "window" or (choice == "disk" and plan.disk_tokens is None and window_ok):
             # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
             # slot and restore the entries at the longer boundary, then recompute its window.
-            self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
-            self.cache, slot, _ = self._claim(self.layout, self.cache)
-            seq.slot = int(slot)
+            self._restart_slot(seq)
             padded = np.zeros((self.layout.config.max_context,), np.int32)
             padded[:len(ids)] = ids
             self.cache, vec, st = self._restore_window(self.layout, self.cache, self._weights, jnp.int32(seq.slot),
@@ -471,9 +468,7 @@ class Engine:
                 vec = np.asarray(vec)
                 self._stats["window_recomputes"] += 1
             else:  # could not map the window: start this sequence cold
-                self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
-                self.cache, slot, _ = self._claim(self.layout, self.cache)
-                seq.slot = int(slot)
+                self._restart_slot(seq)
                 plan = dataclasses.replace(plan, restored_tokens=0, recompute=(0, len(ids)))
                 vec = np.asarray(vec).copy()
                 vec[px.PLAN_FIELDS.index("byte_blocks")] = 0
@@ -484,12 +479,18 @@ class Engine:
         on_device = plan.disk_tokens[0] if plan.disk_tokens else restored
         seq.fed = restored
         seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if on_device else -1
-        seq.keys = [bytes(key_words_bytes(k)) for k in keys[:on_device // bt]]
+        seq.keys = [key_bytes(k) for k in keys[:on_device // bt]]
         if plan.disk_tokens:
             self._after_step(seq)  # the blocks that came from disk are cached on device again
         self._say(f"prompt {seq.index}: hash hit {plan.hash_hit_tokens} tokens, restored {restored}"
                   + (f" (stopped at stage {plan.first_failed_stage}: {plan.reason})" if plan.reason else ""))
         return restored
+
+    def _restart_slot(self, seq: _Seq) -> None:
+        """Release seq's slot (and whatever a restore mapped into it) and claim a fresh one."""
+        self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
+        self.cache, slot, _ = self._claim(self.layout, self.cache)
+        seq.slot = int(slot)
 
     def _after_step(self, seq: _Seq) -> None:
         """Record every block boundary the last step crossed; the one at the step's end may keep an
@@ -575,17 +576,16 @@ class Engine:
         held = (np.asarray(p.state) == px.RecordState.ALIVE) & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
         records = [int(r) for r in (np.nonzero(held)[0] if records is None else records) if held[r]]
         payloads, seen = [], set()
-        lasts = {key_words_bytes(p.key[r]) for r in records}  # blocks written with their snapshot
+        lasts = {key_bytes(p.key[r]) for r in records}  # blocks written with their snapshot
         for r in records:
-            chain, q = [], int(r)
+            chain, q = {}, int(r)  # block index -> its record on r's parent chain
             while q >= 0:
-                chain.append(q)
+                chain[int(p.length[q]) // bt - 1] = q
                 q = int(p.parent[q])
-            keys = {int(p.length[q]) // bt - 1: key_words_bytes(p.key[q]) for q in chain}
             last = int(p.length[r]) // bt - 1
             need = []
-            for b in sorted(keys):
-                k = keys[b]
+            for b in sorted(chain):
+                k = key_bytes(p.key[chain[b]])
                 stored, with_snap = self.disk.contains(abi, k)
                 if b == last:
                     if not with_snap and (k, True) not in self._disk_inflight and (k, True) not in seen:
@@ -593,7 +593,7 @@ class Engine:
                 elif not stored and k not in lasts and not ({(k, True), (k, False)} & (seen | self._disk_inflight)):
                     need.append(b)
             if need:
-                for pl in swap.swap_out(self.layout, self.cache, p, int(r), need, keys):
+                for pl in swap.swap_out(self.layout, self.cache, p, int(r), need, chain):
                     seen.add((pl.key, pl.snapshot))
                     payloads.append(pl)
         if not payloads:
@@ -633,16 +633,19 @@ class Engine:
         the stored chain from block l0 / block_tokens, and `reach`, the longest boundary with a stored
         snapshot. A store that fails to answer is an empty chain with `error` set."""
         bt = self.spec.block_tokens
-        kb = [key_words_bytes(k) for k in keys[:usable]]
+        kb = [key_bytes(k) for k in keys[:usable]]
         toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
         try:
             chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=l0 // bt)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
-            self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
+            self._disk_unavailable(seq, e)
             return {"kb": kb, "refs": [], "stop": None, "snaps": [], "reach": l0, "error": True}
         snaps = [j for j, r in enumerate(chain.refs) if r.snapshot]
         return {"kb": kb, "refs": chain.refs, "stop": chain.stop, "snaps": snaps, "error": False,
                 "reach": l0 + (snaps[-1] + 1) * bt if snaps else l0}
+
+    def _disk_unavailable(self, seq: _Seq, e: Exception) -> None:
+        self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
 
     def _disk_extend(self, seq: _Seq, ids: list[int], probe: dict, plan: RestorePlan,
                      vec: np.ndarray) -> tuple[RestorePlan, np.ndarray]:
@@ -660,7 +663,7 @@ class Engine:
         try:
             reason, payloads = ("disk_missing", []) if probe["error"] else self._disk_read(refs, snaps)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
-            self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
+            self._disk_unavailable(seq, e)
             reason, payloads = "disk_missing", []
         l1 = l0 + len(payloads) * bt
         if payloads:
@@ -811,7 +814,3 @@ class Engine:
                    [({}, d["write_failures"])])
             metric("hkv_disk_stored_bytes", "gauge", "Bytes the disk tier holds.", [({}, self.disk.stored_bytes())])
         return "\n".join(lines) + "\n"
-
-
-def key_words_bytes(words: np.ndarray) -> bytes:
-    return np.asarray(words, dtype="<u4").tobytes()

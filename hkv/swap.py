@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .block_keys import key_bytes
 from .disk import BlockPayload
 from .spec import ObjectKind
 from .state import CacheLayout, HybridCache, Status, TailState
@@ -92,11 +93,11 @@ def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndar
 
 
 def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks: list[int],
-             keys: dict[int, bytes]) -> list[BlockPayload]:
+             chain: dict[int, int]) -> list[BlockPayload]:
     """Host payloads for `blocks` (block indices along `record`'s chain, ascending) of alive record
-    `record`. meta: a host snapshot (jax.device_get) of `cache.prefix`; keys: block index -> key
-    (and index - 1 -> parent key). The block ending at the record's own boundary carries the SWA
-    window and TAIL snapshot when the record holds one."""
+    `record`. meta: a host snapshot (jax.device_get) of `cache.prefix`; chain: block index -> the
+    record of that block on `record`'s parent chain (every block from 0). The block ending at the
+    record's own boundary carries the SWA window and TAIL snapshot when the record holds one."""
     bt = layout.spec.block_tokens
     L = int(meta.length[record])
     last = L // bt - 1
@@ -122,20 +123,13 @@ def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks:
                 out_rows[last][f"t{ci}.{f}"] = (np.ascontiguousarray(np.asarray(getattr(s, f))[t]), 0)
     payloads = []
     for b in blocks:
-        q = chain_record(meta, record, b, bt)
+        q = chain[b]
         payloads.append(BlockPayload(
-            key=keys[b], parent=keys.get(b - 1) if b > 0 else None, index=b, length=(b + 1) * bt,
+            key=key_bytes(meta.key[q]), parent=key_bytes(meta.key[chain[b - 1]]) if b > 0 else None, index=b,
+            length=(b + 1) * bt,
             tokens=[int(x) for x in np.asarray(meta.tokens[q])], indexer_version=int(meta.iver[q]),
             snapshot=snap and b == last, objects=out_rows[b]))
     return payloads
-
-
-def chain_record(meta, record: int, block: int, bt: int) -> int:
-    """The record of block `block` on `record`'s parent chain."""
-    q = record
-    while int(meta.length[q]) > (block + 1) * bt:
-        q = int(meta.parent[q])
-    return q
 
 
 def swap_in(layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Array, l1: jax.Array,
@@ -210,5 +204,5 @@ def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid
     return cache.replace(prefix=px.replace(on_disk=px.on_disk | hit))
 
 
-__all__ = ["bucket", "has_indexer", "chain_record", "expected_objects", "mark_on_disk", "swap_in", "swap_in_inputs", "swap_out",
+__all__ = ["bucket", "has_indexer", "expected_objects", "mark_on_disk", "swap_in", "swap_in_inputs", "swap_out",
            "window_rows"]
