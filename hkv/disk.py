@@ -8,17 +8,19 @@ exception in the decode loop and never a wrong token.
 Storage (any tensorstore kvstore: `file` by default, `memory`, `ocdbt`, `gcs`, `s3`):
 
     manifests/<abi>/<segment>.json     the segment's manifest (`hkv.disk_manifest`), published LAST
-    data/<abi>/<segment>/              a zarr3 uint8 array: one shard of `chunk_bytes` inner chunks,
-                                       crc32c in the chunk and the shard-index codecs (its zarr.json is
-                                       not stored: the manifest's data_bytes / chunk_bytes determine it)
+    data/<abi>/<segment>/c/<i>         a zarr3 uint8 array: shards (files) of `shard_bytes` made of
+                                       `chunk_bytes` inner chunks, crc32c in the chunk and the
+                                       shard-index codecs (its zarr.json is not stored: the
+                                       manifest's data_bytes / chunk_bytes / shard_bytes determine it)
     hits/<abi>/<writer>.json           restore counts per block key of one writer (for `stats`)
 
 A *segment* is one write batch (one or more blocks, every object of each block: its COMPRESSED and
 INDEXER rows and, when the retention policy kept one, the SWA window and TAIL at its end boundary).
 Content addressing: a block is found by (block key, ABI fingerprint); the ABI is also inside the
 manifest, so a manifest that claims another fingerprint is rejected as `disk_abi`. The bytes are
-committed in one tensorstore transaction, then the manifest is written (a single-key write, atomic
-in every kvstore); a reader never sees a partial block, and a writer killed mid-write leaves only
+written shard by shard (each a whole-file write, pipelined with the copy and checksum of the next)
+and the manifest is written only after every shard has committed (a single-key write, atomic in
+every kvstore); a reader never sees a partial block, and a writer killed mid-write leaves only
 unreferenced data that `verify` reports as orphaned. Two writers never share a segment name
 (random ids), so engines sharing a store cannot corrupt each other.
 
@@ -129,11 +131,13 @@ def _kvstore_spec(store) -> dict | str:
                      f"or a tensorstore kvstore spec dict with a 'driver'")
 
 
-def _array_spec(kv: ts.KvStore, n: int, chunk: int) -> dict:
+def _array_spec(kv: ts.KvStore, n: int, chunk: int, shard: int) -> dict:
+    """The zarr3 spec of a segment's data: `n` bytes (uint8), shards of `shard` bytes made of inner
+    chunks of `chunk` bytes, crc32c in the chunk and the shard-index codecs."""
     return {"driver": "zarr3", "kvstore": kv.spec().to_json(), "store_data_equal_to_fill_value": True,
             "fill_missing_data_reads": False,  # a missing shard is an error (disk_missing), never zeros
             "metadata": {"shape": [n], "data_type": "uint8", "fill_value": 0,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [n]}},
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
                          "codecs": [{"name": "sharding_indexed", "configuration": {
                              "chunk_shape": [chunk], "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
                              "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
@@ -141,13 +145,51 @@ def _array_spec(kv: ts.KvStore, n: int, chunk: int) -> dict:
                              "index_location": "end"}}]}}
 
 
-def _layout_bytes(data_bytes: int, chunk_bytes: int, *, written: bool = False) -> tuple[int, int, int]:
-    """(inner chunk, padded array bytes, shard file bytes) for `data_bytes` of payload. A segment
-    smaller than `chunk_bytes` gets one chunk rounded up to 4 KiB (padding stays under 4 KiB);
-    written=True: `chunk_bytes` is the chunk a manifest recorded."""
-    chunk = chunk_bytes if written else min(chunk_bytes, -(-max(data_bytes, 1) // 4096) * 4096)
-    n_chunks = max(1, math.ceil(data_bytes / chunk))
-    return chunk, n_chunks * chunk, n_chunks * (chunk + 4) + n_chunks * 16 + 4
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a segment's `data_bytes` live: inner `chunk`, the array's `padded` bytes (whole chunks),
+    shards of `shard` bytes (the last may be shorter), one file each (`c/<i>`, `files[i]` bytes)."""
+
+    chunk: int
+    padded: int
+    shard: int
+
+    @property
+    def shards(self) -> list[tuple[int, int]]:
+        """[lo, hi) byte range of every shard."""
+        return [(lo, min(lo + self.shard, self.padded)) for lo in range(0, self.padded, self.shard)]
+
+    @property
+    def files(self) -> list[int]:
+        """Bytes of each shard file: its chunks with their crc32c, and an index over every chunk
+        position of a whole shard (16 bytes each) with its crc32c."""
+        return [(hi - lo) // self.chunk * (self.chunk + 4) + self.shard // self.chunk * 16 + 4
+                for lo, hi in self.shards]
+
+    @classmethod
+    def plan(cls, data_bytes: int, chunk_bytes: int, shard_bytes: int) -> _Layout:
+        """The layout a writer picks: a segment smaller than `chunk_bytes` is one chunk rounded up to
+        4 KiB (padding stays under 4 KiB); one larger than `shard_bytes` is cut into shards."""
+        chunk = min(chunk_bytes, -(-max(data_bytes, 1) // 4096) * 4096)
+        padded = -(-max(data_bytes, 1) // chunk) * chunk
+        return cls(chunk, padded, min(shard_bytes, padded))
+
+    @classmethod
+    def of(cls, doc: dict) -> _Layout:
+        """The layout a checked manifest recorded."""
+        chunk = doc["chunk_bytes"]
+        return cls(chunk, -(-max(doc["data_bytes"], 1) // chunk) * chunk, mf.shard_bytes(doc))
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A segment whose shard writes are issued: its manifest (`doc` and sealed bytes `raw`), to be
+    published once every write in `writes` (tensorstore WriteFutures) has committed."""
+
+    doc: dict
+    raw: bytes
+    writes: list
+    blocks: int
 
 
 class DiskTier:
@@ -157,18 +199,22 @@ class DiskTier:
     {"driver": "ocdbt", "base": "file:///path"} or {"driver": "memory"}).
     budget_bytes: stored bytes the tier may hold (None = unbounded); over it, whole segments are
     deleted, leaves of the block chains first, least recently hit first.
-    chunk_bytes: inner chunk size of the zarr3 shard (a few hundred KiB: large sequential I/O).
+    chunk_bytes: inner chunk size of the zarr3 shards (a few hundred KiB: large sequential I/O).
+    shard_bytes: a segment larger than this is cut into shards (files) of this size, written as a
+    pipeline: one shard is copied and checksummed while the previous one is written.
     writer_id: this writer's name in manifests and hit files (default: random).
     refresh_seconds: how stale the in-memory view of other writers' manifests may get.
     """
 
     def __init__(self, store="hkv-store", *, budget_bytes: int | None = None, chunk_bytes: int = 1 << 19,
-                 writer_id: str | None = None, refresh_seconds: float = 0.5, context: ts.Context | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 shard_bytes: int = 1 << 24, writer_id: str | None = None, refresh_seconds: float = 0.5,
+                 context: ts.Context | None = None, progress: Callable[[str], None] | None = None):
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"{budget_bytes=} must be an integer >= 0 or None")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"{chunk_bytes=} must be a power of two >= 4096")
+        if not isinstance(shard_bytes, int) or shard_bytes < chunk_bytes or shard_bytes & (shard_bytes - 1):
+            raise ValueError(f"{shard_bytes=} must be a power of two >= chunk_bytes={chunk_bytes}")
         self.spec = _kvstore_spec(store)
         self.context = context or ts.Context()
         try:
@@ -177,6 +223,7 @@ class DiskTier:
             raise ValueError(f"cannot open disk tier store {self.spec!r}: {e}") from None
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
+        self.shard_bytes = shard_bytes
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.refresh_seconds = refresh_seconds
         self.progress = progress
@@ -186,6 +233,7 @@ class DiskTier:
         self._bad: dict[str, str] = {}  # manifest key -> why it was rejected
         self._refreshed = -math.inf
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk")
+        self._publisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk-publish")
         self._pending: set[concurrent.futures.Future] = set()
         self._staging = np.empty((0,), np.uint8)  # the writer thread's segment buffer (largest segment so far)
         self._hits: dict[str, dict[str, int]] = {}
@@ -297,11 +345,28 @@ class DiskTier:
         if not blocks:
             raise ValueError("write_async needs at least one block")
         mf._hex(abi, 32, "abi")
-        fut = self._pool.submit(self._write_segment, abi, blocks)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._written)
+        try:
+            self._pool.submit(self._stage, abi, blocks, fut)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._pending.discard(fut)
+            raise
         return fut
+
+    def _stage(self, abi: str, blocks: list[BlockPayload], fut: concurrent.futures.Future) -> None:
+        """Writer thread: stage one segment, then queue its publication and go on with the next
+        segment while this one's shards are still being written (segments overlap on disk; their
+        manifests are published in the order they were written)."""
+        try:
+            staged = self._write_segment(abi, blocks)
+        except BaseException as e:  # noqa: BLE001 — the caller's future carries it
+            fut.set_exception(e)
+            return
+        self._publisher.submit(self._publish, staged, fut)
 
     def _written(self, fut: concurrent.futures.Future) -> None:
         with self._lock:
@@ -313,7 +378,9 @@ class DiskTier:
         """Synchronous `write_async`."""
         return self.write_async(abi, blocks).result()
 
-    def _write_segment(self, abi: str, blocks: list[BlockPayload]) -> list[bytes]:
+    def _write_segment(self, abi: str, blocks: list[BlockPayload]) -> _Staged:
+        """Writer thread: lay out, checksum and issue the writes of one segment; returns once
+        tensorstore holds a copy of every byte (the staging buffer can take the next segment)."""
         entries, parts, off = [], [], 0
         for b in blocks:
             objs = []
@@ -322,50 +389,80 @@ class DiskTier:
                 o = {"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "row_start": int(row_start),
                      "offset": off, "nbytes": int(a.nbytes), "crc32": 0}
                 objs.append(o)
-                parts.append((o, a))
+                parts.append((o, a.reshape(-1).view(np.uint8)))
                 off += -(-a.nbytes // mf.ALIGN) * mf.ALIGN
             entries.append({"key": b.key.hex(), "parent": b.parent.hex() if b.parent else "", "index": int(b.index),
                             "length": int(b.length), "tokens": [int(t) for t in b.tokens],
                             "indexer_version": int(b.indexer_version), "snapshot": bool(b.snapshot),
                             "objects": objs})
         data_bytes = max(off, 1)
-        chunk, padded, stored = _layout_bytes(data_bytes, self.chunk_bytes)
+        lay = _Layout.plan(data_bytes, self.chunk_bytes, self.shard_bytes)
         seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{self.writer_id}-{uuid.uuid4().hex[:8]}"
         doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
-               "stored_bytes": stored, "chunk_bytes": chunk, "blocks": entries}
-        mf.parse(mf.seal(doc))  # a manifest that would not parse is never written, nor its data
-        txn = ts.Transaction()
-        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", padded, chunk), open=True, assume_metadata=True,
-                      context=self.context, transaction=txn).result()
-        # each object copied once into the segment's bytes; the staging buffer is reused by the next
-        # write (writes run one at a time on the writer thread), so its pages are faulted in only once
-        if self._staging.size < padded:
-            self._staging = np.empty((padded,), np.uint8)
-        buf = self._staging[:padded]
-        end = 0
-        for o, a in parts:
-            buf[end:o["offset"]] = 0
-            if o["nbytes"]:
-                buf[o["offset"]:o["offset"] + o["nbytes"]] = a.reshape(-1).view(np.uint8)
-            end = o["offset"] + o["nbytes"]
-        buf[end:] = 0
-        arr[...] = buf
-        commit = txn.commit_async()
-        for o, _ in parts:  # checksums computed while the bytes are written
-            o["crc32"] = zlib.crc32(buf[o["offset"]:o["offset"] + o["nbytes"]])
-        commit.result()
-        raw = mf.seal(doc)
-        checked = mf.parse(raw)
-        key = f"manifests/{abi}/{seg}.json"
-        self.kv.write(key, raw).result()  # published: from here on the blocks exist
-        self._add_segment(key, checked)
-        with self._lock:
-            self.counters["segments_written"] += 1
-            self.counters["blocks_written"] += len(blocks)
-            self.counters["bytes_written"] += stored + len(raw)
-        self._say(f"disk tier: wrote {len(blocks)} blocks ({stored:,} bytes) as segment {seg}")
-        self.enforce_budget()
-        return [b.key for b in blocks]
+               "stored_bytes": sum(lay.files), "chunk_bytes": lay.chunk, "shard_bytes": lay.shard, "blocks": entries}
+        mf.check(doc)  # a manifest that would be refused is never written, nor its data
+        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", lay.padded, lay.chunk, lay.shard), open=True,
+                      assume_metadata=True, context=self.context).result()
+        # Shard k's bytes are copied into the staging buffer and its write is issued at once
+        # (tensorstore encodes, writes and fsyncs it on its own threads) before shard k + 1 is
+        # copied; the per-object crc32 runs after the last write is issued, while the shards are
+        # being written. Every shard write is a whole-shard write (no read-modify-write) and needs no
+        # transaction: nothing is visible before the manifest, which is published only after every
+        # shard has committed. The staging buffer is reused by the next segment (segments are staged
+        # one at a time on the writer thread), so its pages are faulted in once.
+        if self._staging.size < lay.padded:
+            self._staging = np.empty((lay.padded,), np.uint8)
+        buf = self._staging[:lay.padded]
+        writes, i = [], 0
+        try:
+            for lo, hi in lay.shards:
+                end = lo
+                while i < len(parts) and parts[i][0]["offset"] < hi:
+                    o, src = parts[i]
+                    s0, s1 = max(o["offset"], lo), min(o["offset"] + o["nbytes"], hi)
+                    buf[end:s0] = 0  # alignment padding
+                    buf[s0:s1] = src[s0 - o["offset"]:s1 - o["offset"]]
+                    end = max(end, s1)
+                    if o["offset"] + o["nbytes"] > hi:
+                        break  # the object continues in the next shard
+                    i += 1
+                buf[end:hi] = 0
+                writes.append(arr[lo:hi].write(buf[lo:hi]))
+            for o, _ in parts:
+                o["crc32"] = zlib.crc32(buf[o["offset"]:o["offset"] + o["nbytes"]])
+            raw = mf.seal(doc)
+            for w in writes:  # tensorstore holds its own copy of every shard: the buffer is free again
+                w.copy.result()
+        except BaseException:
+            for w in writes:  # the staging buffer is not reused while tensorstore may still read it
+                try:
+                    w.result()
+                except Exception:  # noqa: BLE001 — the first failure is the one raised
+                    pass
+            raise
+        return _Staged(doc, raw, writes, len(blocks))
+
+    def _publish(self, staged: _Staged, fut: concurrent.futures.Future) -> None:
+        """Publisher thread: wait until every shard of the segment has committed, then publish its
+        manifest (from here on its blocks exist) and resolve the caller's future."""
+        try:
+            for w in staged.writes:
+                w.result()
+            doc, raw = staged.doc, staged.raw
+            key = f"manifests/{doc['abi']}/{doc['segment']}.json"
+            self.kv.write(key, raw).result()  # published: from here on the blocks exist
+            self._add_segment(key, doc)
+            with self._lock:
+                self.counters["segments_written"] += 1
+                self.counters["blocks_written"] += staged.blocks
+                self.counters["bytes_written"] += doc["stored_bytes"] + len(raw)
+            self._say(f"disk tier: wrote {staged.blocks} blocks ({doc['stored_bytes']:,} bytes) as segment "
+                      f"{doc['segment']}")
+            self.enforce_budget()
+        except BaseException as e:  # noqa: BLE001 — the caller's future carries it
+            fut.set_exception(e)
+            return
+        fut.set_result([bytes.fromhex(b["key"]) for b in doc["blocks"]])
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every write issued so far (its manifest published or its failure recorded)."""
@@ -404,8 +501,9 @@ class DiskTier:
                 checked[sid] = (ABI, f"manifest of segment {sid[1]} claims ABI {doc['abi']}, stored under {sid[0]}", None)
                 continue
             checked[sid] = (None, "", doc)
-            chunk, padded, _ = _layout_bytes(doc["data_bytes"], doc["chunk_bytes"], written=True)
-            arrays[sid] = ts.open(_array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", padded, chunk), open=True,
+            lay = _Layout.of(doc)
+            arrays[sid] = ts.open(_array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", lay.padded, lay.chunk, lay.shard),
+                                  open=True,
                                   assume_metadata=True, context=self.context)
         # every object read issued at once (tensorstore decodes concurrent reads in parallel, which
         # measured faster than one read over a segment's byte span)
@@ -457,7 +555,7 @@ class DiskTier:
             return CHECKSUM, (f"block {entry['index']} holds objects {sorted(o['name'] for o in entry['objects'])}, "
                               f"the engine needs {sorted(want)}"), None
         if objs is None:
-            return self._probe(sid, doc, "data array unreadable")
+            return self._probe(sid, doc, "data array unreadable", 0, doc["data_bytes"])
         objects = {}
         for o, fut in zip(entry["objects"], objs):
             dt = dtype_of(o["dtype"])
@@ -471,21 +569,27 @@ class DiskTier:
             try:
                 raw = fut.result()
             except Exception as e:  # noqa: BLE001 — zarr's crc32c, a short or a missing chunk
-                return self._probe(sid, doc, str(e))
+                return self._probe(sid, doc, str(e), o["offset"], o["nbytes"])
             if zlib.crc32(raw) != o["crc32"]:
-                return self._probe(sid, doc, f"object {o['name']} fails its crc32")
+                return self._probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"],
+                                   o["nbytes"])
             objects[o["name"]] = (raw.view(dt).reshape(o["shape"]), o["row_start"])
         parent = bytes.fromhex(entry["parent"]) if entry["parent"] else None
         return None, "", BlockPayload(bytes.fromhex(entry["key"]), parent, entry["index"], entry["length"],
                                       entry["tokens"], entry["indexer_version"], entry["snapshot"], objects)
 
-    def _probe(self, sid: tuple[str, str], doc: dict, detail: str):
-        """Classify a data failure by the raw shard: gone, shorter than written, or corrupted."""
-        raw = self.kv.read(f"data/{sid[0]}/{sid[1]}/c/0").result()
-        if raw.state != "value":
-            return MISSING, f"segment {sid[1]}'s data is gone ({detail})", None
-        if len(raw.value) < doc["stored_bytes"]:
-            return TRUNCATED, f"segment {sid[1]}'s data has {len(raw.value)} of {doc['stored_bytes']} bytes", None
+    def _probe(self, sid: tuple[str, str], doc: dict, detail: str, offset: int, nbytes: int):
+        """Classify a data failure of bytes [offset, offset + nbytes) by the raw shard files holding
+        them: one gone, one shorter than written, or (both whole) corrupted."""
+        lay = _Layout.of(doc)
+        for i, ((lo, hi), size) in enumerate(zip(lay.shards, lay.files)):
+            if hi <= offset or lo >= offset + max(nbytes, 1):
+                continue
+            raw = self.kv.read(f"data/{sid[0]}/{sid[1]}/c/{i}").result()
+            if raw.state != "value":
+                return MISSING, f"segment {sid[1]}'s data shard {i} is gone ({detail})", None
+            if len(raw.value) < size:
+                return TRUNCATED, f"segment {sid[1]}'s data shard {i} has {len(raw.value)} of {size} bytes", None
         return CHECKSUM, f"segment {sid[1]}: {detail}", None
 
     # ------------------------------------------------------------------------------ budget
@@ -612,6 +716,7 @@ class DiskTier:
         """Wait for pending writes, persist hit counts and stop the writer thread."""
         self.flush()
         self._pool.shutdown(wait=True)
+        self._publisher.shutdown(wait=True)
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:

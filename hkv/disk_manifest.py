@@ -5,13 +5,17 @@ array, and one manifest published after the array's bytes are committed. Anythin
 entry does not exist. A manifest is immutable once published; it is schema-checked and carries a
 checksum of its own canonical text, so a torn or edited manifest is detected, never trusted.
 
-    {"format": "hkv-disk-tier", "version": 1, "abi": "<32 hex>", "segment": "<id>", "writer": "<id>",
-     "created": <unix seconds>, "data_bytes": n, "stored_bytes": shard file bytes, "chunk_bytes": c,
+    {"format": "hkv-disk-tier", "version": 2, "abi": "<32 hex>", "segment": "<id>", "writer": "<id>",
+     "created": <unix seconds>, "data_bytes": n, "stored_bytes": bytes of the shard files,
+     "chunk_bytes": c, "shard_bytes": s,
      "blocks": [{"key": "<32 hex>", "parent": "<32 hex>" | "", "index": i, "length": L,
                  "tokens": [block_tokens ids], "indexer_version": v, "snapshot": bool,
                  "objects": [{"name": str, "dtype": str, "shape": [..], "row_start": r0,
                               "offset": byte offset (64-aligned), "nbytes": n, "crc32": int}]}],
      "checksum": crc32 of the canonical JSON of every other field}
+
+The data array is cut into shards of `shard_bytes` (a multiple of `chunk_bytes`; the last shard may
+be shorter), one file each. Version 1 (no `shard_bytes`: the whole array is one shard) is still read.
 
 Block `index` i ends at boundary `length` = (i + 1) * block_tokens. Objects: `g{G}.rows` the
 COMPRESSED / INDEXER rows [row_start, row_start + shape[1]) of group G that block i sealed;
@@ -26,7 +30,8 @@ import zlib
 from typing import Any
 
 FORMAT = "hkv-disk-tier"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions `parse` accepts
 ALIGN = 64
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8", "int32")
 
@@ -41,10 +46,11 @@ def _canonical(doc: dict) -> bytes:
 
 
 def seal(doc: dict) -> bytes:
-    """The manifest's bytes: `doc` plus its checksum field."""
-    out = dict(doc, format=FORMAT, version=VERSION)
-    out["checksum"] = zlib.crc32(_canonical(out))
-    return json.dumps(out, sort_keys=True, indent=None, separators=(",", ":")).encode()
+    """The manifest's bytes: `doc` (with format and version) plus its checksum field. One JSON
+    encoding: the canonical text with the checksum appended as the last field (`parse` re-derives
+    the canonical text from the parsed fields, so field order in the file does not matter)."""
+    canonical = _canonical(dict(doc, format=FORMAT, version=VERSION))
+    return canonical[:-1] + b',"checksum":%d}' % zlib.crc32(canonical)
 
 
 def _need(cond: bool, what: str) -> None:
@@ -65,14 +71,30 @@ def parse(raw: bytes) -> dict:
         raise ManifestError(f"not JSON: {e}") from None
     _need(isinstance(doc, dict), "manifest must be a JSON object")
     _need(doc.get("format") == FORMAT, f"format={doc.get('format')!r} must be {FORMAT!r}")
-    _need(doc.get("version") == VERSION, f"version={doc.get('version')!r}: this hkv reads version {VERSION}")
+    _need(doc.get("version") in READS, f"version={doc.get('version')!r}: this hkv reads versions {READS}")
     _need(isinstance(doc.get("checksum"), int) and doc["checksum"] == zlib.crc32(_canonical(doc)),
           "checksum does not match the manifest's contents (corrupted or edited)")
+    return check(doc)
+
+
+def shard_bytes(doc: dict) -> int:
+    """The shard size of a checked manifest's data array (version 1: one shard of the whole array)."""
+    return doc.get("shard_bytes", 0) or -(-max(doc["data_bytes"], 1) // doc["chunk_bytes"]) * doc["chunk_bytes"]
+
+
+def check(doc: dict) -> dict:
+    """The schema check of `parse` on a manifest's fields (no JSON, no checksum): what a writer runs
+    before writing a segment's bytes, so a manifest that would be refused is never published."""
     _hex(doc.get("abi"), 32, "abi")
     for f in ("segment", "writer"):
         _need(isinstance(doc.get(f), str) and 0 < len(doc[f]) <= 128, f"{f} must be a non-empty string")
     for f in ("data_bytes", "stored_bytes", "chunk_bytes"):
         _need(isinstance(doc.get(f), int) and doc[f] >= 0, f"{f}={doc.get(f)!r} must be an integer >= 0")
+    _need(doc["chunk_bytes"] > 0, "chunk_bytes=0 must be > 0")
+    if doc.get("version", VERSION) >= 2 or "shard_bytes" in doc:
+        s = doc.get("shard_bytes")
+        _need(isinstance(s, int) and s > 0 and s % doc["chunk_bytes"] == 0,
+              f"shard_bytes={s!r} must be a positive multiple of chunk_bytes={doc['chunk_bytes']}")
     blocks = doc.get("blocks")
     _need(isinstance(blocks, list) and blocks, "blocks must be a non-empty list")
     for b in blocks:
@@ -97,4 +119,4 @@ def parse(raw: bytes) -> dict:
     return doc
 
 
-__all__ = ["ALIGN", "FORMAT", "ManifestError", "VERSION", "parse", "seal"]
+__all__ = ["ALIGN", "FORMAT", "ManifestError", "READS", "VERSION", "check", "parse", "seal", "shard_bytes"]
