@@ -1,26 +1,30 @@
 """The disk tier (`hkv.DiskTier`): store/restore throughput against plain file I/O of the same bytes,
 and time to restore a prefix from disk against recomputing it.
 
-    python benchmarks/disk_tier.py            # default: 256 MiB x 3 repeats, then 2K/4K/8K tokens (~4 min)
+    python benchmarks/disk_tier.py            # default: 256 MiB x 5 repeats, then 2K/4K/8K tokens (~2 min)
     python benchmarks/disk_tier.py --quick    # smoke run (small sizes, < 60 s)
     python benchmarks/disk_tier.py --sweep    # + chunk_bytes / tensorstore concurrency sweep (file store, ~1 min more)
 
 Part 1 (I/O). Payloads with DeepSeek-V4-Flash shapes (`DeepseekV4Config()`, bf16, 64-token blocks):
 a block is 400-423 KiB (CSA rows 20x16x512, indexer rows 20x16x128, and every other block one HCA
 row per HCA layer, 23x1x512); the last block of a chain also carries the SWA window (43 layers x
-127 rows x 512) and the TAIL snapshots (11.9 MiB). One *segment* = one cached conversation of `--segment-tokens` tokens (8192: 128 blocks
-+ the snapshot at its end, 65 MB), written as one `DiskTier.write` like the engine's write-behind
-batch. Compared, on the same bytes in the same run:
+127 rows x 512) and the TAIL snapshots (11.9 MiB). One *segment* = one cached conversation of
+`--segment-tokens` tokens (8192: 128 blocks + the snapshot at its end, 65 MB), written as one
+`DiskTier.write_async` like the engine's write-behind batch. Compared, on the same bytes in the
+same run:
   raw     one file per segment, every object array written in order (no copy), fsync, close;
           read back with one read() per file.
-  file    `DiskTier(dir)`: `write` (zarr3 shard with crc32c chunks + JSON manifest; tensorstore's file
-          kvstore fsyncs); restore = `find_chain` + `read` with the engine's dtype/shape expectations
-          (crc32c + per-object crc32 checked).
+  file    `DiskTier(dir)`: every segment queued with `write_async` as the engine's write-behind
+          does, timed until the last manifest is published (zarr3 shards of 16 MiB with crc32c
+          chunks, written and fsynced by tensorstore's file kvstore while the next shard is
+          copied, + JSON manifest); restore = `find_chain` + `read` with the engine's dtype/shape
+          expectations (crc32c + per-object crc32 checked).
   ocdbt   the same through `{"driver": "ocdbt", "base": "file://dir/"}`.
-Each repeat writes every store into a fresh directory (raw, file, ocdbt interleaved, so machine load
-hits them alike), reads them back from a warm page cache, then drops this VM's page cache for the
-stores' files (`posix_fadvise(DONTNEED)`, no root needed) and reads them again ("cold": the guest's
-page cache is empty; the virtual disk's host may still cache). Figures: MB/s median and best over
+Each repeat writes every store into a fresh directory (raw, file, ocdbt interleaved, each first in
+turn, so machine load hits them alike; memory prefaulted before each, see `prefault`), reads them
+back from a warm page cache, then drops this VM's page cache for the stores' files
+(`posix_fadvise(DONTNEED)`, no root needed) and reads them again ("cold": the guest's page cache
+is empty; the virtual disk's host may still cache). Figures: MB/s median and best over
 the repeats; "x raw" = median over the repeats of raw time / hkv time in the same repeat; CPU = MB
 per CPU-second of the process (all threads), which other processes' load disturbs less than wall
 time. "Where the time goes" re-runs DiskTier's write and read steps one by one on one segment.
@@ -75,6 +79,26 @@ def drop_page_cache(path: str) -> int:
             finally:
                 os.close(fd)
     return n
+
+
+def prefault(gib: float, quiet: bool = False) -> None:
+    """Touch `gib` GiB of anonymous memory once and free it. On a VM whose host takes back the
+    memory the guest frees (free page reporting, as on this one), the first touch of such a page
+    costs a host fault: a writer that needs fresh page-cache or buffer pages then runs several
+    times slower (measured here: 64 MiB writes + fsync fell from ~1.7 GB/s to ~0.35 GB/s after
+    ~1 GiB, plain Python file I/O included), and whichever writer meets those pages first loses,
+    raw or hkv. Touching the memory first makes every measured writer meet backed pages: once
+    before part 1 (`--prefault-gib`, reported), and 1 GiB again right before each timed write (the
+    kernel hands out the pages freed last first)."""
+    if gib <= 0:
+        return
+    t = time.perf_counter()
+    a = np.ones((int(gib * 2**30),), np.uint8)
+    a[::4096] = 2
+    del a
+    if not quiet:
+        say(f"prefaulted {gib:g} GiB of memory in {time.perf_counter() - t:.2f} s "
+        f"({gib * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s first touch)")
 
 
 def dir_bytes(path: str) -> int:
@@ -149,12 +173,12 @@ def store_spec(kind: str, path: str):
     return path if kind == "file" else {"driver": "ocdbt", "base": f"file://{path}/"}
 
 
-def open_tier(kind: str, path: str, chunk_bytes: int, context: dict | None):
+def open_tier(kind: str, path: str, chunk_bytes: int, context: dict | None, shard_bytes: int = 1 << 24):
     import tensorstore as ts
 
     from hkv.disk import DiskTier
 
-    return DiskTier(store_spec(kind, path), chunk_bytes=chunk_bytes,
+    return DiskTier(store_spec(kind, path), chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
                     context=ts.Context(context) if context else None)
 
 
@@ -197,13 +221,15 @@ def io_benchmark(args, root: str) -> dict:
         d = tempfile.mkdtemp(prefix=f"rep{rep}-", dir=root)
         tiers = {}
         try:
-            for k in kinds:
+            for k in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:  # each kind goes first in turn
                 p = os.path.join(d, k)
+                prefault(min(1, args.prefault_gib), quiet=True)
                 if k == "raw":
                     w, c = timed(raw_write, p, segs)
                 else:
-                    tiers[k] = open_tier(k, p, args.chunk_bytes, None)
-                    w, c = timed(lambda t: [t.write(abi, chain) for chain in segs], tiers[k])
+                    tiers[k] = open_tier(k, p, args.chunk_bytes, None, args.shard_bytes)
+                    # queued as the engine's write-behind does; timed until the last manifest is published
+                    w, c = timed(lambda t: [f.result() for f in [t.write_async(abi, ch) for ch in segs]], tiers[k])
                 res[k]["write"].append((w, c))
                 stored[k] = dir_bytes(p)
                 say(f"  repeat {rep + 1}/{args.io_repeats}: {k:<5} write        {total / w / 1e6:6.0f} MB/s "
@@ -334,6 +360,7 @@ def breakdown(args, root: str) -> tuple[int, dict]:
     segs = make_segments(layout, 1, args.segment_tokens // args.block_tokens, np.random.default_rng(2))
     objs = [a for b in segs[0] for a, _ in b.objects.values()]
     total = sum(a.nbytes for a in objs)
+    abi = layout.spec.fingerprint()
     acc: dict[str, list[tuple[float, float]]] = {}
     say(f"breakdown: DiskTier's write and read steps one by one on one {total / 1e6:.0f} MB segment, "
         f"{args.sweep_repeats} repeats")
@@ -353,59 +380,62 @@ def breakdown(args, root: str) -> tuple[int, dict]:
         try:
             with Step("write: raw (write + fsync)"):
                 raw_write(os.path.join(d, "raw"), segs)
-            with Step("write: hkv 1/3 tobytes + crc32 per object"):
-                parts, off = [], 0
-                for a in objs:  # as DiskTier._write_segment does
-                    raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes()
-                    parts.append((off, raw, zlib.crc32(raw)))
-                    off += -(-len(raw) // 64) * 64
-            chunk, padded, _ = hd._layout_bytes(off, args.chunk_bytes)
-            with Step("write: hkv 2/3 zero-filled buffer + copy in"):
-                buf = np.zeros((padded,), np.uint8)
-                for o, raw, _ in parts:
-                    buf[o:o + len(raw)] = np.frombuffer(raw, np.uint8)
+            lay = hd._Layout.plan(sum(-(-a.nbytes // 64) * 64 for a in objs), args.chunk_bytes, args.shard_bytes)
+            parts, off = [], 0
+            for a in objs:
+                parts.append((off, a.reshape(-1).view(np.uint8)))
+                off += -(-a.nbytes // 64) * 64
+            buf = np.empty((lay.padded,), np.uint8)
+            buf[:] = 0  # faulted in (DiskTier reuses its staging buffer)
+            with Step("write: hkv 1/3 objects copied into the staging buffer"):
+                for o, src in parts:
+                    buf[o:o + src.size] = src
+            with Step("write: hkv 2/3 crc32 per object"):
+                crcs = [zlib.crc32(buf[o:o + src.size]) for o, src in parts]
             kv = ts.KvStore.open({"driver": "file", "path": os.path.join(d, "ts") + "/"}).result()
-            with Step("write: hkv 3/3 tensorstore zarr3 write + commit"):
+            with Step("write: hkv 3/3 tensorstore: every shard written + committed, one after another"):
+                arr = ts.open(hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True,
+                              assume_metadata=True).result()
+                for lo, hi in lay.shards:
+                    arr[lo:hi].write(buf[lo:hi]).result()
+            with Step("  (3/3 with every shard write issued at once)"):
+                arr = ts.open(hd._array_spec(kv / "concurrent/", lay.padded, lay.chunk, lay.shard), open=True,
+                              assume_metadata=True).result()
+                for f in [arr[lo:hi].write(buf[lo:hi]) for lo, hi in lay.shards]:
+                    f.result()
+            with Step("  (3/3 as one shard in one transaction: DiskTier before the pipeline)"):
+                one = hd._Layout.plan(lay.padded, args.chunk_bytes, lay.padded)
                 txn = ts.Transaction()
-                arr = ts.open(hd._array_spec(kv, padded, chunk), create=True, transaction=txn).result()
+                arr = ts.open(hd._array_spec(kv / "txn/", one.padded, one.chunk, one.shard), open=True,
+                              assume_metadata=True, transaction=txn).result()
                 arr[...] = buf
                 txn.commit_async().result()
-            with Step("  (3/3 without a transaction: one arr.write)"):
-                arr2 = ts.open(hd._array_spec(kv / "notxn/", padded, chunk), create=True).result()
-                arr2.write(buf).result()
             flat = buf.tobytes()
             with Step("  (the padded bytes as one kvstore value: the file kvstore's floor)"):
                 kv.write("flat/segment", flat).result()
             del flat
-            with Step("  (of 1/3: zlib.crc32 alone)"):
-                for _, raw, _ in parts:
-                    zlib.crc32(raw)
-            with Step("  (1/3 + 2/3 as one copy: objects into the buffer, crc32 of its slices)"):
-                buf2 = np.empty((padded,), np.uint8)
-                o = 0
-                for a in objs:
-                    n = a.nbytes
-                    buf2[o:o + n] = a.reshape(-1).view(np.uint8)
-                    zlib.crc32(buf2[o:o + n])
-                    buf2[o + n:o + -(-n // 64) * 64] = 0
-                    o += -(-n // 64) * 64
-                buf2[o:] = 0
+            tier = hd.DiskTier(os.path.join(d, "tier"), chunk_bytes=args.chunk_bytes, shard_bytes=args.shard_bytes)
+            tier.write(abi, segs[0])  # untimed: the writer thread started, its staging buffer faulted in
+            with Step("write: DiskTier.write (3/3 issued shard by shard as 1/3 copies; 2/3 during 3/3)"):
+                tier.write(abi, segs[0])
+            tier.close()
             drop_page_cache(d)
             with Step("read (page cache dropped): raw"):
                 raw_read(os.path.join(d, "raw"), segs)
-            arr = ts.open(hd._array_spec(kv, padded, chunk), open=True, assume_metadata=True).result()
+            arr = ts.open(hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True,
+                          assume_metadata=True).result()
             drop_page_cache(d)
             with Step("read (page cache dropped): hkv, one zarr3 read per object"):
-                got = [f.result() for f in [arr[o:o + len(raw)].read() for o, raw, _ in parts]]  # as DiskTier.read
+                got = [f.result() for f in [arr[o:o + src.size].read() for o, src in parts]]  # as DiskTier.read
             with Step("  + zlib.crc32 per object (DiskTier.read checks both)"):
-                ok = all(zlib.crc32(g.tobytes()) == c for g, (_, _, c) in zip(got, parts))
+                ok = [zlib.crc32(g) for g in got] == crcs
             drop_page_cache(d)
             with Step("  (the padded bytes as one kvstore value)"):
                 kv.read("flat/segment").result()
             drop_page_cache(d)
             with Step("read (page cache dropped): hkv, whole array in one zarr3 read"):
                 whole = arr.read().result()
-            ok &= all(zlib.crc32(whole[o:o + len(raw)]) == c for o, raw, c in parts)
+            ok &= [zlib.crc32(whole[o:o + src.size]) for o, src in parts] == crcs
             if not ok:
                 raise SystemExit("breakdown: crc mismatch")
         finally:
@@ -591,11 +621,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small sizes (< 60 s)")
     ap.add_argument("--mib", type=float, default=256, help="part 1: payload MiB (rounded to whole segments)")
-    ap.add_argument("--io-repeats", type=int, default=3)
+    ap.add_argument("--io-repeats", type=int, default=5)
     ap.add_argument("--segment-tokens", type=int, default=8192, help="part 1: tokens per segment (one conversation)")
     ap.add_argument("--block-tokens", type=int, default=64, help="part 1: tokens per block (DeepSeek-V4-Flash shapes)")
     ap.add_argument("--chunk-bytes", type=int, default=1 << 19, help="DiskTier chunk_bytes for part 1")
+    ap.add_argument("--shard-bytes", type=int, default=1 << 24, help="DiskTier shard_bytes for part 1")
     ap.add_argument("--no-ocdbt", action="store_true")
+    ap.add_argument("--prefault-gib", type=float, default=4,
+                    help="touch this much memory before part 1 (see prefault(); 0: off)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="part 2: prefix lengths K")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--engine-block-tokens", type=int, default=16)
@@ -637,6 +670,7 @@ def main() -> None:
     summary = {}
     try:
         if not args.skip_io:
+            prefault(args.prefault_gib)
             io = io_benchmark(args, root)
             bd = breakdown(args, root)
         if args.sweep:
