@@ -108,7 +108,7 @@ class _PauseBeforeSecondPublish:
 
 def _child_kill_writer(path: str, chain: str, block_bytes: str, per_seg: str, mode: str) -> None:
     block_bytes, per_seg = int(block_bytes), int(per_seg)
-    tier = DiskTier(path)
+    tier = DiskTier(path, shard_bytes=KILL_SHARD)  # several shard files per segment: a kill can fall between them
     if mode == "pause":
         tier.kv = _PauseBeforeSecondPublish(tier.kv)
     for s in range(10_000):
@@ -261,8 +261,9 @@ def _assert_clean(report: dict, blocks: int, orphans: int | None = None) -> None
 
 
 # ------------------------------------------------------------------------------------ 1. SIGKILL
-KILL_BLOCK = 2 << 20  # 4 blocks of 2 MiB: 8 MiB segments
+KILL_BLOCK = 2 << 20  # 4 blocks of 2 MiB: 8 MiB segments, in 4 shards of 2 MiB
 KILL_PER_SEG = 4
+KILL_SHARD = 2 << 20
 
 
 def _kill_round(path: str, chain: str, mode: str, delay: float) -> tuple[int, str]:
