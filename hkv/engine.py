@@ -39,6 +39,8 @@ from .plan import RestorePlan
 from .policy import RetentionPolicy, eviction_order, receptive_field
 from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
 
+RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
+
 
 class CacheCapacityError(RuntimeError):
     """A request cannot fit in the cache even with every other sequence preempted."""
@@ -137,7 +139,7 @@ class Engine:
         self.cache_salt = bytes(cache_salt)
         self._restore = jax.jit(functools.partial(px.restore, count=False), static_argnums=0, donate_argnums=1)
         self._count_plan = jax.jit(px.count_plan, static_argnums=0, donate_argnums=1)
-        self._record = jax.jit(px.record, static_argnums=0, donate_argnums=1)
+        self._record_many = jax.jit(px.record_many, static_argnums=0, donate_argnums=1)
         self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
         self.window_recompute_tokens = receptive_field(self.spec)
 
@@ -509,35 +511,48 @@ class Engine:
             r0 = seq.parent_record
             seq.prev_use = stamps.get(r0, -1) if r0 >= 0 else None
             seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
-        for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
+        first = len(seq.keys) + 1
+        todo = []  # (block number n, retain) of every boundary this step crossed
+        for n in range(first, seq.fed // bt + 1):
             seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt:n * bt], self.cache_salt))
             at_end = n * bt == seq.fed
-            retain = at_end and self.retention.retain(
+            todo.append((n, at_end and self.retention.retain(
                 n, request_end=(n == final // bt),
                 branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
-                and seq.plan.restored_tokens < seq.fed)
-            if seq.record_stopped:
-                continue
-            if retain and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
-                self._make_room(kinds=("snapshot",))
-            block = np.asarray(ids[(n - 1) * bt:n * bt], np.int32)
-            while True:
-                self.cache, r, status = self._record(
-                    self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(key_words(seq.keys[n - 1])),
-                    jnp.int32(seq.parent_record), jnp.asarray(block), jnp.bool_(retain), jnp.int32(n * bt))
-                if int(status) != Status.NO_PAGES:
-                    break
+                and seq.plan.restored_tokens < seq.fed)))
+        if seq.record_stopped or not todo:
+            return
+        if todo[-1][1] and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
+            self._make_room(kinds=("snapshot",))
+        i = 0
+        while i < len(todo):
+            # one transition for up to RECORD_BATCH boundaries (padded to 1, 16 or RECORD_BATCH: 3 compiles)
+            batch = todo[i:i + RECORD_BATCH]
+            k = 1 if len(batch) == 1 else 16 if len(batch) <= 16 else RECORD_BATCH
+            keys = np.zeros((k, 4), np.uint32)
+            toks = np.zeros((k, bt), np.int32)
+            lengths = np.zeros((k,), np.int32)
+            retain = np.zeros((k,), bool)
+            for j, (n, ret) in enumerate(batch):
+                keys[j] = key_words(seq.keys[n - 1])
+                toks[j] = ids[(n - 1) * bt:n * bt]
+                lengths[j], retain[j] = n * bt, ret
+            self.cache, recs, _, done = self._record_many(
+                self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(keys), jnp.int32(seq.parent_record),
+                jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.arange(k) < len(batch))
+            recs, done, last_used = jax.device_get((recs, done, self.cache.prefix.last_used))
+            for r in recs[:int(done)]:
+                seq.parent_record = int(r)
+                if r >= 0:
+                    stamps[int(r)] = int(last_used[r])
+            i += int(done)
+            if int(done) < len(batch):  # block todo[i] got NO_PAGES: no free record slot
                 # admission control: for a record slot evict only chains last used before this
                 # sequence's own previous use, shorter than what it restored, or never reused
                 if not self._make_room(kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len,
                                        never_hit=True):
                     seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
-                    break
-            if seq.record_stopped:
-                continue
-            seq.parent_record = int(r)
-            if int(r) >= 0:
-                stamps[int(r)] = int(self.cache.prefix.last_used[int(r)])
+                    return
 
     def _make_room(self, kinds=("snapshot", "record"), used_before: int | None = None,
                    shorter_than: int | None = None, never_hit: bool = False) -> bool:

@@ -169,7 +169,7 @@ def _count(counters: dict, name: str, n) -> dict:
 
 # ------------------------------------------------------------------------------------- record
 def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Array, parent: jax.Array,
-           tokens: jax.Array, retain: jax.Array, length: jax.Array | None = None
+           tokens: jax.Array, retain: jax.Array, length: jax.Array | None = None, enabled: jax.Array | None = None
            ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
     multiple of block_tokens, at most the current length). A boundary inside the last step (below the
@@ -180,16 +180,18 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     Returns (cache, record index, status). An alive record with the same key, parent and tokens is
     reused (its index returned); if it has no snapshot and `retain`, the snapshot is added. A record
     only adds references (no page is allocated), but with no free record slot it returns
-    Status.NO_PAGES and the cache unchanged (the policy evicts first).
+    Status.NO_PAGES and the cache unchanged (the policy evicts first). enabled=False (traced bool):
+    the cache comes back unchanged and the record index is -1 (`record_many`'s skipped blocks).
     """
     px = cache.prefix
+    on = jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)
     nr = px.state.shape[0]
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
     retain = retain & (length == current)  # a snapshot exists only at the current length
     same = ((px.state == RecordState.ALIVE) & jnp.all(px.key == key[None, :], axis=1) & (px.parent == parent)
             & jnp.all(px.tokens == tokens[None, :], axis=1))
-    exists = jnp.any(same)
+    exists = jnp.any(same) & on
     free = px.state != RecordState.ALIVE
     empty = px.state == RecordState.EMPTY
     # prefer never-used slots: tombstones are overwritten last (they still explain later misses)
@@ -201,7 +203,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     safe_parent = jnp.maximum(parent, 0)
     parent_ok = jnp.where(parent < 0, length == bt,
                           (px.state[safe_parent] == RecordState.ALIVE) & (px.length[safe_parent] == length - bt))
-    ok_slot = ok_slot & parent_ok  # a chain whose parent was evicted is not extended (no orphans)
+    ok_slot = ok_slot & parent_ok & on  # a chain whose parent was evicted is not extended (no orphans)
     do = can & ~exists & ok_slot
     snap_free = ~px.snap_used
     has_snap = retain & jnp.any(snap_free)
@@ -269,6 +271,35 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, jnp.where(
         cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)))
     return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
+
+
+def record_many(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, parent: jax.Array,
+                tokens: jax.Array, retain: jax.Array, lengths: jax.Array, valid: jax.Array
+                ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
+    """`record` of K consecutive blocks of one slot's chain in one transition (one dispatch instead
+    of K: a prefill chunk or a restore from disk crosses many boundaries at once).
+
+    keys uint32[K, 4]; tokens int32[K, bt]; retain bool[K]; lengths int32[K] (the boundaries, in
+    order); valid bool[K] (a prefix of True: padding to a fixed K). Block j is recorded with parent =
+    the record block j - 1 got (`parent` for j = 0), exactly as K `record` calls in a row. The first
+    block that gets Status.NO_PAGES stops the batch (it and every later block are left unrecorded,
+    for the caller to evict and retry from there). Returns (cache, records int32[K], statuses
+    int32[K], done): records/statuses as `record` returned them (-1 for blocks not processed), done
+    = the number of leading blocks processed (everything valid, or up to the NO_PAGES block).
+    """
+    def body(carry, x):
+        c, par, stop = carry
+        key, tok, ret, length, v = x
+        go = v & ~stop
+        c, r, st = record(layout, c, slot, key, par, tok, ret, length, enabled=go)
+        no_pages = go & (st == Status.NO_PAGES)
+        return (c, jnp.where(go & ~no_pages, r, par), stop | no_pages | ~v), \
+            (jnp.where(go, r, -1).astype(jnp.int32), jnp.where(go, st, -1).astype(jnp.int32))
+
+    carry = (cache, jnp.asarray(parent, jnp.int32), jnp.bool_(False))
+    (cache, _, _), (records, statuses) = jax.lax.scan(body, carry, (keys, tokens, retain, lengths, valid))
+    done = jnp.sum((statuses >= 0) & (statuses != Status.NO_PAGES)).astype(jnp.int32)
+    return cache, records, statuses, done
 
 
 # ------------------------------------------------------------------------------------ restore
@@ -487,4 +518,4 @@ def bump_indexer_version(cache: HybridCache) -> HybridCache:
 
 
 __all__ = ["PLAN_FIELDS", "PrefixIndex", "Reason", "RecordState", "STAGES", "abi_words", "bump_indexer_version",
-           "count_plan", "evict", "init_prefix", "record", "restore"]
+           "count_plan", "evict", "init_prefix", "record", "record_many", "restore"]

@@ -283,3 +283,36 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
     (g,) = engine.generate([b[:7 * BT + 3]], 1)
     assert g.plan.restored_tokens == 6 * BT
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
+    """`record_many` records a prefill chunk's 4 boundaries in one transition. Under record pressure
+    (6 records) a batch stops at the boundary that finds no free record, the engine evicts (with
+    admission control) and retries from there: the prefix index, the outputs and every counter come
+    out identical to recording one boundary per transition."""
+    config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
+    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
+    b = rng.integers(0, CFG.vocab_size, 8 * BT + 5).tolist()
+    prompts = [a, b, b[:7 * BT + 3], a[:3 * BT] + b[:40]]
+
+    def run(batch: int):
+        monkeypatch.setattr(hkv.engine, "RECORD_BATCH", batch)
+        engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
+                                                   prefix_records=6), block_tokens=BT, prefill_chunk=4 * BT)
+        gens = [engine.generate([p], NEW)[0] for p in prompts]
+        hkv.check_invariants(engine.layout, engine.cache)
+        return engine, gens
+
+    batched, gb = run(hkv.engine.RECORD_BATCH)
+    single, gs = run(1)
+    assert [g.tokens for g in gb] == [g.tokens for g in gs]
+    assert [g.plan.restored_tokens for g in gb] == [g.plan.restored_tokens for g in gs]
+    assert gb[2].plan.restored_tokens >= 4 * BT  # the workload reused a prefix recorded in a batch
+    assert batched.stats()["prefix"]["evictions"]["records"] > 0  # and a batch met a full index
+    pb, ps = jax.device_get((batched.cache.prefix, single.cache.prefix))
+    for x, y in zip(jax.tree.leaves(pb), jax.tree.leaves(ps)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert jax.device_get(batched.cache.counters) == jax.device_get(single.cache.counters)
