@@ -32,6 +32,7 @@ No pickle anywhere: manifests are JSON, arrays are raw bytes.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -181,6 +182,27 @@ class _Layout:
         return cls(chunk, -(-max(doc["data_bytes"], 1) // chunk) * chunk, mf.shard_bytes(doc))
 
 
+def _listed(doc: dict, ref: BlockRef) -> dict | None:
+    """The entry of a re-read manifest that is exactly the one `ref` was found by (a segment may
+    list a key twice: with and without its snapshot, from two requests committed together)."""
+    return next((b for b in doc["blocks"] if b["key"] == ref.entry["key"] and b == ref.entry), None)
+
+
+class DiskBacklogError(RuntimeError):
+    """A write refused because the writer's queue already holds `max_queued_bytes` (the blocks are
+    simply not stored: a later hit on them is a miss)."""
+
+
+@dataclasses.dataclass
+class _Request:
+    """One `write_async` call waiting for the writer thread."""
+
+    abi: str
+    blocks: list[BlockPayload]
+    fut: concurrent.futures.Future
+    nbytes: int
+
+
 @dataclasses.dataclass
 class _Staged:
     """A segment whose shard writes are issued: its manifest (`doc` and sealed bytes `raw`), to be
@@ -202,12 +224,17 @@ class DiskTier:
     chunk_bytes: inner chunk size of the zarr3 shards (a few hundred KiB: large sequential I/O).
     shard_bytes: a segment larger than this is cut into shards (files) of this size, written as a
     pipeline: one shard is copied and checksummed while the previous one is written.
+    max_segment_bytes: queued write requests are merged into one segment up to this size (group
+    commit; a single larger request is written alone).
+    max_queued_bytes: host bytes the writer's queue may hold (None = unbounded); a request beyond it
+    fails at once with `DiskBacklogError`.
     writer_id: this writer's name in manifests and hit files (default: random).
     refresh_seconds: how stale the in-memory view of other writers' manifests may get.
     """
 
     def __init__(self, store="hkv-store", *, budget_bytes: int | None = None, chunk_bytes: int = 1 << 19,
-                 shard_bytes: int = 1 << 24, writer_id: str | None = None, refresh_seconds: float = 0.5,
+                 shard_bytes: int = 1 << 24, max_segment_bytes: int = 1 << 26, max_queued_bytes: int | None = 1 << 30,
+                 writer_id: str | None = None, refresh_seconds: float = 0.5,
                  context: ts.Context | None = None, progress: Callable[[str], None] | None = None):
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"{budget_bytes=} must be an integer >= 0 or None")
@@ -215,6 +242,10 @@ class DiskTier:
             raise ValueError(f"{chunk_bytes=} must be a power of two >= 4096")
         if not isinstance(shard_bytes, int) or shard_bytes < chunk_bytes or shard_bytes & (shard_bytes - 1):
             raise ValueError(f"{shard_bytes=} must be a power of two >= chunk_bytes={chunk_bytes}")
+        if not isinstance(max_segment_bytes, int) or max_segment_bytes < 1:
+            raise ValueError(f"{max_segment_bytes=} must be an integer >= 1")
+        if max_queued_bytes is not None and (not isinstance(max_queued_bytes, int) or max_queued_bytes < 1):
+            raise ValueError(f"{max_queued_bytes=} must be an integer >= 1 or None")
         self.spec = _kvstore_spec(store)
         self.context = context or ts.Context()
         try:
@@ -224,6 +255,8 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
         self.shard_bytes = shard_bytes
+        self.max_segment_bytes = max_segment_bytes
+        self.max_queued_bytes = max_queued_bytes
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.refresh_seconds = refresh_seconds
         self.progress = progress
@@ -235,10 +268,12 @@ class DiskTier:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk")
         self._publisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hkv-disk-publish")
         self._pending: set[concurrent.futures.Future] = set()
+        self._queue: collections.deque[_Request] = collections.deque()  # requests not yet staged
+        self._queued_bytes = 0
         self._staging = np.empty((0,), np.uint8)  # the writer thread's segment buffer (largest segment so far)
         self._hits: dict[str, dict[str, int]] = {}
         self.counters = {"segments_written": 0, "blocks_written": 0, "bytes_written": 0, "write_failures": 0,
-                         "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
+                         "writes_dropped": 0, "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
                          **{f"rejected_{r}": 0 for r in DISK_REASONS}}
         self.refresh(force=True)
         self._load_own_hits()
@@ -339,34 +374,79 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------- write
     def write_async(self, abi: str, blocks: list[BlockPayload]) -> concurrent.futures.Future:
-        """Write `blocks` as one segment in the background. The future resolves to the list of block
-        keys once the manifest is published (an exception if the write failed: nothing was
-        published). The arrays must not be modified afterwards (they are host copies)."""
+        """Write `blocks` in the background. The future resolves to the list of block keys once the
+        manifest of the segment holding them is published (an exception if the write failed:
+        nothing was published). The arrays must not be modified afterwards (they are host copies).
+
+        Group commit: the requests queued while the writer is busy are written together as one
+        segment (same ABI, up to `max_segment_bytes`), so a backlog of small write-behind batches
+        becomes a few large segments instead of many small files. A request that would take the
+        queued bytes over `max_queued_bytes` is refused at once: its future fails with
+        `DiskBacklogError` (counted as `writes_dropped`) and host memory stays bounded; the decode
+        loop never waits for the disk."""
         if not blocks:
             raise ValueError("write_async needs at least one block")
         mf._hex(abi, 32, "abi")
+        nbytes = sum(int(np.asarray(a).nbytes) for b in blocks for a, _ in b.objects.values())
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._queue and self.max_queued_bytes is not None \
+                    and self._queued_bytes + nbytes > self.max_queued_bytes:
+                self.counters["writes_dropped"] += 1
+                fut.set_exception(DiskBacklogError(
+                    f"disk tier backlog: {self._queued_bytes:,} bytes queued + {nbytes:,} would exceed "
+                    f"max_queued_bytes={self.max_queued_bytes:,}; these {len(blocks)} blocks are not written"))
+                return fut
+            self._queue.append(_Request(abi, blocks, fut, nbytes))
+            self._queued_bytes += nbytes
             self._pending.add(fut)
         fut.add_done_callback(self._written)
         try:
-            self._pool.submit(self._stage, abi, blocks, fut)
+            self._pool.submit(self._drain)
         except RuntimeError:  # closed
             with self._lock:
+                self._queue = collections.deque(r for r in self._queue if r.fut is not fut)
+                self._queued_bytes -= nbytes
                 self._pending.discard(fut)
             raise
         return fut
 
-    def _stage(self, abi: str, blocks: list[BlockPayload], fut: concurrent.futures.Future) -> None:
-        """Writer thread: stage one segment, then queue its publication and go on with the next
-        segment while this one's shards are still being written (segments overlap on disk; their
-        manifests are published in the order they were written)."""
+    def _drain(self) -> None:
+        """Writer thread: take the queued requests (one ABI, up to `max_segment_bytes`, at least one),
+        stage them as one segment, then queue its publication and go on with the next segment while
+        this one's shards are still being written (manifests are published in write order)."""
+        with self._lock:
+            if not self._queue:
+                return  # an earlier drain took this call's request
+            abi, take, size = self._queue[0].abi, [], 0
+            while self._queue and self._queue[0].abi == abi and \
+                    (not take or size + self._queue[0].nbytes <= self.max_segment_bytes):
+                take.append(self._queue.popleft())
+                size += take[-1].nbytes
         try:
-            staged = self._write_segment(abi, blocks)
-        except BaseException as e:  # noqa: BLE001 — the caller's future carries it
-            fut.set_exception(e)
-            return
-        self._publisher.submit(self._publish, staged, fut)
+            try:
+                batches = [(self._write_segment(abi, [b for r in take for b in r.blocks]), take)]
+            except mf.ManifestError:
+                if len(take) == 1:
+                    raise
+                good = []  # a request whose own manifest would be refused fails alone
+                for r in take:
+                    try:
+                        self._plan(abi, r.blocks)
+                        good.append(r)
+                    except mf.ManifestError as e:
+                        r.fut.set_exception(e)
+                batches = [(self._write_segment(abi, [b for r in good for b in r.blocks]), good)] if good else []
+        except BaseException as e:  # noqa: BLE001 — the callers' futures carry it
+            for r in take:
+                if not r.fut.done():
+                    r.fut.set_exception(e)
+            batches = []
+        finally:
+            with self._lock:
+                self._queued_bytes -= size
+        for staged, reqs in batches:
+            self._publisher.submit(self._publish, staged, reqs)
 
     def _written(self, fut: concurrent.futures.Future) -> None:
         with self._lock:
@@ -378,9 +458,9 @@ class DiskTier:
         """Synchronous `write_async`."""
         return self.write_async(abi, blocks).result()
 
-    def _write_segment(self, abi: str, blocks: list[BlockPayload]) -> _Staged:
-        """Writer thread: lay out, checksum and issue the writes of one segment; returns once
-        tensorstore holds a copy of every byte (the staging buffer can take the next segment)."""
+    def _plan(self, abi: str, blocks: list[BlockPayload]) -> tuple[dict, list, _Layout]:
+        """The manifest (crc32 fields still 0), the (object entry, bytes) parts and the layout of a
+        segment holding `blocks`; raises `ManifestError` for a manifest that would be refused. No I/O."""
         entries, parts, off = [], [], 0
         for b in blocks:
             objs = []
@@ -401,6 +481,13 @@ class DiskTier:
         doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
                "stored_bytes": sum(lay.files), "chunk_bytes": lay.chunk, "shard_bytes": lay.shard, "blocks": entries}
         mf.check(doc)  # a manifest that would be refused is never written, nor its data
+        return doc, parts, lay
+
+    def _write_segment(self, abi: str, blocks: list[BlockPayload]) -> _Staged:
+        """Writer thread: lay out, checksum and issue the writes of one segment; returns once
+        tensorstore holds a copy of every byte (the staging buffer can take the next segment)."""
+        doc, parts, lay = self._plan(abi, blocks)
+        seg = doc["segment"]
         arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", lay.padded, lay.chunk, lay.shard), open=True,
                       assume_metadata=True, context=self.context).result()
         # Shard k's bytes are copied into the staging buffer and its write is issued at once
@@ -442,9 +529,9 @@ class DiskTier:
             raise
         return _Staged(doc, raw, writes, len(blocks))
 
-    def _publish(self, staged: _Staged, fut: concurrent.futures.Future) -> None:
+    def _publish(self, staged: _Staged, reqs: list[_Request]) -> None:
         """Publisher thread: wait until every shard of the segment has committed, then publish its
-        manifest (from here on its blocks exist) and resolve the caller's future."""
+        manifest (from here on its blocks exist) and resolve the futures of the requests it holds."""
         try:
             for w in staged.writes:
                 w.result()
@@ -459,10 +546,12 @@ class DiskTier:
             self._say(f"disk tier: wrote {staged.blocks} blocks ({doc['stored_bytes']:,} bytes) as segment "
                       f"{doc['segment']}")
             self.enforce_budget()
-        except BaseException as e:  # noqa: BLE001 — the caller's future carries it
-            fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 — the callers' futures carry it
+            for r in reqs:
+                r.fut.set_exception(e)
             return
-        fut.set_result([bytes.fromhex(b["key"]) for b in doc["blocks"]])
+        for r in reqs:
+            r.fut.set_result([b.key for b in r.blocks])
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every write issued so far (its manifest published or its failure recorded)."""
@@ -511,8 +600,7 @@ class DiskTier:
         for r in refs:
             sid = (r.abi, r.segment)
             reason, _, doc = checked[sid]
-            entry = None if reason is not None else next(
-                (b for b in doc["blocks"] if b["key"] == r.entry["key"] and b["index"] == r.entry["index"]), None)
+            entry = None if reason is not None else _listed(doc, r)
             if entry is None:
                 reads.append([])
                 continue
@@ -546,9 +634,8 @@ class DiskTier:
 
     def _check_block(self, ref: BlockRef, doc: dict, objs, expect):
         sid = (ref.abi, ref.segment)
-        entry = next((b for b in doc["blocks"] if b["key"] == ref.entry["key"] and b["index"] == ref.entry["index"]),
-                     None)
-        if entry is None or entry != ref.entry:
+        entry = _listed(doc, ref)
+        if entry is None:
             return CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None
         want = expect(entry) if expect is not None else None
         if want is not None and set(want) != {o["name"] for o in entry["objects"]}:
@@ -723,5 +810,5 @@ class DiskTier:
             self.progress(msg)
 
 
-__all__ = ["ABI", "BlockPayload", "BlockRef", "CHECKSUM", "ChainLookup", "DISK_REASONS", "DiskTier", "MISSING",
-           "ReadResult", "TRUNCATED", "dtype_of"]
+__all__ = ["ABI", "BlockPayload", "BlockRef", "CHECKSUM", "ChainLookup", "DISK_REASONS", "DiskBacklogError", "DiskTier",
+           "MISSING", "ReadResult", "TRUNCATED", "dtype_of"]

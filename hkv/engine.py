@@ -634,7 +634,7 @@ class Engine:
         for fut, marks in done:
             self._disk_inflight -= marks
             if fut.exception() is not None:
-                self._say(f"disk tier write failed (blocks stay on device only): {fut.exception()}")
+                self._say(f"disk tier write failed, its blocks are not on disk: {fut.exception()}")
                 continue
             keys += fut.result()
         if keys:
@@ -827,5 +827,8 @@ class Engine:
                    [({"op": "written"}, d["blocks_written"]), ({"op": "read"}, d["blocks_read"])])
             metric("hkv_disk_write_failures_total", "counter", "Disk tier writes that published nothing.",
                    [({}, d["write_failures"])])
+            metric("hkv_disk_writes_dropped_total", "counter",
+                   "Disk tier writes refused because the writer's queue was full (max_queued_bytes).",
+                   [({}, d["writes_dropped"])])
             metric("hkv_disk_stored_bytes", "gauge", "Bytes the disk tier holds.", [({}, self.disk.stored_bytes())])
         return "\n".join(lines) + "\n"

@@ -234,6 +234,38 @@ def test_eviction_under_pressure_writes_behind_and_restores_from_disk(model, tmp
     hkv.check_invariants(engine.layout, engine.cache)
 
 
+def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model, tmp_path):
+    tier = DiskTier(str(tmp_path / "group"))
+    gate, calls, real_write, real_async = threading.Event(), [], tier._write_segment, tier.write_async
+
+    def slow_first(*a, **kw):
+        if not calls:
+            calls.append(1)
+            assert gate.wait(60)
+        return real_write(*a, **kw)
+
+    offloads = []
+
+    def counted(*a, **kw):
+        offloads.append(1)
+        return real_async(*a, **kw)
+
+    tier._write_segment, tier.write_async = slow_first, counted
+    engine = make_engine(model, scale=1, records=24, disk=tier)
+    engine.generate([BASE[:CUT + 1], diverge(16, tail=290, seed=11)], NEW)  # eviction passes queue offloads
+    assert len(offloads) >= 3 and tier.counters["segments_written"] == 0  # nothing waited for the disk
+    gate.set()
+    engine.flush_disk()
+    # group commit: the first offload alone, every offload queued behind it in one segment
+    assert tier.counters["segments_written"] == 2 and tier.counters["blocks_written"] == \
+        engine.stats()["disk_blocks_offloaded"]
+    again = diverge(CUT, tail=3, seed=12)
+    (g,) = engine.generate([again], NEW)
+    assert g.plan.restored_tokens == CUT and g.plan.disk_tokens is not None
+    assert_same([g], reference(model, [again]))
+    assert "hkv_disk_writes_dropped_total 0" in engine.metrics_text()
+
+
 def test_a_new_engine_on_the_same_store_finds_its_blocks(model, stored, tmp_path):
     root = tmp_path / "copy"
     shutil.copytree(stored, root)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from hkv import disk_manifest as mf
-from hkv.disk import BlockPayload, DiskTier
+from hkv.disk import BlockPayload, DiskBacklogError, DiskTier
 
 ABI = "ab" * 16
 BT = 4
@@ -219,7 +220,8 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
 def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
     # write_async returns at once; the writer reuses one staging buffer for every segment and overlaps
     # a segment's shard writes with the next segment's copy, so this fails if a buffer is reused early
-    tier = DiskTier(str(tmp_path), chunk_bytes=4096, shard_bytes=8192)
+    # (max_segment_bytes=1: no group commit, one segment per request)
+    tier = DiskTier(str(tmp_path), chunk_bytes=4096, shard_bytes=8192, max_segment_bytes=1)
     chains = [chain(f"q{i}", 4, kib=3, snapshot_every=2) for i in range(5)]
     futs = [tier.write_async(ABI, c) for c in chains]
     assert [f.result() for f in futs] == [[b.key for b in c] for c in chains]
@@ -232,3 +234,79 @@ def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
             for name, (arr, _) in blk.objects.items():
                 assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
     assert tier.verify()["blocks_ok"] == 20
+
+
+def _gated(tier):
+    """Hold the writer thread inside its first segment until the returned event is set."""
+    gate, entered, real = threading.Event(), threading.Event(), tier._write_segment
+
+    def slow(*a, **kw):
+        entered.set()
+        assert gate.wait(60)
+        return real(*a, **kw)
+
+    tier._write_segment = slow
+    return gate, entered
+
+
+def test_requests_queued_while_the_writer_is_busy_are_written_as_one_segment(tmp_path):
+    tier = DiskTier(str(tmp_path))
+    gate, entered = _gated(tier)
+    chains = [chain(f"g{i}", 2) for i in range(5)]
+    futs = [tier.write_async(ABI, chains[0])]
+    assert entered.wait(60)  # the writer holds request 0; requests 1-4 queue behind it
+    futs += [tier.write_async(ABI, c) for c in chains[1:]]
+    bad = chain("g-bad", 1)
+    bad[0].objects["g0.rows"] = (np.zeros((2, 2), np.complex64), 0)  # no manifest dtype for complex
+    futs.append(tier.write_async(ABI, bad))
+    gate.set()
+    assert [f.result() for f in futs[:5]] == [[b.key for b in c] for c in chains]
+    with pytest.raises(mf.ManifestError, match="dtype"):
+        futs[5].result()  # refused on its own; the requests queued with it are written
+    tier.flush()
+    assert tier.counters["segments_written"] == 2 and tier.counters["write_failures"] == 1
+    assert sorted(len(s.keys) for s in tier._segments.values()) == [2, 8]
+    for c in chains:
+        res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
+        assert res.reason is None and len(res.payloads) == 2
+        for got, blk in zip(res.payloads, c):
+            assert np.array_equal(got.objects["g0.rows"][0].view(np.uint8), blk.objects["g0.rows"][0].view(np.uint8))
+
+
+def test_a_write_beyond_the_backlog_limit_fails_at_once_and_host_memory_stays_bounded(tmp_path):
+    one = sum(a.nbytes for b in chain("x", 1) for a, _ in b.objects.values())
+    tier = DiskTier(str(tmp_path), max_queued_bytes=4 * one)
+    gate, entered = _gated(tier)
+    futs = [tier.write_async(ABI, chain("q0", 1))]
+    assert entered.wait(60)  # the request being staged still holds its host bytes; three more fit
+    futs += [tier.write_async(ABI, chain(f"q{i}", 1)) for i in range(1, 4)]
+    dropped = tier.write_async(ABI, chain("q4", 1))
+    assert dropped.done() and isinstance(dropped.exception(), DiskBacklogError)
+    assert "max_queued_bytes" in str(dropped.exception()) and tier.counters["writes_dropped"] == 1
+    gate.set()
+    assert all(len(f.result()) == 1 for f in futs)
+    tier.flush()
+    assert tier.stats()["abis"][ABI]["blocks"] == 4 and tier.counters["write_failures"] == 0
+    assert tier._queued_bytes == 0
+    with pytest.raises(ValueError, match="max_queued_bytes"):
+        DiskTier(str(tmp_path), max_queued_bytes=0)
+
+
+def test_one_segment_may_list_a_block_with_and_without_its_snapshot(tmp_path):
+    # two requests committed together: block 1 first as an inner block, then again with its snapshot
+    tier = DiskTier(str(tmp_path))
+    gate, entered = _gated(tier)
+    first = tier.write_async(ABI, chain("z0", 1))
+    assert entered.wait(60)
+    plain = chain("d", 2, snapshot_every=3)  # no snapshots
+    snap = chain("d", 1, start=1)  # block 1 again, with its snapshot
+    futs = [tier.write_async(ABI, plain), tier.write_async(ABI, snap)]
+    gate.set()
+    first.result(), [f.result() for f in futs]
+    (seg,) = [s for s in tier._segments.values() if len(s.keys) == 3]
+    assert seg.keys[1] == seg.keys[2] == snap[0].key.hex()
+    refs = tier.find_chain(ABI, [b.key for b in plain], [b.tokens for b in plain]).refs
+    assert refs[1].snapshot  # the copy with the snapshot is preferred
+    res = tier.read(refs)
+    assert res.reason is None and set(res.payloads[1].objects) == {"g0.rows", "t0.tail_kv"}
+    assert tier.verify()["blocks_ok"] == 4
