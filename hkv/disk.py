@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -228,13 +229,15 @@ class DiskTier:
     commit; a single larger request is written alone).
     max_queued_bytes: host bytes the writer's queue may hold (None = unbounded); a request beyond it
     fails at once with `DiskBacklogError`.
+    linger_seconds: queued writes smaller than one shard wait up to this long for more to share their
+    segment (write-behind batches are often one block); `flush` and `write` never wait for it.
     writer_id: this writer's name in manifests and hit files (default: random).
     refresh_seconds: how stale the in-memory view of other writers' manifests may get.
     """
 
     def __init__(self, store="hkv-store", *, budget_bytes: int | None = None, chunk_bytes: int = 1 << 19,
                  shard_bytes: int = 1 << 24, max_segment_bytes: int = 1 << 26, max_queued_bytes: int | None = 1 << 30,
-                 writer_id: str | None = None, refresh_seconds: float = 0.5,
+                 linger_seconds: float = 0.2, writer_id: str | None = None, refresh_seconds: float = 0.5,
                  context: ts.Context | None = None, progress: Callable[[str], None] | None = None):
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"{budget_bytes=} must be an integer >= 0 or None")
@@ -246,6 +249,8 @@ class DiskTier:
             raise ValueError(f"{max_segment_bytes=} must be an integer >= 1")
         if max_queued_bytes is not None and (not isinstance(max_queued_bytes, int) or max_queued_bytes < 1):
             raise ValueError(f"{max_queued_bytes=} must be an integer >= 1 or None")
+        if not isinstance(linger_seconds, (int, float)) or not 0 <= linger_seconds <= 60:
+            raise ValueError(f"{linger_seconds=} must be a number of seconds in [0, 60]")
         self.spec = _kvstore_spec(store)
         self.context = context or ts.Context()
         try:
@@ -257,10 +262,13 @@ class DiskTier:
         self.shard_bytes = shard_bytes
         self.max_segment_bytes = max_segment_bytes
         self.max_queued_bytes = max_queued_bytes
+        self.linger_seconds = float(linger_seconds)
         self.writer_id = writer_id or uuid.uuid4().hex[:12]
         self.refresh_seconds = refresh_seconds
         self.progress = progress
         self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)  # the writer's linger waits on it
+        self._hurry = 0  # callers waiting for the queue (flush, write): no lingering
         self._segments: dict[tuple[str, str], _Segment] = {}
         self._blocks: dict[str, list[BlockRef]] = {}  # key hex -> refs in any ABI
         self._bad: dict[str, str] = {}  # manifest key -> why it was rejected
@@ -400,6 +408,7 @@ class DiskTier:
             self._queue.append(_Request(abi, blocks, fut, nbytes))
             self._queued_bytes += nbytes
             self._pending.add(fut)
+            self._cv.notify_all()
         fut.add_done_callback(self._written)
         try:
             self._pool.submit(self._drain)
@@ -415,9 +424,17 @@ class DiskTier:
         """Writer thread: take the queued requests (one ABI, up to `max_segment_bytes`, at least one),
         stage them as one segment, then queue its publication and go on with the next segment while
         this one's shards are still being written (manifests are published in write order)."""
-        with self._lock:
+        with self._cv:
             if not self._queue:
                 return  # an earlier drain took this call's request
+            # linger: a batch smaller than one shard waits a little for more requests to share its
+            # segment (fewer, larger files), unless a caller is waiting (flush, write, close)
+            deadline = time.monotonic() + self.linger_seconds
+            while not self._hurry and self._queued_bytes < self.shard_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
             abi, take, size = self._queue[0].abi, [], 0
             while self._queue and self._queue[0].abi == abi and \
                     (not take or size + self._queue[0].nbytes <= self.max_segment_bytes):
@@ -455,8 +472,22 @@ class DiskTier:
                 self.counters["write_failures"] += 1
 
     def write(self, abi: str, blocks: list[BlockPayload]) -> list[bytes]:
-        """Synchronous `write_async`."""
-        return self.write_async(abi, blocks).result()
+        """Synchronous `write_async` (written without lingering)."""
+        fut = self.write_async(abi, blocks)
+        with self._hurrying():
+            return fut.result()
+
+    @contextlib.contextmanager
+    def _hurrying(self):
+        """While inside: the writer does not linger (a caller is waiting for the queue)."""
+        with self._cv:
+            self._hurry += 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._hurry -= 1
 
     def _plan(self, abi: str, blocks: list[BlockPayload]) -> tuple[dict, list, _Layout]:
         """The manifest (crc32 fields still 0), the (object entry, bytes) parts and the layout of a
@@ -554,10 +585,12 @@ class DiskTier:
             r.fut.set_result([b.key for b in r.blocks])
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for every write issued so far (its manifest published or its failure recorded)."""
-        with self._lock:
-            pending = list(self._pending)
-        concurrent.futures.wait(pending, timeout=timeout)
+        """Wait for every write issued so far (its manifest published or its failure recorded);
+        queued writes are written at once (no lingering)."""
+        with self._hurrying():
+            with self._lock:
+                pending = list(self._pending)
+            concurrent.futures.wait(pending, timeout=timeout)
         self.save_hits()
 
     # -------------------------------------------------------------------------------- read

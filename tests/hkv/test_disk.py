@@ -256,8 +256,9 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
     assert len(offloads) >= 3 and tier.counters["segments_written"] == 0  # nothing waited for the disk
     gate.set()
     engine.flush_disk()
-    # group commit: the first offload alone, every offload queued behind it in one segment
-    assert tier.counters["segments_written"] == 2 and tier.counters["blocks_written"] == \
+    # group commit: the offloads that reached the writer within its linger share the first segment,
+    # every offload queued behind it shares the second
+    assert tier.counters["segments_written"] in (1, 2) and tier.counters["blocks_written"] == \
         engine.stats()["disk_blocks_offloaded"]
     again = diverge(CUT, tail=3, seed=12)
     (g,) = engine.generate([again], NEW)

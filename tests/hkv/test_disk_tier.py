@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -310,3 +311,19 @@ def test_one_segment_may_list_a_block_with_and_without_its_snapshot(tmp_path):
     res = tier.read(refs)
     assert res.reason is None and set(res.payloads[1].objects) == {"g0.rows", "t0.tail_kv"}
     assert tier.verify()["blocks_ok"] == 4
+
+
+def test_small_writes_linger_to_share_a_segment_but_flush_does_not_wait(tmp_path):
+    tier = DiskTier(str(tmp_path), linger_seconds=30)
+    futs = [tier.write_async(ABI, chain(f"l{i}", 1)) for i in range(4)]  # one block each: far below a shard
+    time.sleep(0.2)
+    assert not any(f.done() for f in futs)  # the writer lingers for more requests
+    t = time.monotonic()
+    tier.flush()  # a waiting caller ends the linger at once
+    assert time.monotonic() - t < 10 and all(f.done() for f in futs)
+    assert tier.counters["segments_written"] == 1 and tier.counters["blocks_written"] == 4
+    t = time.monotonic()
+    tier.write(ABI, chain("l-sync", 1))  # a synchronous write does not linger either
+    assert time.monotonic() - t < 10 and tier.counters["segments_written"] == 2
+    with pytest.raises(ValueError, match="linger_seconds"):
+        DiskTier(str(tmp_path), linger_seconds=-1)
