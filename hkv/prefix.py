@@ -211,6 +211,10 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     # a boundary crossed again (e.g. a branch point) may add the snapshot its record lacked
     upgrade = exists & ok_slot & has_snap & ~px.swa_held[r] & (px.tail_slot[r] < 0)
     snap_now = (do & has_snap) | upgrade
+    ok = (can & ok_slot) | exists
+    # every write below is gated by a subset of `ok` (do, upgrade, snap_now, exists), so a refused
+    # record leaves the cache unchanged without a select over whole arrays (the TAIL snapshot pool
+    # and page tables would otherwise be copied on every call)
 
     groups = list(cache.groups)
     pages, gens = list(px.pages), list(px.gens)
@@ -243,7 +247,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
                                overlap_gate=cp(s.overlap_gate, src.overlap_gate)))
     snap_used = px.snap_used.at[tt].set(jnp.where(snap_now, True, px.snap_used[tt])) if px.snap_used.shape[0] \
         else px.snap_used
-    clock = px.clock + 1
+    clock = px.clock + ok.astype(jnp.int32)
     new_px = px.replace(
         key=px.key.at[r].set(jnp.where(do, key, px.key[r])),
         parent=px.parent.at[r].set(jnp.where(do, parent, px.parent[r])),
@@ -265,9 +269,7 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     counters = _count(cache.counters, "records_created", do.astype(jnp.int32))
     counters = _count(counters, "snapshots_taken", snap_now.astype(jnp.int32))
     counters = _count(counters, "snapshots_skipped_full", (do & retain & ~has_snap).astype(jnp.int32))
-    new = new.replace(prefix=new_px, counters=counters)
-    ok = (can & ok_slot) | exists
-    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, cache)
+    out = new.replace(prefix=new_px, counters=counters)
     status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, jnp.where(
         cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)))
     return out, jnp.where(ok, r, -1), status.astype(jnp.int32)

@@ -316,3 +316,35 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     for x, y in zip(jax.tree.leaves(pb), jax.tree.leaves(ps)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert jax.device_get(batched.cache.counters) == jax.device_get(single.cache.counters)
+
+
+def test_a_refused_record_leaves_the_cache_unchanged(model):
+    """record gates every write by its outcome (no select over whole arrays): NO_PAGES (index full),
+    ORPHAN_BLOCK (parent gone) and a disabled call (record_many's padding) change no leaf."""
+    config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
+    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
+                                               prefix_records=4), block_tokens=BT, prefill_chunk=2 * BT)
+    rng = np.random.default_rng(6)
+    engine.generate([rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1)  # 4 records: index full
+    captured, real = {}, engine._record_many
+
+    def spy(layout, cache, slot, *args):
+        if not captured:  # the slot is active and prefilled to 2 blocks; nothing recorded yet
+            captured.update(cache=jax.tree.map(jnp.copy, cache), slot=slot)
+        return real(layout, cache, slot, *args)
+
+    engine._record_many = spy
+    engine.generate([rng.integers(0, CFG.vocab_size, 3 * BT).tolist()], 1)
+    cache, slot = captured["cache"], captured["slot"]
+    assert bool(np.all(np.asarray(cache.prefix.state) == px.RecordState.ALIVE))
+    key, toks = jnp.arange(4, dtype=jnp.uint32), jnp.zeros((BT,), jnp.int32)
+    cases = {"NO_PAGES": (jnp.int32(-1), jnp.int32(BT), None),
+             "ORPHAN_BLOCK": (jnp.int32(-1), jnp.int32(2 * BT), None),  # a second block without its parent
+             "disabled": (jnp.int32(-1), jnp.int32(BT), jnp.bool_(False))}
+    for want, (parent, length, enabled) in cases.items():
+        out, r, status = px.record(engine.layout, cache, slot, key, parent, toks, jnp.bool_(True), length, enabled)
+        assert int(r) == -1 and (want == "disabled" or hkv.Status(int(status)).name == want)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
