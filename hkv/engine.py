@@ -511,9 +511,8 @@ class Engine:
             r0 = seq.parent_record
             seq.prev_use = stamps.get(r0, -1) if r0 >= 0 else None
             seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
-        first = len(seq.keys) + 1
         todo = []  # (block number n, retain) of every boundary this step crossed
-        for n in range(first, seq.fed // bt + 1):
+        for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
             seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt:n * bt], self.cache_salt))
             at_end = n * bt == seq.fed
             todo.append((n, at_end and self.retention.retain(
