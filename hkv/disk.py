@@ -113,8 +113,6 @@ class _Segment:
     name: str
     manifest_key: str
     stored_bytes: int
-    data_bytes: int
-    chunk_bytes: int
     created: float
     keys: tuple[str, ...]
     parents: tuple[str, ...]
@@ -178,9 +176,10 @@ class _Layout:
 
     @classmethod
     def of(cls, doc: dict) -> _Layout:
-        """The layout a checked manifest recorded."""
+        """The layout a checked manifest recorded (version 1, no `shard_bytes`: one shard)."""
         chunk = doc["chunk_bytes"]
-        return cls(chunk, -(-max(doc["data_bytes"], 1) // chunk) * chunk, mf.shard_bytes(doc))
+        padded = -(-max(doc["data_bytes"], 1) // chunk) * chunk
+        return cls(chunk, padded, doc.get("shard_bytes") or padded)
 
 
 def _listed(doc: dict, ref: BlockRef) -> dict | None:
@@ -336,9 +335,8 @@ class DiskTier:
 
     def _add_segment(self, manifest_key: str, doc: dict) -> None:
         seg = _Segment(abi=doc["abi"], name=doc["segment"], manifest_key=manifest_key,
-                       stored_bytes=doc["stored_bytes"], data_bytes=doc["data_bytes"], chunk_bytes=doc["chunk_bytes"],
-                       created=float(doc.get("created", 0.0)), keys=tuple(b["key"] for b in doc["blocks"]),
-                       parents=tuple(b["parent"] for b in doc["blocks"]))
+                       stored_bytes=doc["stored_bytes"], created=float(doc.get("created", 0.0)),
+                       keys=tuple(b["key"] for b in doc["blocks"]), parents=tuple(b["parent"] for b in doc["blocks"]))
         with self._lock:
             if (seg.abi, seg.name) in self._segments:  # a refresh and the writer thread both saw it published
                 return

@@ -77,11 +77,6 @@ def parse(raw: bytes) -> dict:
     return check(doc)
 
 
-def shard_bytes(doc: dict) -> int:
-    """The shard size of a checked manifest's data array (version 1: one shard of the whole array)."""
-    return doc.get("shard_bytes", 0) or -(-max(doc["data_bytes"], 1) // doc["chunk_bytes"]) * doc["chunk_bytes"]
-
-
 def check(doc: dict) -> dict:
     """The schema check of `parse` on a manifest's fields (no JSON, no checksum): what a writer runs
     before writing a segment's bytes, so a manifest that would be refused is never published."""
@@ -119,4 +114,4 @@ def check(doc: dict) -> dict:
     return doc
 
 
-__all__ = ["ALIGN", "FORMAT", "ManifestError", "READS", "VERSION", "check", "parse", "seal", "shard_bytes"]
+__all__ = ["ALIGN", "FORMAT", "ManifestError", "READS", "VERSION", "check", "parse", "seal"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hkv import disk_manifest as mf
-from hkv.disk import BlockPayload, DiskBacklogError, DiskTier
+from hkv.disk import BlockPayload, DiskBacklogError, DiskTier, _Layout
 
 ABI = "ab" * 16
 BT = 4
@@ -137,7 +137,7 @@ def test_manifest_schema_errors_name_the_field():
     # version 1 (no shard_bytes: the array is one shard) is still read
     v1 = {k: v for k, v in doc.items() if k != "shard_bytes"} | {"format": mf.FORMAT, "version": 1}
     v1["checksum"] = mf.zlib.crc32(mf._canonical(v1))
-    assert mf.shard_bytes(mf.parse(json.dumps(v1).encode())) == 4096
+    assert _Layout.of(mf.parse(json.dumps(v1).encode())).shard == 4096
     with pytest.raises(mf.ManifestError, match="checksum"):
         mf.parse(mf.seal(doc).replace(b'"writer":"w"', b'"writer":"x"'))
     with pytest.raises(mf.ManifestError, match="not JSON"):
