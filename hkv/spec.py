@@ -92,7 +92,11 @@ class CacheSpec:
 
     dtype: storage dtype of SWA rows, compressed entries, indexer keys and tail projections.
     block_tokens: tokens per cache block (the state table's and prefix index's granularity).
-    model_id: weights identity (e.g. checkpoint revision) — part of the ABI fingerprint.
+    model_id: a label for the weights (e.g. checkpoint revision), for display only: NOT part of the
+      ABI fingerprint (two engines on the same weights with different labels share cached blocks).
+    weights_digest: the identity of the weights themselves (`hkv.weights.weights_digest`, 32 hex
+      chars; every element, dtype, shape and parameter path) — part of the ABI fingerprint. `Engine`
+      sets it from the model it runs; None: a spec not bound to any weights (layout-only uses, tests).
     """
 
     layers: tuple[LayerSpec, ...]
@@ -100,6 +104,7 @@ class CacheSpec:
     block_tokens: int = 16
     model_id: str = "unknown"
     kernel_layout_version: int = KERNEL_LAYOUT_VERSION
+    weights_digest: str | None = None
 
     def __post_init__(self):
         if not self.layers:
@@ -107,6 +112,10 @@ class CacheSpec:
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens={self.block_tokens} must be >= 1")
         jnp.dtype(self.dtype)  # raises for an unknown dtype
+        d = self.weights_digest
+        if d is not None and not (isinstance(d, str) and len(d) == 32 and all(c in "0123456789abcdef" for c in d)):
+            raise ValueError(f"weights_digest={d!r} must be None or 32 lowercase hex characters "
+                             f"(hkv.weights.weights_digest)")
 
     @property
     def storage_dtype(self):
@@ -152,19 +161,26 @@ class CacheSpec:
         return tuple(out)
 
     def to_json(self) -> dict:
+        """Every field as plain JSON (`model_id` included, for display; see `abi_json`)."""
+        return {**self.abi_json(), "model_id": self.model_id}
+
+    def abi_json(self) -> dict:
+        """The fields the ABI fingerprint hashes: weights digest, storage dtype, dims, ratios, windows,
+        block_tokens, kernel layout version — not the `model_id` label."""
         return {
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "dtype": self.dtype,
             "block_tokens": self.block_tokens,
-            "model_id": self.model_id,
             "kernel_layout_version": self.kernel_layout_version,
+            "weights_digest": self.weights_digest,
         }
 
     def fingerprint(self) -> str:
-        """ABI fingerprint: blake2b-128 over weights identity, dtypes, dims, ratios, windows,
-        block_tokens and kernel layout version. Two caches may share bytes only if these match."""
-        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+        """ABI fingerprint: blake2b-128 (32 hex chars) over `abi_json()` — the weights themselves (their
+        digest), dtypes, dims, ratios, windows, block_tokens and kernel layout version. Two caches may
+        share bytes only if these match; the `model_id` label does not enter."""
+        blob = json.dumps(self.abi_json(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(blob, digest_size=16, person=b"hkv-abi-v2").hexdigest()
 
 
 @functools.lru_cache(maxsize=64)

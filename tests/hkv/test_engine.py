@@ -3,6 +3,8 @@ decode compiles once, bad input raises named errors with the cache unchanged, pr
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,7 +154,8 @@ def test_cache_of_another_spec_is_rejected(model):
     foreign = hkv.init_cache(hkv.CacheLayout(other_window.cache_spec(), layout.config))
     with pytest.raises(ValueError, match=r"but the layout needs"):
         model.cached_step(layout, foreign, jnp.ones((1, 2), jnp.int32), jnp.array([0]), jnp.array([2]))
-    same_shapes = hkv.init_cache(hkv.CacheLayout(model.cache_spec(model_id="other-weights"), layout.config))
+    other_weights = dataclasses.replace(model.cache_spec(), weights_digest="0" * 32)  # same dims, other weights
+    same_shapes = hkv.init_cache(hkv.CacheLayout(other_weights, layout.config))
     with pytest.raises(ValueError, match=r"ABI fingerprint differs"):
         check_layout(layout, same_shapes)
     check_layout(layout, hkv.init_cache(layout))
