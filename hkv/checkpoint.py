@@ -2,25 +2,42 @@
 and restore it so a restarted server resumes with its device cache — running state, prefix records,
 TAIL snapshots, counters — intact and verified.
 
-On disk, `path` is a directory:
+On disk, `path` is a directory (format version 2):
     hkv_engine.json   the metadata (plain JSON, no pickle): format name + version, the `CacheConfig`
-                      fields, block_tokens, prefill_chunk, model_id, retention policy, cache salt (hex),
-                      the ABI fingerprint and the spec it hashes, and one entry per cache leaf in
-                      `jax.tree_util` flatten order — key path, shape, dtype, crc32 of its bytes —
-                      sealed by a crc32 of the whole document.
-    cache/            an orbax-checkpoint (StandardCheckpointHandler) of the cache's leaves as a flat
+                      fields, block_tokens, prefill_chunk, model_id (a label), retention policy, cache
+                      salt (hex), the ABI fingerprint and the spec it hashes (with the weights digest,
+                      `hkv.weights`), the name of the array directory (`cache_dir`), and one entry per
+                      cache leaf in `jax.tree_util` flatten order — key path, shape, dtype, crc32 of its
+                      bytes — sealed by a crc32 of the whole document. This file is the checkpoint's
+                      single commit point: it names the array directory it belongs to.
+    cache-<32 hex>/   an orbax-checkpoint (StandardCheckpointHandler) of the cache's leaves as a flat
                       dict {"leaf_00000": array, ...}; zero-size leaves (e.g. the overlap slice of a
                       non-overlapping compressor, [S, 0, D]) are not stored — orbax refuses them — and
                       are rebuilt from the fresh cache on restore.
+Version 1 (hkv before the weights digest) kept the arrays in `cache/`; its metadata is still read
+(`read_metadata`), but `restore_engine` refuses it: its fingerprint names a `model_id` label, not the
+weights, so it cannot prove the cache was computed by the restoring model.
 
-`restore_engine` trusts nothing it reads: the JSON is schema-checked, the rebuilt engine's ABI
-fingerprint must equal the saved one, every leaf's shape and dtype must equal the fresh cache's
-(orbax would silently cast a dtype), every leaf's crc32 must match (orbax does not notice a
-flipped byte in its compressed data files), and `hkv.check_invariants` must hold before the cache
-is installed. Any failure raises; a half-restored engine is never returned.
+Atomicity, whatever instant the process is killed (SIGKILL, power loss after fsync):
+  * a new `path`: everything is written into `.<name>.tmp-<32 hex>/` next to it, fsynced (files and
+    directories), then renamed to `path` in one `rename`;
+  * `overwrite=True` on an existing checkpoint: the new arrays go to a new `cache-<token>/` inside
+    `path` (fsynced), the new metadata to `.hkv_engine.json.tmp-<token>` (fsynced), which then
+    replaces `hkv_engine.json` in one `os.replace` (then the directory is fsynced). Before that
+    instant `path` is the old checkpoint, after it the new one; the old arrays are deleted only
+    afterwards. A killed save leaves only unreferenced entries, which the next save of the same `path`
+    deletes: names of our patterns (`cache`, `cache-<hex>…`, `.hkv_engine.json.tmp-<hex>` inside
+    `path`; `.<name>.tmp-<hex>` / `.<name>.old-<hex>` beside it), not the live array directory, and
+    last modified before that save began. Saving one `path` from two processes at once is not supported.
 
-Saving writes into a temporary directory next to `path` and renames it into place, so a crash
-never leaves a partial checkpoint at `path`.
+`restore_engine` trusts nothing it reads: the JSON is bounded (`MAX_METADATA_BYTES`, nesting depth
+`MAX_JSON_DEPTH`) and every field is type- and range-checked (`EngineCheckpointError` naming the
+value, never a RecursionError / OverflowError / MemoryError / UnicodeError); the rebuilt engine's ABI
+fingerprint — weights digest included — must equal the saved one (checked, with every leaf's shape,
+before the engine allocates its cache); every leaf's shape and dtype must equal the fresh cache's
+(orbax would silently cast a dtype), every leaf's crc32 must match (orbax does not notice a flipped
+byte in its compressed data files), and `hkv.check_invariants` must hold before the cache is
+installed. Any failure raises; a half-restored engine is never returned.
 """
 
 from __future__ import annotations
@@ -28,7 +45,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -40,20 +59,30 @@ import numpy as np
 
 from .invariants import check_invariants
 from .policy import RetentionPolicy
-from .state import CacheConfig, check_layout
+from .state import CacheConfig, CacheLayout, check_layout, init_cache
 
 FORMAT_NAME = "hkv-engine-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 METADATA_FILE = "hkv_engine.json"
-CACHE_DIR = "cache"
+CACHE_DIR = "cache"  # version 1's array directory; version 2 names its own (`cache_dir`)
+MAX_METADATA_BYTES = 16 << 20  # a real engine's metadata is tens of KiB
+MAX_JSON_DEPTH = 16  # the schema nests 4 deep (doc.spec.layers[i].compressor)
+MAX_LEAVES = 1 << 16
 
-__all__ = ["EngineCheckpointError", "save_engine", "restore_engine", "read_metadata",
-           "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE"]
+_TOKEN = r"[0-9a-f]{32}"
+_CACHE_DIR_RE = re.compile(rf"cache-{_TOKEN}")
+_LIVE_DIR_PATTERNS = (re.compile(rf"cache(-{_TOKEN}.*)?"), re.compile(rf"\.{re.escape(METADATA_FILE)}\.tmp-{_TOKEN}"))
+
+__all__ = ["EngineCheckpointError", "save_engine", "restore_engine", "read_metadata", "cache_dir",
+           "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "METADATA_FILE", "MAX_METADATA_BYTES",
+           "MAX_JSON_DEPTH"]
 
 
 class EngineCheckpointError(ValueError):
-    """An engine checkpoint cannot be written or used: missing/corrupt/unknown-version metadata, an ABI
-    fingerprint that differs from the restoring engine's, leaves whose shape, dtype or checksum differ,
+    """An engine checkpoint cannot be written or used: missing/corrupt/oversized/unknown-version
+    metadata, a field of the wrong type or out of range, an ABI fingerprint that differs from the
+    restoring engine's (other weights, dtype, dims), leaves whose shape, dtype or checksum differ,
     or an engine that is mid-generation. The message names the offending value."""
 
 
@@ -94,9 +123,32 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (orbax does not), deepest first, root last."""
+    for d, _, files in os.walk(root, topdown=False):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(d))
+
+
 def _is_replaceable(p: Path) -> bool:
     """`overwrite=True` only ever deletes an empty directory or a previous engine checkpoint."""
     return p.is_dir() and (not any(p.iterdir()) or (p / METADATA_FILE).is_file())
+
+
+def cache_dir(path: str | os.PathLike) -> Path:
+    """The array directory of the checkpoint at `path` (version 2: the one its metadata names;
+    version 1: `cache/`). Raises `EngineCheckpointError` as `read_metadata` does."""
+    path = Path(os.fspath(path))
+    doc = read_metadata(path)
+    return path / (doc["cache_dir"] if doc["version"] >= 2 else CACHE_DIR)
 
 
 # --------------------------------------------------------------------------------------- save
@@ -105,21 +157,32 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
 
     Stores `engine.cache` (every leaf, bit-exact) with orbax and the settings that rebuild the engine
     (`engine.layout.config`, `engine.spec.block_tokens`, `engine.prefill_chunk`,
-    `engine.spec.model_id`, `engine.retention`, `engine.cache_salt`) plus the ABI fingerprint and one
-    crc32 per leaf in JSON. The model weights are not saved: `restore_engine` takes the model.
+    `engine.spec.model_id`, `engine.retention`, `engine.cache_salt`) plus the ABI fingerprint (which
+    covers the weights' digest) and one crc32 per leaf in JSON. The model weights are not saved:
+    `restore_engine` takes the model and checks it is the same.
 
-    Raises `EngineCheckpointError` if sequences are running (`engine.generate` in progress: their
-    host-side state is not part of the checkpoint) or if `path` exists and `overwrite` is False;
-    with `overwrite=True` an existing checkpoint (or empty directory) at `path` is replaced, never
-    any other directory. The write is atomic: a temporary directory next to `path`, renamed into place.
+    Args:
+      engine: an `hkv.Engine` between `generate` calls.
+      path: the checkpoint directory.
+      overwrite: replace an existing checkpoint (or empty directory) at `path`, never anything else.
+    Raises:
+      EngineCheckpointError: sequences are running (`engine.generate` in progress: their host-side
+        state is not part of the checkpoint), or `path` exists and `overwrite` is False, or `path`
+        is something other than a checkpoint or an empty directory.
+
+    The write is atomic whatever instant the process dies (module docstring): `path` always holds
+    either the previous checkpoint or the new one, complete; stale entries of killed saves are
+    deleted by the next save of `path`.
     """
     path = Path(os.fspath(path)).absolute()
+    started = time.time()
     running = getattr(engine, "_running", {})
     if running:
         raise EngineCheckpointError(
             f"cannot save while {len(running)} sequence(s) are running (slots {sorted(running)}); "
             f"save between generate() calls")
-    if path.exists() or path.is_symlink():
+    replacing = path.exists() or path.is_symlink()
+    if replacing:
         if not overwrite:
             raise EngineCheckpointError(f"{str(path)!r} already exists; pass overwrite=True to replace it")
         if not _is_replaceable(path):
@@ -136,6 +199,7 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
                           "crc32": _crc32(a), "stored": keep})
         if keep:
             stored[_leaf_key(i)] = a
+    token = uuid.uuid4().hex
     ret = engine.retention
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
@@ -153,33 +217,92 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
         },
         "abi_fingerprint": engine.spec.fingerprint(),
         "spec": engine.spec.to_json(),
+        "cache_dir": f"cache-{token}",
         "leaves": leaf_meta,
         "versions": {"jax": jax.__version__, "orbax_checkpoint": _orbax_version()},
     }
     doc["metadata_crc32"] = _seal(doc)
+    ocp, ck = _checkpointer()
+
+    def write_arrays(into: Path) -> None:
+        ck.save(into, args=ocp.args.StandardSave(stored))
+        _fsync_tree(into)
+
+    def write_metadata(f: Path) -> None:
+        with open(f, "w") as fh:
+            json.dump(doc, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    if not replacing:  # build the whole checkpoint beside `path`, then one rename
+        tmp = path.parent / f".{path.name}.tmp-{token}"
+        try:
+            tmp.mkdir()
+            write_arrays(tmp / doc["cache_dir"])
+            write_metadata(tmp / METADATA_FILE)
+            _fsync_dir(tmp)
+            try:
+                os.rename(tmp, path)
+            except OSError as err:  # another process created `path` meanwhile
+                raise EngineCheckpointError(f"{str(path)!r} appeared while saving ({err}); nothing was "
+                                            f"replaced") from err
+            _fsync_dir(path.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    else:  # new arrays beside the old ones; the metadata file is the one atomic switch
+        new_tmp = path / f".{METADATA_FILE}.tmp-{token}"
+        try:
+            write_arrays(path / doc["cache_dir"])
+            write_metadata(new_tmp)
+            _fsync_dir(path)
+            os.replace(new_tmp, path / METADATA_FILE)
+            _fsync_dir(path)
+        except BaseException:
+            # not switched: this save's entries are garbage (the live checkpoint is untouched)
+            if not (path / METADATA_FILE).is_file() or _live_cache_dir(path) != doc["cache_dir"]:
+                shutil.rmtree(path / doc["cache_dir"], ignore_errors=True)
+                if new_tmp.exists():
+                    new_tmp.unlink()
+            raise
+    _clean_stale(path, keep=doc["cache_dir"], before=started)
+
+
+def _live_cache_dir(path: Path) -> str | None:
+    """The `cache_dir` named by the metadata at `path` now (None if it cannot be read)."""
     try:
-        tmp.mkdir()
-        ocp, ck = _checkpointer()
-        ck.save(tmp / CACHE_DIR, args=ocp.args.StandardSave(stored))
-        with open(tmp / METADATA_FILE, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if path.exists() or path.is_symlink():  # overwrite=True, checked above: swap, then delete the old
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        doc = read_metadata(path)
+    except EngineCheckpointError:
+        return None
+    return doc["cache_dir"] if doc["version"] >= 2 else CACHE_DIR
+
+
+def _clean_stale(path: Path, *, keep: str, before: float) -> None:
+    """Delete what killed or finished saves of `path` left behind: entries named by our patterns,
+    other than the live array directory `keep`, last modified before `before` (this save's start)."""
+    stale = []
+    if path.is_dir():
+        for e in path.iterdir():
+            if e.name != keep and any(p.fullmatch(e.name) for p in _LIVE_DIR_PATTERNS):
+                stale.append(e)
+    beside = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-([0-9a-f]{{12}}|{_TOKEN})")
+    for e in path.parent.iterdir():
+        if beside.fullmatch(e.name):
+            stale.append(e)
+    for e in sorted(stale):
+        try:
+            if e.lstat().st_mtime > before:
+                continue  # not provably stale: another save may be writing it
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+        except OSError:
+            continue  # gone already, or not ours to delete: the next save tries again
+    if stale:
+        _fsync_dir(path)
         _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _orbax_version() -> str:
@@ -192,75 +315,198 @@ def _orbax_version() -> str:
 
 
 # ------------------------------------------------------------------------------------ restore
-def _need(d: Any, key: str, types, where: str):
-    if not isinstance(d, dict) or key not in d:
-        raise EngineCheckpointError(f"checkpoint metadata: missing field {where}{key!r}")
-    v = d[key]
-    wanted = types if isinstance(types, tuple) else (types,)
-    if not isinstance(v, wanted) or (isinstance(v, bool) and bool not in wanted):  # JSON true is not an int
-        raise EngineCheckpointError(f"checkpoint metadata: field {where}{key}={v!r} has the wrong type "
-                                    f"(want {types})")
+_I32 = 2 ** 31 - 1
+_SHORT = 1024  # longest label / key path / version string accepted
+_STR_SHOWN = 120  # characters of a bad value quoted in an error message
+
+
+def _show(v: Any) -> str:
+    """A bounded repr of a (possibly hostile) value for an error message."""
+    try:
+        r = repr(v)
+    except (RecursionError, ValueError, MemoryError):  # pragma: no cover (depth is bounded before)
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= _STR_SHOWN else r[:_STR_SHOWN] + f"... ({len(r)} chars)"
+
+
+def _bad(where: str, v: Any, want: str) -> EngineCheckpointError:
+    return EngineCheckpointError(f"checkpoint metadata: {where}={_show(v)} is invalid: want {want}")
+
+
+def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """`d` must be a JSON object with exactly the `required` keys (plus any of `optional`)."""
+    if not isinstance(d, dict):
+        raise _bad(where or "metadata", d, "a JSON object")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise EngineCheckpointError(f"checkpoint metadata: missing field {where + '.' if where else ''}{missing[0]!r}")
+    extra = sorted(k for k in d if k not in required and k not in optional)
+    if extra:
+        raise EngineCheckpointError(f"checkpoint metadata: unknown field {where + '.' if where else ''}{_show(extra[0])} "
+                                    f"(this hkv knows {sorted(required + optional)})")
+    return d
+
+
+def _int(v: Any, where: str, lo: int, hi: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:  # JSON true is not an int
+        raise _bad(where, v, f"an integer in [{lo}, {hi}]")
     return v
+
+
+def _str(v: Any, where: str, max_len: int = _SHORT, pattern: re.Pattern | None = None, want: str = "") -> str:
+    if not isinstance(v, str) or len(v) > max_len or (pattern is not None and not pattern.fullmatch(v)):
+        raise _bad(where, v, want or f"a string of at most {max_len} characters")
+    return v
+
+
+def _depth(doc: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value (a scalar: 0), walked with an explicit stack; stops counting
+    at `limit` + 1 (so a hostile document costs at most its size)."""
+    deepest, stack = 0, [(doc, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            d += 1
+            deepest = max(deepest, d)
+            if d > limit:
+                return d
+            stack.extend((x, d) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                     "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"})
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """The schema-checked metadata dict of the engine checkpoint at `path` (see the module docstring).
 
-    Raises `EngineCheckpointError` when the file is missing, not JSON, of another format or an unknown
-    version, fails its crc32 seal, or lacks / mistypes a field.
+    Args:
+      path: the checkpoint directory.
+    Returns:
+      the metadata as a dict (version 1 or 2; version 2 has "cache_dir").
+    Raises:
+      EngineCheckpointError (and nothing else) when the file is missing or unreadable, larger than
+      `MAX_METADATA_BYTES`, not UTF-8 JSON, nested deeper than `MAX_JSON_DEPTH`, of another format or
+      a version not in `READABLE_VERSIONS`, fails its crc32 seal, or any field is missing, unknown,
+      of the wrong type or out of range (the message names the field and the bad value).
     """
     f = Path(os.fspath(path)) / METADATA_FILE
-    if not f.is_file():
-        raise EngineCheckpointError(f"{str(path)!r} is not an hkv engine checkpoint: {METADATA_FILE} missing")
     try:
-        doc = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EngineCheckpointError(f"{str(f)!r}: corrupt metadata ({e})") from e
-    if not isinstance(doc, dict):
-        raise EngineCheckpointError(f"{str(f)!r}: metadata is a {type(doc).__name__}, not a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise EngineCheckpointError(f"{str(f)!r}: format={doc.get('format')!r}, expected {FORMAT_NAME!r}")
-    if doc.get("version") != FORMAT_VERSION:
-        raise EngineCheckpointError(f"{str(f)!r}: unknown version={doc.get('version')!r} "
-                                    f"(this hkv reads version {FORMAT_VERSION})")
-    seal = doc.get("metadata_crc32")
-    if seal != _seal(doc):
-        raise EngineCheckpointError(f"{str(f)!r}: metadata_crc32={seal!r} does not match its contents "
-                                    f"({_seal(doc)}): the file was edited or corrupted")
-    cfg = _need(doc, "config", dict, "")
-    for k in ("slots", "max_context", "page_size", "prefix_records"):
-        _need(cfg, k, int, "config.")
-    _need(cfg, "pool_pages", (list, type(None)), "config.")
-    _need(cfg, "tail_snapshots", (int, type(None)), "config.")
-    if cfg["pool_pages"] is not None and not all(isinstance(p, int) and not isinstance(p, bool)
-                                                 for p in cfg["pool_pages"]):
-        raise EngineCheckpointError(f"checkpoint metadata: config.pool_pages={cfg['pool_pages']!r} must be ints")
-    eng = _need(doc, "engine", dict, "")
-    for k in ("block_tokens", "prefill_chunk"):
-        _need(eng, k, int, "engine.")
-    _need(eng, "model_id", str, "engine.")
-    _need(eng, "retention", dict, "engine.")
-    salt = _need(eng, "cache_salt", str, "engine.")
-    try:
-        bytes.fromhex(salt)
-    except ValueError as e:
-        raise EngineCheckpointError(f"checkpoint metadata: engine.cache_salt={salt!r} is not hex") from e
-    _need(doc, "abi_fingerprint", str, "")
-    _need(doc, "spec", dict, "")
-    leaves = _need(doc, "leaves", list, "")
-    for i, m in enumerate(leaves):
-        _need(m, "path", str, f"leaves[{i}].")
-        _need(m, "shape", list, f"leaves[{i}].")
-        _need(m, "dtype", str, f"leaves[{i}].")
-        _need(m, "crc32", int, f"leaves[{i}].")
-        _need(m, "stored", bool, f"leaves[{i}].")
+        if not f.is_file():
+            raise EngineCheckpointError(f"{str(path)!r} is not an hkv engine checkpoint: {METADATA_FILE} missing")
+        size = f.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise EngineCheckpointError(f"{str(f)!r}: metadata is {size} bytes, more than MAX_METADATA_BYTES="
+                                        f"{MAX_METADATA_BYTES}")
+        with open(f, "rb") as fh:
+            raw = fh.read(MAX_METADATA_BYTES + 1)
+        if len(raw) > MAX_METADATA_BYTES:
+            raise EngineCheckpointError(f"{str(f)!r}: metadata grew past MAX_METADATA_BYTES={MAX_METADATA_BYTES}")
+        # json's C parser bounds its own recursion (RecursionError, caught below); whatever it returns is
+        # then bounded to MAX_JSON_DEPTH before anything recursive (the seal, repr, ==) touches it.
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        depth = _depth(doc, MAX_JSON_DEPTH)
+        if depth > MAX_JSON_DEPTH:
+            raise EngineCheckpointError(f"{str(f)!r}: metadata nests more than MAX_JSON_DEPTH={MAX_JSON_DEPTH} "
+                                        f"levels deep")
+        if not isinstance(doc, dict):
+            raise EngineCheckpointError(f"{str(f)!r}: metadata is a {type(doc).__name__}, not a JSON object")
+        if doc.get("format") != FORMAT_NAME:
+            raise EngineCheckpointError(f"{str(f)!r}: format={_show(doc.get('format'))}, expected {FORMAT_NAME!r}")
+        version = doc.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise EngineCheckpointError(f"{str(f)!r}: unknown version={_show(version)} (this hkv reads versions "
+                                        f"{list(READABLE_VERSIONS)})")
+        seal = doc.get("metadata_crc32")
+        if seal != _seal(doc):
+            raise EngineCheckpointError(f"{str(f)!r}: metadata_crc32={_show(seal)} does not match its contents "
+                                        f"({_seal(doc)}): the file was edited or corrupted")
+        _check_schema(doc, version)
+    except EngineCheckpointError:
+        raise
+    except (OSError, UnicodeError, ValueError, RecursionError, OverflowError, MemoryError, TypeError) as e:
+        # JSONDecodeError, int-digit limits, non-UTF-8 bytes, lone surrogates, deep structures ...
+        raise EngineCheckpointError(f"{str(f)!r}: corrupt metadata ({type(e).__name__}: {str(e)[:300]})") from e
     return doc
 
 
+def _check_schema(doc: dict, version: int) -> None:
+    """Every field of a version-`version` metadata document: type, range, exact key sets."""
+    top = ("format", "version", "config", "engine", "abi_fingerprint", "spec", "leaves", "versions", "metadata_crc32")
+    _obj(doc, "", top + (("cache_dir",) if version >= 2 else ()))
+    _int(doc["metadata_crc32"], "metadata_crc32", 0, 2 ** 32 - 1)
+    if version >= 2:
+        _str(doc["cache_dir"], "cache_dir", 64, _CACHE_DIR_RE, "'cache-' and 32 lowercase hex digits")
+    cfg = _obj(doc["config"], "config", ("slots", "max_context", "page_size", "pool_pages", "prefix_records",
+                                         "tail_snapshots"))
+    _int(cfg["slots"], "config.slots", 1, 1 << 16)
+    _int(cfg["max_context"], "config.max_context", 1, _I32)
+    _int(cfg["page_size"], "config.page_size", 1, 1 << 20)
+    _int(cfg["prefix_records"], "config.prefix_records", 0, 1 << 24)
+    if cfg["tail_snapshots"] is not None:
+        _int(cfg["tail_snapshots"], "config.tail_snapshots", 0, 1 << 24)
+    pp = cfg["pool_pages"]
+    if pp is not None:
+        if not isinstance(pp, list) or not 1 <= len(pp) <= 256:
+            raise _bad("config.pool_pages", pp, "null or a list of 1 to 256 integers")
+        for i, p in enumerate(pp):
+            _int(p, f"config.pool_pages[{i}]", 1, _I32)
+    eng = _obj(doc["engine"], "engine", ("block_tokens", "prefill_chunk", "model_id", "retention", "cache_salt"))
+    _int(eng["block_tokens"], "engine.block_tokens", 1, 1 << 20)
+    _int(eng["prefill_chunk"], "engine.prefill_chunk", 1, 1 << 24)
+    _str(eng["model_id"], "engine.model_id")
+    ret = _obj(eng["retention"], "engine.retention", tuple(f.name for f in dataclasses.fields(RetentionPolicy)))
+    _int(ret["every_n_blocks"], "engine.retention.every_n_blocks", 1, _I32)
+    if not isinstance(ret["branch_points_only"], bool):
+        raise _bad("engine.retention.branch_points_only", ret["branch_points_only"], "true or false")
+    _str(eng["cache_salt"], "engine.cache_salt", 8192, _HEX, "an even number of lowercase hex digits (<= 4096 bytes)")
+    _str(doc["abi_fingerprint"], "abi_fingerprint", 32, _HEX32, "32 lowercase hex digits")
+    spec = doc["spec"]
+    if not isinstance(spec, dict):
+        raise _bad("spec", spec, "a JSON object (the CacheSpec the fingerprint hashes)")
+    if version >= 2:
+        wd = spec.get("weights_digest")
+        if not (isinstance(wd, str) and _HEX32.fullmatch(wd)):
+            raise _bad("spec.weights_digest", wd, "32 lowercase hex digits (hkv.weights.weights_digest)")
+    leaves = doc["leaves"]
+    if not isinstance(leaves, list) or len(leaves) > MAX_LEAVES:
+        raise _bad("leaves", leaves, f"a list of at most {MAX_LEAVES} leaf entries")
+    for i, m in enumerate(leaves):
+        w = f"leaves[{i}]"
+        _obj(m, w, ("path", "shape", "dtype", "crc32", "stored"))
+        _str(m["path"], f"{w}.path")
+        shape = m["shape"]
+        if not isinstance(shape, list) or len(shape) > 16:
+            raise _bad(f"{w}.shape", shape, "a list of at most 16 dimensions")
+        n = 1
+        for j, d in enumerate(shape):
+            n *= _int(d, f"{w}.shape[{j}]", 0, 1 << 40)
+        if n > 1 << 48:
+            raise _bad(f"{w}.shape", shape, f"at most {1 << 48} elements")
+        _str(m["dtype"], f"{w}.dtype", 32)
+        if m["dtype"] not in _DTYPES:
+            raise _bad(f"{w}.dtype", m["dtype"], f"one of {sorted(_DTYPES)}")
+        _int(m["crc32"], f"{w}.crc32", 0, 2 ** 32 - 1)
+        if not isinstance(m["stored"], bool):
+            raise _bad(f"{w}.stored", m["stored"], "true or false")
+    versions = doc["versions"]
+    if not isinstance(versions, dict) or len(versions) > 64:
+        raise _bad("versions", versions, "a JSON object of at most 64 name: version strings")
+    for k, v in versions.items():
+        _str(v, f"versions.{_show(k)}", 256)
+
+
 def _abi_diff(saved: dict, now: dict) -> str:
-    """Which spec fields differ (for the ABI mismatch message)."""
-    diff = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if k != "layers" and saved.get(k) != now.get(k)]
+    """Which spec fields differ (for the ABI mismatch message; the label `model_id` is not compared)."""
+    keys = sorted(k for k in set(saved) | set(now) if isinstance(k, str) and k not in ("layers", "model_id"))
+    diff = [f"{k}: {_show(saved.get(k))} -> {_show(now.get(k))}" for k in keys if saved.get(k) != now.get(k)]
     if saved.get("layers") != now.get("layers"):
         diff.append("layers (dims / windows / compressor ratios)")
     return "; ".join(diff) or "no spec field (fingerprint algorithm changed?)"
@@ -269,27 +515,46 @@ def _abi_diff(saved: dict, now: dict) -> str:
 def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
     """Rebuild the `hkv.Engine` saved at `path` around `model` and install its verified cache.
 
-    model: the same weights the engine was saved with (they are not in the checkpoint; `model_id`
-    and the model's dims/dtype enter the ABI fingerprint, which must match the saved one).
-    engine_kwargs: passed to `hkv.Engine`; they override the saved block_tokens, prefill_chunk,
-    model_id, retention, cache_salt and add runtime options (progress, kernel_options).
+    Args:
+      path: a checkpoint directory written by `save_engine` (format version 2).
+      model: the same weights the engine was saved with (they are not in the checkpoint; their digest
+        — every element, dtype, shape — and the model's dims enter the ABI fingerprint, which must
+        match the saved one; the `model_id` label does not).
+      engine_kwargs: passed to `hkv.Engine`; they override the saved block_tokens, prefill_chunk,
+        model_id, retention, cache_salt and add runtime options (progress, kernel_options, disk).
+    Returns:
+      the engine, with `engine.cache` = the restored cache.
+    Raises:
+      EngineCheckpointError: bad metadata (`read_metadata`), a version-1 checkpoint (its fingerprint
+        does not cover the weights), settings that do not build an engine, an ABI fingerprint
+        mismatch (naming both fingerprints and the differing spec fields, e.g. weights_digest),
+        leaves whose key path, shape, dtype or crc32 differ, unreadable arrays.
+      hkv.InvariantError: the arrays are intact but break an invariant.
 
-    Steps, each raising before anything is installed: schema-check the metadata
-    (`EngineCheckpointError`); build the engine from the saved `CacheConfig`; compare ABI
-    fingerprints (`EngineCheckpointError` naming both and the differing spec fields); check every
-    leaf's key path, shape and dtype against the fresh `engine.cache`; read the leaves with orbax onto
-    the host; verify each leaf's crc32 (`EngineCheckpointError` naming the leaf); run
-    `hkv.state.check_layout` and `hkv.check_invariants` (`hkv.InvariantError`) on that host copy; only
-    then free the fresh cache and upload the verified leaves to the default device, uncommitted, as
-    `init_cache` places them (device memory never holds two caches). Returns the engine with
-    `engine.cache` = the restored cache.
+    Steps, each raising before anything is installed: schema-check the metadata; build the saved
+    `CacheConfig`; compute the spec this engine will have and compare ABI fingerprints and every
+    leaf's key path, shape and dtype (from `jax.eval_shape`, no allocation) — so a foreign or hostile
+    checkpoint is refused before the engine allocates a cache; build the engine and re-check its
+    fingerprint; read the leaves with orbax onto the host; verify each leaf's crc32; run
+    `hkv.state.check_layout` and `hkv.check_invariants` on that host copy; only then free the fresh
+    cache and upload the verified leaves to the default device, uncommitted, as `init_cache` places
+    them (device memory never holds two caches).
     """
+    from flax import nnx
+
     from .engine import Engine
+    from .weights import weights_digest
 
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
         raise EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory)")
     doc = read_metadata(path)
+    if doc["version"] < 2:
+        raise EngineCheckpointError(
+            f"{str(path)!r} is a version-{doc['version']} checkpoint: its ABI fingerprint covers the label "
+            f"model_id={_show(doc['engine']['model_id'])}, not the weights, so this hkv cannot check that "
+            f"it was computed by this model's weights; refusing it (re-create it: run the engine and "
+            f"save again; this hkv writes version {FORMAT_VERSION})")
     c, e = doc["config"], doc["engine"]
     try:
         config = CacheConfig(slots=c["slots"], max_context=c["max_context"], page_size=c["page_size"],
@@ -301,37 +566,67 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
     kwargs = dict(block_tokens=e["block_tokens"], prefill_chunk=e["prefill_chunk"], model_id=e["model_id"],
                   retention=retention, cache_salt=bytes.fromhex(e["cache_salt"]))
     kwargs.update(engine_kwargs)
-    engine = Engine(model, config, **kwargs)
+    metas = doc["leaves"]
 
-    saved_fp, new_fp = doc["abi_fingerprint"], engine.spec.fingerprint()
-    if saved_fp != new_fp:
-        raise EngineCheckpointError(
-            f"ABI fingerprint mismatch: checkpoint {str(path)!r} was saved with {saved_fp}, this model/engine "
-            f"gives {new_fp} (differs in {_abi_diff(doc['spec'], engine.spec.to_json())}); restore with the "
-            f"same weights, dtype and model_id")
+    def refuse_fingerprint(spec) -> None:
+        saved_fp, new_fp = doc["abi_fingerprint"], spec.fingerprint()
+        if saved_fp != new_fp:
+            raise EngineCheckpointError(
+                f"ABI fingerprint mismatch: checkpoint {str(path)!r} was saved with {saved_fp}, this model/engine "
+                f"gives {new_fp} (differs in {_abi_diff(doc['spec'], spec.to_json())}); restore with the same "
+                f"weights (bit for bit), dtype and dims")
+
+    def refuse_leaves(fresh_with_path) -> None:
+        if len(metas) != len(fresh_with_path):
+            raise EngineCheckpointError(f"checkpoint has {len(metas)} cache leaves; this engine's cache has "
+                                        f"{len(fresh_with_path)}")
+        for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
+            name, dtype = jax.tree_util.keystr(kp), jnp.dtype(fresh.dtype).name
+            if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or m["dtype"] != dtype:
+                raise EngineCheckpointError(
+                    f"leaf {i}: checkpoint has cache{_show(m['path'])[1:-1]} {m['dtype']}{m['shape']}, this engine "
+                    f"needs cache{name} {dtype}{list(fresh.shape)}")
+            size = int(np.prod(fresh.shape, dtype=np.int64))
+            if m["stored"] != (size > 0):
+                raise EngineCheckpointError(f"leaf {i} cache{name}: stored={m['stored']!r} but its size is {size}")
+
+    # Before anything is allocated: the spec the engine will have, its fingerprint, its cache's shapes.
+    try:
+        bt, mid = kwargs["block_tokens"], kwargs["model_id"]
+        spec = dataclasses.replace(model.cache_spec(block_tokens=bt, model_id=mid),
+                                   weights_digest=weights_digest(nnx.split(model)[1]))
+        refuse_fingerprint(spec)
+        layout = CacheLayout(spec, config)
+        shapes = jax.eval_shape(lambda: init_cache(layout))
+    except EngineCheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError, MemoryError) as err:
+        raise EngineCheckpointError(f"{str(path)!r}: the saved settings (with overrides "
+                                    f"{sorted(engine_kwargs)}) do not describe a cache for this model: "
+                                    f"{type(err).__name__}: {str(err)[:300]}") from err
+    refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
+
+    try:
+        engine = Engine(model, config, **kwargs)
+    except EngineCheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError, MemoryError) as err:
+        raise EngineCheckpointError(f"{str(path)!r}: cannot build an engine from the saved settings (with "
+                                    f"overrides {sorted(engine_kwargs)}): {type(err).__name__}: "
+                                    f"{str(err)[:300]}") from err
+    refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
 
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
-    metas = doc["leaves"]
-    if len(metas) != len(fresh_with_path):
-        raise EngineCheckpointError(f"checkpoint has {len(metas)} cache leaves; this engine's cache has "
-                                    f"{len(fresh_with_path)}")
-    target = {}
-    for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
-        name = jax.tree_util.keystr(kp)
-        if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or m["dtype"] != fresh.dtype.name:
-            raise EngineCheckpointError(
-                f"leaf {i}: checkpoint has cache{m['path']} {m['dtype']}{m['shape']}, this engine needs "
-                f"cache{name} {fresh.dtype.name}{list(fresh.shape)}")
-        if m["stored"] != (fresh.size > 0):
-            raise EngineCheckpointError(f"leaf {i} cache{name}: stored={m['stored']!r} but its size is {fresh.size}")
-        if m["stored"]:
-            target[_leaf_key(i)] = np.zeros(fresh.shape, fresh.dtype)
+    refuse_leaves(fresh_with_path)
+    target = {_leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
+              for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas)) if m["stored"]}
 
+    arrays = path / doc["cache_dir"]
     ocp, ck = _checkpointer()
     try:
-        restored = ck.restore(path / CACHE_DIR, args=ocp.args.StandardRestore(target)) if target else {}
+        restored = ck.restore(arrays, args=ocp.args.StandardRestore(target)) if target else {}
     except Exception as err:  # orbax/tensorstore raise many types for missing or undecodable data
-        raise EngineCheckpointError(f"{str(path / CACHE_DIR)!r}: orbax could not read the cache arrays: "
+        raise EngineCheckpointError(f"{str(arrays)!r}: orbax could not read the cache arrays: "
                                     f"{type(err).__name__}: {str(err)[:500]}") from err
 
     host = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -142,13 +143,17 @@ def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
 def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path):
     path = saved[2]
     saved_fp = saved[0].spec.fingerprint()
-    with pytest.raises(hc.EngineCheckpointError, match="model_id") as e:
-        hc.restore_engine(path, model, model_id="other")
-    other = model.cache_spec(block_tokens=BT, model_id="other").fingerprint()
-    assert saved_fp in str(e.value) and other in str(e.value)
+    other_weights = init(CFG, seed=1)  # same config, other weights
+    with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*weights_digest") as e:
+        hc.restore_engine(path, other_weights)
+    other = make_engine(other_weights).spec.fingerprint()
+    assert other != saved_fp and saved_fp in str(e.value) and other in str(e.value)
     wider = init(tiny_config(sliding_window=16), seed=0)
     with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*layers"):
         hc.restore_engine(path, wider)
+    # model_id is a label: another label on the same weights restores, and the label is the new one
+    relabelled = hc.restore_engine(path, model, model_id="other")
+    assert relabelled.spec.model_id == "other" and relabelled.spec.fingerprint() == saved_fp
 
 
 def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):
@@ -181,7 +186,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     # 1. a flipped byte in orbax's (compressed) data: orbax reads it back without complaint or fails
     #    to decode it; either way the restore refuses
     path = copy_ckpt(saved, tmp_path)
-    data = max((p for p in (path / hc.CACHE_DIR).rglob("*") if p.is_file() and p.parent.name == "d"),
+    data = max((p for p in hc.cache_dir(path).rglob("*") if p.is_file() and p.parent.name == "d"),
                key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
@@ -205,7 +210,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     # 4. the array directory is gone
     shutil.rmtree(path2)
     shutil.copytree(saved[2], path2)
-    shutil.rmtree(path2 / hc.CACHE_DIR)
+    shutil.rmtree(hc.cache_dir(path2))
     with pytest.raises(hc.EngineCheckpointError, match="could not read"):
         hc.restore_engine(path2, model)
 
@@ -250,3 +255,111 @@ def test_save_refuses_while_running_and_overwrite_needs_consent(model, saved, re
         restored.progress = None
     assert errors and not (tmp_path / "mid").exists()
     assert sorted(os.listdir(tmp_path)) == ["ck", "not-a-checkpoint"]  # no temp dirs left behind
+
+
+# --------------------------------------------------------------- bounded parsing (issue 11 #10)
+def test_hostile_metadata_files_are_named_errors_never_crashes(model, saved, tmp_path):
+    """Regression (issue 11 #10): a deeply nested hkv_engine.json raised RecursionError (and a huge
+    integer ValueError, non-UTF-8 bytes UnicodeDecodeError) instead of EngineCheckpointError."""
+    path = copy_ckpt(saved, tmp_path)
+    f = path / hc.METADATA_FILE
+    good = f.read_text()
+    cases = {
+        "[" * 100_000 + "]" * 100_000: "corrupt metadata.*RecursionError",
+        '{"format": ' + "9" * 50_000 + "}": "corrupt metadata",
+        b'{"format": "\xff\xfe"}': "corrupt metadata.*UnicodeDecodeError",
+        '{"format": NaN}': "corrupt metadata",
+        "[]": "a list, not a JSON object",
+    }
+    for text, match in cases.items():
+        f.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(hc.EngineCheckpointError, match=match):
+            hc.read_metadata(path)
+        with pytest.raises(hc.EngineCheckpointError, match=match):
+            hc.restore_engine(path, model)
+    # nesting the parser accepts but the schema never has, sealed: refused before anything recurses on it
+    f.write_text(good)
+    edit_metadata(path, lambda d: d["spec"].update(extra=json.loads("[" * 500 + "]" * 500)))
+    with pytest.raises(hc.EngineCheckpointError, match=f"more than MAX_JSON_DEPTH={hc.MAX_JSON_DEPTH}"):
+        hc.read_metadata(path)
+    # a file past the size cap is not even parsed
+    f.write_text(good[:-1] + " " * hc.MAX_METADATA_BYTES + "}")
+    with pytest.raises(hc.EngineCheckpointError, match="more than MAX_METADATA_BYTES"):
+        hc.read_metadata(path)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["config"].update(slots=10 ** 30), r"config.slots=1000000000000000000000000000000 is invalid: "
+                                                   r"want an integer in \[1, 65536\]"),
+    (lambda d: d["config"].update(max_context=True), r"config.max_context=True is invalid"),
+    (lambda d: d["config"].update(pool_pages=[1] * 1000), r"config.pool_pages=.* null or a list of 1 to 256"),
+    (lambda d: d["leaves"][3].update(shape=[2 ** 62]), r"leaves\[3\].shape\[0\]=4611686018427387904 is invalid"),
+    (lambda d: d["leaves"][3].update(shape=[2 ** 30] * 3), r"leaves\[3\].shape=.* at most 281474976710656 elements"),
+    (lambda d: d["leaves"][0].update(dtype="object"), r"leaves\[0\].dtype='object' is invalid"),
+    (lambda d: d["leaves"][0].update(crc32=-1), r"leaves\[0\].crc32=-1 is invalid: want an integer in \[0, 4294967295\]"),
+    (lambda d: d["engine"]["retention"].update(keep_everything=True), r"unknown field engine.retention.'keep_everything'"),
+    (lambda d: d["engine"].update(cache_salt="abc"), r"engine.cache_salt='abc' is invalid"),
+    (lambda d: d.update(cache_dir="../../etc"), r"cache_dir='../../etc' is invalid"),
+    (lambda d: d.update(abi_fingerprint="x" * 10 ** 6), r"abi_fingerprint='xxx.*\(1000002 chars\) is invalid"),
+    (lambda d: d.pop("leaves"), r"missing field 'leaves'"),
+    (lambda d: d["spec"].update(weights_digest=None), r"spec.weights_digest=None is invalid"),
+])
+def test_every_field_is_type_and_range_checked(model, saved, tmp_path, edit, match):
+    path = copy_ckpt(saved, tmp_path)
+    edit_metadata(path, edit)
+    with pytest.raises(hc.EngineCheckpointError, match=match):
+        hc.read_metadata(path)
+
+
+def to_version_1(path: Path) -> None:
+    """Rewrite a checkpoint as hkv wrote version 1: arrays in cache/, no cache_dir, no weights digest."""
+    os.rename(hc.cache_dir(path), path / hc.CACHE_DIR)
+
+    def edit(d):
+        d.update(version=1)
+        d.pop("cache_dir")
+        d["spec"].pop("weights_digest")
+
+    edit_metadata(path, edit)
+
+
+def test_version_1_checkpoint_is_read_but_refused_and_overwritten(model, saved, restored, tmp_path):
+    path = copy_ckpt(saved, tmp_path)
+    to_version_1(path)
+    doc = hc.read_metadata(path)
+    assert doc["version"] == 1 and hc.cache_dir(path) == path / hc.CACHE_DIR
+    with pytest.raises(hc.EngineCheckpointError, match="version-1 checkpoint: its ABI fingerprint covers the "
+                                                       "label model_id='unknown', not the weights"):
+        hc.restore_engine(path, model)
+    # saving over it (overwrite=True) gives a version-2 checkpoint, and the old arrays are gone
+    restored.save(path, overwrite=True)
+    assert hc.read_metadata(path)["version"] == hc.FORMAT_VERSION
+    assert sorted(os.listdir(path)) == sorted([hc.METADATA_FILE, hc.cache_dir(path).name])
+    hkv.Engine.restore(path, model)
+
+
+def test_overwrite_keeps_one_version_and_cleans_only_our_stale_entries(restored, tmp_path):
+    path = tmp_path / "ck"
+    restored.save(path)
+    first = hc.cache_dir(path).name
+    # leftovers of killed saves (ours by name) and things that are not ours
+    (path / "cache-0123456789abcdef0123456789abcdef.orbax-checkpoint-tmp-17").mkdir()
+    (path / f".{hc.METADATA_FILE}.tmp-{'a' * 32}").write_text("{")
+    (tmp_path / f".ck.tmp-{'b' * 32}").mkdir()
+    (tmp_path / ".ck.old-0123456789ab").mkdir()  # what hkv's version-1 save left when killed
+    (path / "notes.txt").write_text("mine")
+    (tmp_path / ".other.tmp-" f"{'c' * 32}").mkdir()  # another checkpoint's: not ours to delete
+    past = time.time() - 60
+    for p in list(path.iterdir()) + list(tmp_path.iterdir()):
+        os.utime(p, (past, past))
+    restored.save(path, overwrite=True)
+    second = hc.cache_dir(path).name
+    assert second != first
+    assert sorted(os.listdir(path)) == sorted([hc.METADATA_FILE, second, "notes.txt"])
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck", f".other.tmp-{'c' * 32}"])
+    # an entry of our pattern modified after the save began (another save writing it) is left alone
+    young = path / f"cache-{'d' * 32}"
+    young.mkdir()
+    os.utime(young, (time.time() + 60, time.time() + 60))
+    restored.save(path, overwrite=True)
+    assert young.exists()
