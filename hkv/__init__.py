@@ -8,6 +8,7 @@
     engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
 """
 
+from .checkpoint import EngineCheckpointError
 from .disk import DiskTier
 from .engine import CacheCapacityError, Engine, Generation
 from .invariants import InvariantError, check_invariants
@@ -16,10 +17,12 @@ from .plan import RestorePlan
 from .policy import RetentionPolicy
 from .spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, init_cache
+from .weights import weights_digest
 
 __all__ = [
     "CacheCapacityError",
     "DiskTier",
+    "EngineCheckpointError",
     "Engine",
     "Generation",
     "architectural_minimum",
@@ -40,4 +43,5 @@ __all__ = [
     "Status",
     "check_invariants",
     "init_cache",
+    "weights_digest",
 ]
