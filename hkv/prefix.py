@@ -58,13 +58,16 @@ class Reason(enum.IntEnum):
     DISK_MISSING = 11  # a block the index or a tombstone says is on disk is not (manifest or data gone)
     DISK_ABI = 12  # the stored block was written by another ABI fingerprint
     DISK_TRUNCATED = 13  # a disk-tier chunk is shorter than written
+    DISK_AUTH = 14  # a keyed disk-tier manifest's HMAC (or an object's sha256) is missing or wrong
+    DISK_MALFORMED = 15  # a disk-tier manifest is unreadable, oversized or outside its schema and bounds
 
 
 STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
 assert tuple(r.name.lower() for r in Reason if r != Reason.NONE) == PREFIX_REJECTIONS
 REASON_STAGE = {Reason.COLLISION: 1, Reason.FREED: 1, Reason.PAGE_REUSED: 1, Reason.ABI_MISMATCH: 2,
                 Reason.SWA_MISSING: 3, Reason.TAIL_MISSING: 3, Reason.INDEXER_VERSION: 3, Reason.CHECKSUM: 4,
-                Reason.DISK_CHECKSUM: 4, Reason.DISK_MISSING: 4, Reason.DISK_ABI: 2, Reason.DISK_TRUNCATED: 4}
+                Reason.DISK_CHECKSUM: 4, Reason.DISK_MISSING: 4, Reason.DISK_ABI: 2, Reason.DISK_TRUNCATED: 4,
+                Reason.DISK_AUTH: 4, Reason.DISK_MALFORMED: 4}
 
 
 @struct.dataclass

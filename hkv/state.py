@@ -189,7 +189,7 @@ class HybridCache:
 
 PREFIX_REJECTIONS = ("no_hash_match", "collision", "freed", "page_reused", "abi_mismatch", "swa_missing",
                      "tail_missing", "indexer_version", "checksum", "disk_checksum", "disk_missing", "disk_abi",
-                     "disk_truncated")
+                     "disk_truncated", "disk_auth", "disk_malformed")
 COUNTERS = ("transitions", "failed_no_pages", "failed_slot_cap", "failed_context_cap",
             "pages_allocated", "pages_released", "tokens_written", "entries_sealed",
             "records_created", "snapshots_taken", "snapshots_skipped_full",
