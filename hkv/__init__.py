@@ -9,7 +9,7 @@
 """
 
 from .checkpoint import EngineCheckpointError
-from .disk import DiskTier
+from .disk import DiskTier, DiskTierClosedError
 from .engine import CacheCapacityError, Engine, Generation
 from .invariants import InvariantError, check_invariants
 from .memory import architectural_minimum, memory_report, uniform_full_kv_bytes
@@ -22,6 +22,7 @@ from .weights import weights_digest
 __all__ = [
     "CacheCapacityError",
     "DiskTier",
+    "DiskTierClosedError",
     "EngineCheckpointError",
     "Engine",
     "Generation",

@@ -7,10 +7,13 @@ PATH is a directory (the `file` kvstore; a directory holding an OCDBT database, 
 `manifest.ocdbt` file, is opened through the `ocdbt` driver), a kvstore URL (`file:///...`,
 `gs://bucket/prefix/`, ...), or, instead of PATH, `--spec JSON`: a full tensorstore kvstore spec.
 Both commands only read the store (nothing is created, repaired or deleted) and accept `--json`.
+A keyed store (`hkv.DiskTier(key=...)`) is checked with the key in the `HKV_STORE_KEY` environment
+variable (hex); without it every manifest of a keyed store is reported as `disk_auth`.
 
 Exit codes: 0 every published block is intact (data of interrupted writes, "orphaned segments",
-is reported but is not a failure); 1 a published block or manifest fails verification; 2 a usage
-error or a store that cannot be opened.
+is reported but is not a failure); 1 any published block, manifest or hit file fails verification
+(every problem is reported: verify never stops at the first); 2 a usage error or a store that
+cannot be opened.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def _describe(spec: dict | str) -> str:
 def _temp_only_segments(spec: dict | str, listed: list[str]) -> list[str]:
     """Problem lines for segment directories of a `file` store that hold only the driver's temporary
     files (`*.__lock`) of a write killed before any key was committed: invisible to kvstore listing,
-    so `DiskTier.verify` cannot see them."""
+    so `DiskTier.verify` cannot see them. An empty folder (no file anywhere under it) is nothing:
+    no data was ever written there, or it was deleted."""
     if not (isinstance(spec, dict) and spec.get("driver") == "file"):
         return []
     root, out = spec["path"], []
@@ -107,7 +111,9 @@ def _temp_only_segments(spec: dict | str, listed: list[str]) -> list[str]:
         name = f"data/{abi}/{seg}/"
         if any(line.startswith(name) for line in listed):
             continue
-        if not os.path.exists(os.path.join(root, "manifests", abi, f"{seg}.json")):
+        if not any(files for _, _, files in os.walk(seg_dir)):
+            continue
+        if not os.path.lexists(os.path.join(root, "manifests", abi, f"{seg}.json")):
             out.append(f"{name}: only temporary files of an interrupted write (ignored)")
     return out
 
@@ -151,7 +157,7 @@ def cmd_verify(args) -> int:
     print(f"hkv disk tier: {_describe(spec)}")
     print(f"published segments   {report['segments']}")
     print(f"blocks ok            {report['blocks_ok']}")
-    for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi"):
+    for r in DISK_REASONS:
         print(f"{r:<20} {report[r]}")
     print(f"orphaned segments    {report['orphaned_segments']}"
           + ("  (data without a manifest, left by interrupted writes: never read; not a failure)"
@@ -165,7 +171,7 @@ def cmd_verify(args) -> int:
         for p in orphans:
             print(f"  {p}")
     if bad:
-        print(f"FAILED: {bad} published block(s) or manifest(s) fail verification "
+        print(f"FAILED: {bad} published block(s), manifest(s) or hit file(s) fail verification "
               f"(a restore of them is refused with the reason above, never used)")
     else:
         note = (f"; {report['orphaned_segments']} orphaned segment(s) from interrupted writes are not a failure"
@@ -188,7 +194,8 @@ def cmd_stats(args) -> int:
     budget = st["budget_bytes"]
     if args.json:
         out = {"store": _describe(spec), "segments": st["segments"], "stored_bytes": st["stored_bytes"], **total,
-               "budget_bytes": budget, "budget_used": (st["stored_bytes"] / budget if budget else None), "abis": abis}
+               "bad_files": st["bad_files"], "budget_bytes": budget,
+               "budget_used": (st["stored_bytes"] / budget if budget else None), "abis": abis}
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(f"hkv disk tier: {_describe(spec)}")
@@ -196,6 +203,9 @@ def cmd_stats(args) -> int:
     print(f"segments   {st['segments']}")
     print(f"blocks     {total['blocks']} ({total['snapshots']} with a snapshot)")
     print(f"hits       {total['hits']} (restores saved by every writer)")
+    if st["bad_files"]:
+        print("bad files  " + ", ".join(f"{n} {r}" for r, n in sorted(st["bad_files"].items()))
+              + " (skipped: run `hkv store verify` for details)")
     if budget is None:
         print("budget     none given (a store records no budget; pass --budget BYTES to compare)")
     else:
@@ -233,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = ssub.add_parser(
         "verify", help="check every manifest and every object's checksum",
         description="Read every published block back and check it (manifest schema and checksum, ABI, crc32c of "
-                    "the data chunks, per-object crc32). Reports blocks ok, disk_checksum, disk_missing, "
-                    "disk_truncated, disk_abi, and orphaned segments (data of interrupted writes, never read).",
+                    "the data chunks, per-object crc32; with HKV_STORE_KEY set, each manifest's HMAC). Reports "
+                    "blocks ok, disk_checksum, disk_missing, disk_truncated, disk_abi, disk_auth, disk_malformed "
+                    "(manifests and hit files), and orphaned segments (data of interrupted writes, never read).",
         epilog="exit codes: 0 every published block intact (orphaned data alone is not a failure), "
-               "1 any block or manifest fails, 2 usage error or unopenable store")
+               "1 any block, manifest or hit file fails (every one is reported), 2 usage error or unopenable store")
     _add_store_args(v)
     v.set_defaults(func=cmd_verify)
     s = ssub.add_parser(

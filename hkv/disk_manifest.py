@@ -17,6 +17,24 @@ checksum of its own canonical text, so a torn or edited manifest is detected, ne
 The data array is cut into shards of `shard_bytes` (a multiple of `chunk_bytes`; the last shard may
 be shorter), one file each. Version 1 (no `shard_bytes`: the whole array is one shard) is still read.
 
+With a store key (`StoreKey`; `hkv.DiskTier(key=...)` or `HKV_STORE_KEY`) a manifest is *authenticated
+and private*: it also carries `"auth": "hmac-sha256"` and `"hmac"`, an HMAC-SHA256 over the canonical
+text together with the segment name and ABI directory it is stored under; every block `key` and
+`parent` is a keyed hash of the engine's block key (32 hex), `tokens` is a keyed digest of the
+block's token ids (64 hex) instead of the list, and every object carries the `sha256` of its bytes
+(crc32 detects accidents, not forgeries). Without a key the format is exactly the one above.
+
+Every parse is bounded before it allocates: the file's size (`MAX_MANIFEST_BYTES`), the JSON
+nesting depth (`MAX_DEPTH`, checked without recursion), the number of blocks, objects, tokens and
+dimensions, every integer within int64 and a sane range (`data_bytes` at most `MAX_DATA_BYTES` and
+the reader's budget, at most `MAX_SHARDS` shards of at most `MAX_CHUNKS_PER_SHARD` chunks, shapes
+whose byte size matches `nbytes`, object byte ranges inside `data_bytes`, 64-byte aligned and
+disjoint). Anything else is a `ManifestError` whose `reason` says how it is counted: `disk_checksum`
+(not JSON, not UTF-8, or the crc32 fails: bytes a writer did not write), `disk_malformed` (a valid
+checksum but outside the schema or its bounds, too large or too deep, or naming another segment),
+`disk_auth` (the HMAC is missing, wrong, or present where no key is configured), `disk_abi` (the
+manifest names another ABI than its directory).
+
 Block `index` i ends at boundary `length` = (i + 1) * block_tokens. Objects: `g{G}.rows` the
 COMPRESSED / INDEXER rows [row_start, row_start + shape[1]) of group G that block i sealed;
 with `snapshot`, also `g{G}.window` the SWA rows [row_start, ..) held at the boundary and
@@ -25,93 +43,343 @@ with `snapshot`, also `g{G}.window` the SWA rows [row_start, ..) held at the bou
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
+import re
 import zlib
 from typing import Any
+
+import numpy as np
 
 FORMAT = "hkv-disk-tier"
 VERSION = 2
 READS = (1, 2)  # the versions `parse` accepts
 ALIGN = 64
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8", "int32")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1, "int32": 4}
+AUTH_SCHEME = "hmac-sha256"
+
+# the reasons a manifest is refused (mirrored in hkv.disk and hkv.prefix.Reason)
+CHECKSUM, MALFORMED, AUTH, ABI = "disk_checksum", "disk_malformed", "disk_auth", "disk_abi"
+
+# bounds every parse enforces before it allocates anything sized by the manifest
+MAX_MANIFEST_BYTES = 16 << 20  # 16 MiB: a 64 MiB segment of small blocks needs well under 1 MiB
+MAX_DEPTH = 8  # a manifest nests 6 deep (object > blocks > block > objects > object > shape)
+MAX_BLOCKS = 1 << 16  # blocks per manifest
+MAX_OBJECTS = 1 << 10  # objects per block
+MAX_TOKENS = 1 << 20  # token ids per block
+MAX_DIMS = 8  # dimensions of an object's shape
+MAX_NAME = 128  # characters of a segment / writer / object name
+MAX_DATA_BYTES = 1 << 40  # bytes of one segment (1 TiB)
+MAX_CHUNK_BYTES = 1 << 30
+MAX_SHARDS = 1 << 20  # shard files of one segment
+MAX_CHUNKS_PER_SHARD = 1 << 20  # inner chunks of one shard (its index holds 16 bytes per chunk)
+INT64 = (1 << 63) - 1
+NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a segment or writer name: one safe path component
+
+_TOP = {"format", "version", "abi", "segment", "writer", "created", "data_bytes", "stored_bytes", "chunk_bytes",
+        "shard_bytes", "blocks", "checksum", "auth", "hmac"}
+_BLOCK = {"key", "parent", "index", "length", "tokens", "indexer_version", "snapshot", "objects"}
+_OBJECT = {"name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sha256"}
 
 
 class ManifestError(ValueError):
-    """A manifest that is not valid JSON, fails its schema, or fails its own checksum."""
+    """A manifest that is not valid JSON, fails its schema or bounds, its own checksum or its HMAC.
+
+    Attributes:
+        reason: how the refusal is counted: `disk_checksum`, `disk_malformed`, `disk_auth` or `disk_abi`.
+    """
+
+    def __init__(self, message: str, reason: str = MALFORMED):
+        super().__init__(message)
+        self.reason = reason
+
+
+class StoreKey:
+    """The secret of an authenticated, private store (see the module docstring).
+
+    Three independent subkeys are derived from it (HMAC-SHA256 with a label), one per use: the
+    manifest HMAC, the keyed block ids and the token digests.
+
+    Args:
+        secret: at least 16 bytes (never echoed in a message).
+    Raises:
+        ValueError: a secret that is not bytes of at least 16.
+    """
+
+    def __init__(self, secret: bytes):
+        if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+            n = len(secret) if isinstance(secret, (bytes, bytearray)) else type(secret).__name__
+            raise ValueError(f"key must be at least 16 bytes (e.g. os.urandom(32)), got {n}")
+        derive = lambda label: hmac.new(bytes(secret), label, hashlib.sha256).digest()  # noqa: E731
+        self._mac, self._ids, self._tok = derive(b"hkv manifest"), derive(b"hkv block id"), derive(b"hkv tokens")
+
+    def manifest_mac(self, abi: str, segment: str, canonical: bytes) -> str:
+        """Hex HMAC of a manifest's canonical text, bound to where it is stored (abi, segment)."""
+        where = json.dumps([abi, segment]).encode()
+        return hmac.new(self._mac, b"hkv-disk-tier/manifest\n" + where + b"\n" + canonical, hashlib.sha256).hexdigest()
+
+    def block_id(self, key: bytes) -> str:
+        """The 32 hex digits a manifest lists for the engine's block key `key`."""
+        return hmac.new(self._ids, bytes(key), hashlib.sha256).hexdigest()[:32]
+
+    def tokens_digest(self, tokens) -> str:
+        """The 64 hex digits a manifest lists for a block's token ids."""
+        return hmac.new(self._tok, ",".join(str(int(t)) for t in tokens).encode(), hashlib.sha256).hexdigest()
+
+    def __repr__(self) -> str:
+        return "StoreKey(<secret>)"
 
 
 def _canonical(doc: dict) -> bytes:
-    return json.dumps({k: v for k, v in doc.items() if k != "checksum"}, sort_keys=True,
+    return json.dumps({k: v for k, v in doc.items() if k not in ("checksum", "hmac")}, sort_keys=True,
                       separators=(",", ":")).encode()
 
 
-def seal(doc: dict) -> bytes:
-    """The manifest's bytes: `doc` (with format and version) plus its checksum field. One JSON
-    encoding: the canonical text with the checksum appended as the last field (`parse` re-derives
-    the canonical text from the parsed fields, so field order in the file does not matter)."""
-    canonical = _canonical(dict(doc, format=FORMAT, version=VERSION))
-    return canonical[:-1] + b',"checksum":%d}' % zlib.crc32(canonical)
+def seal(doc: dict, key: StoreKey | None = None) -> bytes:
+    """The manifest's bytes: `doc` (with format and version) plus its checksum field and, with
+    `key`, its `auth` and `hmac` fields (bound to `doc`'s abi and segment, where it is stored). One
+    JSON encoding: the canonical text with the checksum (and hmac) appended (`parse` re-derives the
+    canonical text from the parsed fields, so field order in the file does not matter).
+
+    Args:
+        doc: the manifest's fields, without format, version, checksum, auth and hmac.
+        key: the store's key, or None for an unauthenticated manifest.
+    Returns:
+        The bytes to publish.
+    """
+    full = dict(doc, format=FORMAT, version=VERSION)
+    if key is not None:
+        full["auth"] = AUTH_SCHEME
+    canonical = _canonical(full)
+    tail = b',"checksum":%d' % zlib.crc32(canonical)
+    if key is not None:
+        tail += b',"hmac":"%s"' % key.manifest_mac(doc["abi"], doc["segment"], canonical).encode()
+    return canonical[:-1] + tail + b"}"
 
 
-def _need(cond: bool, what: str) -> None:
+def _need(cond: bool, what: str, reason: str = MALFORMED) -> None:
     if not cond:
-        raise ManifestError(what)
+        raise ManifestError(what, reason)
 
 
 def _hex(v: Any, n: int, name: str, allow_empty: bool = False) -> None:
     ok = isinstance(v, str) and ((allow_empty and v == "") or (len(v) == n and all(c in "0123456789abcdef" for c in v)))
-    _need(ok, f"{name}={v!r} must be {n} lowercase hex digits")
+    _need(ok, f"{name}={_short(v)} must be {n} lowercase hex digits")
 
 
-def parse(raw: bytes) -> dict:
-    """Parse and check a manifest; raises `ManifestError` naming the first bad field."""
+def _short(v: Any) -> str:
+    """repr of a hostile value, cut short (a message never holds a megabyte)."""
+    r = repr(v) if not isinstance(v, int) or v.bit_length() < 256 else f"<{v.bit_length()}-bit integer>"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _int(v: Any, name: str, lo: int = 0, hi: int = INT64) -> int:
+    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+          f"{name}={_short(v)} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def depth(raw: bytes) -> int:
+    """The deepest nesting of JSON arrays and objects in `raw`, without recursion (strings skipped).
+
+    Args:
+        raw: the bytes of a JSON document (well-formed or not).
+    Returns:
+        The maximum nesting depth (0 for a scalar).
+    """
+    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    b = np.frombuffer(brackets, np.uint8)
+    step = np.where((b == ord("[")) | (b == ord("{")), 1, -1).astype(np.int64)
+    return int(np.cumsum(step).max())
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(raw: bytes, what: str = "manifest", max_bytes: int = MAX_MANIFEST_BYTES,
+              max_depth: int = MAX_DEPTH) -> Any:
+    """Decode bounded JSON: at most `max_bytes` bytes and `max_depth` levels (checked before
+    `json.loads`, so no RecursionError or huge allocation can happen), no NaN / Infinity, no integer
+    of more than 4300 digits.
+
+    Args:
+        raw: the file's bytes.
+        what: the file's kind, for messages.
+        max_bytes: the size cap.
+        max_depth: the nesting cap.
+    Returns:
+        The decoded document.
+    Raises:
+        ManifestError: `disk_malformed` (too large, too deep), `disk_checksum` (not UTF-8 or not JSON).
+    """
+    _need(len(raw) <= max_bytes, f"{what} is {len(raw):,} bytes, more than the {max_bytes:,} a {what} may have")
+    d = depth(raw)
+    _need(d <= max_depth, f"JSON nested deeper than {max_depth} levels ({d}): not a {what}")
     try:
-        doc = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"not JSON: {e}") from None
-    _need(isinstance(doc, dict), "manifest must be a JSON object")
-    _need(doc.get("format") == FORMAT, f"format={doc.get('format')!r} must be {FORMAT!r}")
-    _need(doc.get("version") in READS, f"version={doc.get('version')!r}: this hkv reads versions {READS}")
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"not UTF-8: {e}", CHECKSUM) from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an integer too long to convert
+        raise ManifestError(f"not JSON: {e}", CHECKSUM) from None
+
+
+def parse(raw: bytes, *, key: StoreKey | None = None, abi: str | None = None, segment: str | None = None,
+          max_data_bytes: int | None = None) -> dict:
+    """Parse and check a manifest; raises `ManifestError` naming the first bad field.
+
+    Args:
+        raw: the manifest file's bytes.
+        key: the store's key: the manifest must carry a matching HMAC (None: it must carry none).
+        abi: the ABI directory the manifest is stored under (its `abi` must equal it: else `disk_abi`).
+        segment: the segment name it is stored under (its `segment` must equal it: else `disk_malformed`).
+        max_data_bytes: the reader's budget, if any (`data_bytes` above it is `disk_malformed`).
+    Returns:
+        The checked manifest.
+    Raises:
+        ManifestError: with the `reason` it is counted under.
+    """
+    doc = load_json(raw)
+    _need(isinstance(doc, dict), f"manifest must be a JSON object, not {type(doc).__name__}")
+    _need(doc.get("format") == FORMAT, f"format={_short(doc.get('format'))} must be {FORMAT!r}")
+    _need(doc.get("version") in READS and not isinstance(doc.get("version"), bool),
+          f"version={_short(doc.get('version'))}: this hkv reads versions {READS}")
     _need(isinstance(doc.get("checksum"), int) and doc["checksum"] == zlib.crc32(_canonical(doc)),
-          "checksum does not match the manifest's contents (corrupted or edited)")
-    return check(doc)
-
-
-def check(doc: dict) -> dict:
-    """The schema check of `parse` on a manifest's fields (no JSON, no checksum): what a writer runs
-    before writing a segment's bytes, so a manifest that would be refused is never published."""
-    _hex(doc.get("abi"), 32, "abi")
-    for f in ("segment", "writer"):
-        _need(isinstance(doc.get(f), str) and 0 < len(doc[f]) <= 128, f"{f} must be a non-empty string")
-    for f in ("data_bytes", "stored_bytes", "chunk_bytes"):
-        _need(isinstance(doc.get(f), int) and doc[f] >= 0, f"{f}={doc.get(f)!r} must be an integer >= 0")
-    _need(doc["chunk_bytes"] > 0, "chunk_bytes=0 must be > 0")
-    if doc.get("version", VERSION) >= 2 or "shard_bytes" in doc:
-        s = doc.get("shard_bytes")
-        _need(isinstance(s, int) and s > 0 and s % doc["chunk_bytes"] == 0,
-              f"shard_bytes={s!r} must be a positive multiple of chunk_bytes={doc['chunk_bytes']}")
-    blocks = doc.get("blocks")
-    _need(isinstance(blocks, list) and blocks, "blocks must be a non-empty list")
-    for b in blocks:
-        _need(isinstance(b, dict), "each block must be an object")
-        _hex(b.get("key"), 32, "block key")
-        _hex(b.get("parent"), 32, "block parent", allow_empty=True)
-        for f in ("index", "length", "indexer_version"):
-            _need(isinstance(b.get(f), int) and b[f] >= 0, f"block {f}={b.get(f)!r} must be an integer >= 0")
-        _need(isinstance(b.get("tokens"), list) and all(isinstance(t, int) for t in b["tokens"]),
-              "block tokens must be a list of integers")
-        _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
-        _need(isinstance(b.get("objects"), list), "block objects must be a list")
-        for o in b["objects"]:
-            _need(isinstance(o, dict) and isinstance(o.get("name"), str), "object name must be a string")
-            _need(o.get("dtype") in DTYPES, f"object dtype={o.get('dtype')!r} must be one of {DTYPES}")
-            _need(isinstance(o.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in o["shape"]),
-                  f"object shape={o.get('shape')!r} must be a list of integers >= 0")
-            for f in ("row_start", "offset", "nbytes", "crc32"):
-                _need(isinstance(o.get(f), int) and o[f] >= 0, f"object {f}={o.get(f)!r} must be an integer >= 0")
-            _need(o["offset"] + o["nbytes"] <= doc["data_bytes"],
-                  f"object {o['name']} bytes [{o['offset']}, {o['offset'] + o['nbytes']}) exceed data_bytes")
+          "checksum does not match the manifest's contents (corrupted or edited)", CHECKSUM)
+    where_abi = abi if abi is not None else doc.get("abi")
+    where_seg = segment if segment is not None else doc.get("segment")
+    if key is None:
+        _need("hmac" not in doc and "auth" not in doc,
+              "manifest is authenticated (HMAC) but this tier has no key (pass key= or set HKV_STORE_KEY)", AUTH)
+    else:
+        _need(doc.get("auth") == AUTH_SCHEME and isinstance(doc.get("hmac"), str),
+              f"manifest is not authenticated (no {AUTH_SCHEME} HMAC) but this tier has a key", AUTH)
+        _need(isinstance(where_abi, str) and isinstance(where_seg, str)
+              and hmac.compare_digest(doc["hmac"], key.manifest_mac(where_abi, where_seg, _canonical(doc))),
+              "HMAC does not match: written with another key, or edited or moved by someone without the key", AUTH)
+    check(doc, keyed=key is not None, max_data_bytes=max_data_bytes)
+    _need(abi is None or doc["abi"] == abi, f"manifest under ABI {abi} claims ABI {doc['abi']}", ABI)
+    _need(segment is None or doc["segment"] == segment,
+          f"manifest stored as segment {segment} names segment {doc['segment']} (overwritten or moved)")
     return doc
 
 
-__all__ = ["ALIGN", "FORMAT", "ManifestError", "READS", "VERSION", "check", "parse", "seal"]
+def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) -> dict:
+    """The schema and bounds check of `parse` on a manifest's fields (no JSON, no checksum, no
+    HMAC): what a writer runs before writing a segment's bytes, so a manifest that would be refused
+    is never published. Every size is checked before anything sized by it is built.
+
+    Args:
+        doc: the manifest's fields.
+        keyed: the manifest of a keyed store (keyed token digests and object sha256 instead of token ids).
+        max_data_bytes: the reader's or writer's budget, if any.
+    Returns:
+        `doc`, unchanged.
+    Raises:
+        ManifestError: `disk_malformed`, naming the first bad field and its allowed range.
+    """
+    _need(isinstance(doc, dict), "manifest must be a JSON object")
+    extra = set(doc) - _TOP
+    _need(not extra, f"unknown manifest fields {sorted(_short(k) for k in extra)[:5]}")
+    _hex(doc.get("abi"), 32, "abi")
+    for f in ("segment", "writer"):
+        v = doc.get(f)
+        _need(isinstance(v, str) and 0 < len(v) <= MAX_NAME and NAME.match(v) is not None,
+              f"{f}={_short(v)} must be 1 to {MAX_NAME} characters of [A-Za-z0-9_.-], not starting with '.' or '-'")
+    c = doc.get("created", 0.0)
+    _need(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= 2 ** 40,
+          f"created={_short(c)} must be unix seconds in [0, {2 ** 40}]")
+    cap = MAX_DATA_BYTES if max_data_bytes is None else min(MAX_DATA_BYTES, max_data_bytes)
+    data_bytes = _int(doc.get("data_bytes"), "data_bytes", 0, cap)
+    _int(doc.get("stored_bytes"), "stored_bytes", 0, 1 << 62)
+    chunk = _int(doc.get("chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES)
+    padded = -(-max(data_bytes, 1) // chunk) * chunk
+    if doc.get("version", VERSION) >= 2 or "shard_bytes" in doc:
+        s = doc.get("shard_bytes")
+        _need(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_CHUNKS_PER_SHARD * chunk
+              and s % chunk == 0,
+              f"shard_bytes={_short(s)} must be a positive multiple of chunk_bytes={chunk} of at most "
+              f"{MAX_CHUNKS_PER_SHARD} chunks")
+    else:
+        s = padded
+        _need(s // chunk <= MAX_CHUNKS_PER_SHARD, f"data_bytes={data_bytes} is {s // chunk} chunks of {chunk} "
+                                                  f"bytes in one shard, more than {MAX_CHUNKS_PER_SHARD}")
+    shards = -(-padded // s)
+    _need(shards <= MAX_SHARDS, f"data_bytes={data_bytes} in shards of {s} bytes is {shards} shards, "
+                                f"more than {MAX_SHARDS}")
+    blocks = doc.get("blocks")
+    _need(isinstance(blocks, list) and 0 < len(blocks) <= MAX_BLOCKS,
+          f"blocks must be a list of 1 to {MAX_BLOCKS} blocks")
+    spans = []
+    for b in blocks:
+        _need(isinstance(b, dict), "each block must be an object")
+        extra = set(b) - _BLOCK
+        _need(not extra, f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")
+        _hex(b.get("key"), 32, "block key")
+        _hex(b.get("parent"), 32, "block parent", allow_empty=True)
+        for f in ("index", "length"):
+            _int(b.get(f), f"block {f}", 0, 1 << 40)
+        _int(b.get("indexer_version"), "block indexer_version", 0, (1 << 31) - 1)
+        t = b.get("tokens")
+        if keyed:
+            _hex(t, 64, "block tokens (a keyed digest)")
+        else:
+            _need(isinstance(t, list) and len(t) <= MAX_TOKENS, f"block tokens must be a list of at most "
+                                                                f"{MAX_TOKENS} integers")
+            _need(all(isinstance(x, int) and not isinstance(x, bool) and -INT64 - 1 <= x <= INT64 for x in t),
+                  "block tokens must be int64 integers")
+        _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
+        objs = b.get("objects")
+        _need(isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
+              f"block objects must be a list of at most {MAX_OBJECTS}")
+        names = set()
+        for o in objs:
+            _need(isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
+                  f"object name must be a string of 1 to {MAX_NAME} characters")
+            _need(o["name"] not in names, f"object {_short(o['name'])} is listed twice in block {b['index']}")
+            names.add(o["name"])
+            extra = set(o) - _OBJECT
+            _need(not extra, f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
+            _need(o.get("dtype") in DTYPES, f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
+            shape = o.get("shape")
+            _need(isinstance(shape, list) and len(shape) <= MAX_DIMS,
+                  f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers")
+            n = ITEMSIZE[o["dtype"]]
+            for d in shape:
+                n *= _int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
+                _need(n <= MAX_DATA_BYTES, f"object {o['name']} shape={_short(shape)} holds more than "
+                                           f"{MAX_DATA_BYTES} bytes")
+            _int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
+            off = _int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
+            nb = _int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
+            _int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
+            _need(nb == n, f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
+            _need(off % ALIGN == 0, f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
+            _need(off + nb <= data_bytes,
+                  f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}")
+            if keyed:
+                _hex(o.get("sha256"), 64, f"object {o['name']} sha256")
+            else:
+                _need("sha256" not in o, f"object {o['name']} has a sha256 but the manifest is not keyed")
+            if nb:
+                spans.append((off, off + nb, o["name"], b["index"]))
+    spans.sort()
+    for (_, end, name, i), (lo, _, name2, j) in zip(spans, spans[1:]):
+        _need(lo >= end, f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")
+    return doc
+
+
+__all__ = ["ABI", "ALIGN", "AUTH", "CHECKSUM", "FORMAT", "MALFORMED", "MAX_DATA_BYTES", "MAX_DEPTH",
+           "MAX_MANIFEST_BYTES", "MAX_SHARDS", "ManifestError", "READS", "StoreKey", "VERSION", "check", "depth",
+           "load_json", "parse", "seal"]

@@ -137,7 +137,35 @@ FAULTS = {
                            "disk_checksum"),
     "manifest of another ABI": (lambda root, abi, seg: _reseal(root / "manifests" / abi / f"{seg}.json",
                                                                abi="f" * 32), "disk_abi"),
+    # issue 11: each of these discarded the intact prefix before it (an exception out of read)
+    "manifest with an overflowing shape": (lambda root, abi, seg: _reseal_object(
+        root / "manifests" / abi / f"{seg}.json", shape=[2 ** 64, 1]), "disk_malformed"),
+    "manifest nested too deep": (lambda root, abi, seg: (root / "manifests" / abi / f"{seg}.json").write_bytes(
+        b"[" * 100_000 + b"]" * 100_000), "disk_malformed"),
+    "data shard is a symlink loop": (lambda root, abi, seg: _symlink_loop(root / "data" / abi / seg / "c" / "0"),
+                                     "disk_missing"),
+    # issue 11: overwritten by the other segment's (valid) manifest: refused for naming another segment
+    "manifest overwritten by another segment's": (lambda root, abi, seg: (
+        root / "manifests" / abi / f"{seg}.json").write_bytes(_other_manifest(root, abi, seg)), "disk_malformed"),
 }
+
+
+def _reseal_object(path, **changes):
+    doc = json.loads(path.read_bytes())
+    doc["blocks"][0]["objects"][0].update(changes)
+    _reseal(path)  # a valid checksum for the original first
+    path.write_bytes(mf.seal({k: v for k, v in doc.items() if k not in ("checksum", "format", "version")}))
+
+
+def _symlink_loop(path):
+    os.remove(path)
+    os.symlink(path.name + ".loop", path)
+    os.symlink(path.name, path.parent / (path.name + ".loop"))
+
+
+def _other_manifest(root, abi, seg) -> bytes:
+    other = next(n for n in os.listdir(root / "manifests" / abi) if n != f"{seg}.json")
+    return (root / "manifests" / abi / other).read_bytes()
 
 
 def _reseal(path, **changes):
@@ -167,8 +195,7 @@ def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, st
     # a freshly opened tier (a restarted server) never lists the broken segment's blocks as restorable
     report = DiskTier(str(root)).verify()
     assert report["blocks_ok"] == CUT // BT
-    assert sum(report[r] for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi")) + \
-        report["orphaned_segments"] >= 1
+    assert sum(report[r] for r in hkv.disk.DISK_REASONS) + report["orphaned_segments"] >= 1
 
 
 def test_foreign_abi_blocks_are_reported_not_restored(model, engine, stored, tmp_path):
@@ -458,3 +485,89 @@ def test_two_processes_writing_the_same_blocks_to_one_store(model, engine, paylo
     (g,) = engine.generate([prompt], NEW)
     assert g.plan.disk_tokens == (0, len(BASE) // BT * BT) and g.plan.reason is None
     assert_same([g], reference(model, [prompt]))
+
+
+KEY = bytes(range(100, 132))
+
+
+@pytest.fixture(scope="module")
+def stored_keyed(engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp("keyed") / "s"
+    fill(engine, DiskTier(str(root), key=KEY))
+    return root
+
+
+def _forge_swap(path, a: int, b: int) -> int:
+    """What someone who can write the store but has no key can do: swap the bytes blocks a and b
+    point at (every object they share by name, dtype and shape) and recompute the manifest's crc32;
+    its HMAC, if any, is left stale. Returns the number of objects swapped."""
+    doc = json.loads(path.read_bytes())
+    ba, bb = (next(x for x in doc["blocks"] if x["index"] == i) for i in (a, b))
+    n = 0
+    for oa in ba["objects"]:
+        ob = next((o for o in bb["objects"] if o["name"] == oa["name"]), None)
+        if ob is not None and (ob["dtype"], ob["shape"]) == (oa["dtype"], oa["shape"]):
+            for f in ("offset", "crc32", "sha256"):
+                if f in oa:
+                    oa[f], ob[f] = ob[f], oa[f]
+            n += 1
+    doc.pop("checksum")
+    doc["checksum"] = mf.zlib.crc32(mf._canonical(doc))
+    path.write_bytes(json.dumps(doc).encode())
+    return n
+
+
+def _payloads(tier, abi, seg) -> dict:
+    """{block index: payload} of every block segment `seg` lists, read and verified by `tier`."""
+    with open(tier.spec["path"] + f"manifests/{abi}/{seg}.json", "rb") as f:
+        doc = json.loads(f.read())
+    res = tier.read([hkv.disk.BlockRef(abi, seg, b) for b in doc["blocks"]], count=False)
+    assert res.reason is None, res
+    return {p.index: p for p in res.payloads}
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(model, engine, stored, stored_keyed, tmp_path,
+                                                                     monkeypatch, keyed):
+    """Issue 11, defect 9. Without a key the store has integrity, not authenticity: a manifest
+    resealed with a valid crc32 that points block CUT/BT + 1 at block CUT/BT + 3's bytes passes
+    `verify` and restores wrong K/V (wrong logits). With a key it is `disk_auth`: the plan stops at
+    the intact segment before it and the output is exact."""
+    monkeypatch.delenv("HKV_STORE_KEY", raising=False)
+    root = tmp_path / "copy"
+    shutil.copytree(stored_keyed if keyed else stored, root)
+    key = KEY if keyed else b""
+    # keyed: indexed before the forgery (a running server re-reads it: disk_auth); unkeyed: opened
+    # after it (a restarted server indexes the forged manifest as it is)
+    tier = DiskTier(str(root), key=key) if keyed else None
+    abi, seg = _segment(root, CUT // BT)
+    assert _forge_swap(root / "manifests" / abi / f"{seg}.json", CUT // BT + 1, CUT // BT + 3) >= 1
+    engine.disk = tier or DiskTier(str(root), key=key)
+    forget_device(engine)
+    prompt = diverge(len(BASE) // BT * BT, tail=3, seed=9)
+    (g,) = engine.generate([prompt], NEW)
+    report = DiskTier(str(root), key=key).verify()
+    if not keyed:  # the threat model without a key: undetected
+        assert g.plan.restored_tokens == len(BASE) // BT * BT and g.plan.reason is None
+        assert report["blocks_ok"] == len(BASE) // BT and not report["problems"]
+        # ... and what it installed as block CUT/BT + 1 is block CUT/BT + 3's K/V
+        got, orig = (_payloads(DiskTier(str(r), key=b""), abi, seg) for r in (root, stored))
+        swapped = [n for n in got[CUT // BT + 1].objects if n in orig[CUT // BT + 3].objects]
+        assert swapped and all(np.array_equal(got[CUT // BT + 1].objects[n][0], orig[CUT // BT + 3].objects[n][0])
+                               for n in swapped)
+        assert not np.array_equal(got[CUT // BT + 1].objects[swapped[0]][0], orig[CUT // BT + 1].objects[swapped[0]][0])
+        return
+    assert g.plan.restored_tokens == CUT and g.plan.disk_tokens == (0, CUT), g.plan
+    assert g.plan.reason == "disk_auth" and g.plan.first_failed_stage == "byte"
+    assert_same([g], reference(model, [prompt]))
+    assert engine.stats()["prefix"]["rejections"]["byte"]["disk_auth"] >= 1
+    assert 'hkv_prefix_rejections_total{stage="byte",reason="disk_auth"}' in engine.metrics_text()
+    assert report["disk_auth"] == 1 and report["blocks_ok"] == CUT // BT
+    assert any(f"manifests/{abi}/{seg}.json: disk_auth: HMAC does not match" in p for p in report["problems"])
+    # the intact keyed store restores everything with the key, and nothing without it
+    for k, want in ((KEY, len(BASE) // BT * BT), (b"", 0), (b"y" * 32, 0)):
+        engine.disk = DiskTier(str(stored_keyed), key=k)
+        forget_device(engine)
+        (g,) = engine.generate([prompt], NEW)
+        assert g.plan.restored_tokens == want, (k, g.plan)
+        assert_same([g], reference(model, [prompt]))

@@ -148,7 +148,7 @@ def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
     assert code == 1
     assert _count(out, "disk_checksum") == 1 and _count(out, "blocks ok") == 5
     assert _count(out, "orphaned segments") == 0  # its data is the rejected manifest's, not an orphan
-    assert f"manifests/{ABI}/{seg}.json: not JSON" in out
+    assert f"manifests/{ABI}/{seg}.json: disk_checksum: not JSON" in out
     # an edited (valid JSON) manifest fails its own checksum
     doc = json.loads(raw)
     doc["blocks"][0]["tokens"][0] += 1
