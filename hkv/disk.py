@@ -2,8 +2,8 @@
 
 The fifth cache object. Sealed prefix blocks that leave device memory are written here and come back
 on a later hit, but only after every byte is proven complete and intact; otherwise the hit is a
-shorter plan with a reason (`disk_missing`, `disk_checksum`, `disk_truncated`, `disk_abi`), never an
-exception in the decode loop and never a wrong token.
+shorter plan with a reason (`disk_missing`, `disk_checksum`, `disk_truncated`, `disk_abi`,
+`disk_auth`, `disk_malformed`), never an exception in the decode loop and never a wrong token.
 
 Storage (any tensorstore kvstore: `file` by default, `memory`, `ocdbt`, `gcs`, `s3`):
 
@@ -822,10 +822,19 @@ class DiskTier:
              count: bool = True) -> ReadResult:
         """Read and verify the blocks `refs` (in order; reads issued concurrently). Returns the
         leading blocks that passed every check and the reason the first failing one did not:
-        `disk_missing` (manifest or data gone), `disk_checksum` (manifest or bytes corrupted),
-        `disk_truncated` (data shorter than written), `disk_abi` (manifest claims another ABI).
-        expect(entry) -> {object name: (dtype, shape)} the running engine needs for that block.
-        count=False (used by `verify`): no hit or rejection is counted."""
+        `disk_missing` (manifest or data gone or unreadable), `disk_checksum` (manifest or bytes
+        corrupted), `disk_truncated` (data shorter than written), `disk_abi` (manifest claims another
+        ABI), `disk_auth` (keyed store: the manifest's HMAC or an object's sha256 is missing or
+        wrong), `disk_malformed` (the manifest is unreadable, oversized, outside its schema or
+        bounds, or names another segment).
+
+        Args:
+            refs: blocks from `find_chain` (or built from a manifest's entries).
+            expect: entry -> {object name: (dtype, shape)} the running engine needs for that block.
+            count: False (used by `verify`): no hit or rejection is counted.
+        Returns:
+            A `ReadResult`. Nothing in the store raises out of here (only `DiskTierClosedError`).
+        """
         self._check_open("read")
         manifests: dict[tuple[str, str], object] = {}
         for r in refs:

@@ -83,7 +83,8 @@ def test_verify_clean(store, capsys):
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 0
     assert _count(out, "blocks ok") == 7 and _count(out, "published segments") == 3
-    for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi", "orphaned segments"):
+    for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi", "disk_auth", "disk_malformed",
+              "orphaned segments"):
         assert _count(out, r) == 0
     assert "OK: every published block is intact" in out
 

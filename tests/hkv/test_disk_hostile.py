@@ -83,6 +83,8 @@ def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, caps
     assert any(p.startswith(f"manifests/{ABI}/20990101T000000-deep-00000000.json: disk_malformed: "
                             f"JSON nested deeper than") for p in rep["problems"]), rep["problems"]
     assert any(p.startswith(f"hits/{ABI}/deep.json: disk_malformed") for p in rep["problems"]), rep["problems"]
+    code, out, _ = _run(capsys, "store", "stats", store)
+    assert code == 0 and "bad files  2 disk_malformed (skipped" in out and _count(out, "segments") == 3
 
 
 def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys):
