@@ -160,14 +160,20 @@ def seal(doc: dict, key: StoreKey | None = None) -> bytes:
     return canonical[:-1] + tail + b"}"
 
 
-def _need(cond: bool, what: str, reason: str = MALFORMED) -> None:
+def _need(cond: bool, what, reason: str = MALFORMED) -> None:
+    """Raise `ManifestError(what)` unless `cond`; `what` may be a callable building the message
+    (so the hot per-object checks format nothing when they pass)."""
     if not cond:
-        raise ManifestError(what, reason)
+        raise ManifestError(what() if callable(what) else what, reason)
+
+
+_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (32, 64)}
 
 
 def _hex(v: Any, n: int, name: str, allow_empty: bool = False) -> None:
-    ok = isinstance(v, str) and ((allow_empty and v == "") or (len(v) == n and all(c in "0123456789abcdef" for c in v)))
-    _need(ok, f"{name}={_short(v)} must be {n} lowercase hex digits")
+    if isinstance(v, str) and ((allow_empty and v == "") or _HEX[n].fullmatch(v)):
+        return
+    raise ManifestError(f"{name}={_short(v)} must be {n} lowercase hex digits")
 
 
 def _short(v: Any) -> str:
@@ -177,9 +183,9 @@ def _short(v: Any) -> str:
 
 
 def _int(v: Any, name: str, lo: int = 0, hi: int = INT64) -> int:
-    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
-          f"{name}={_short(v)} must be an integer in [{lo}, {hi}]")
-    return v
+    if type(v) is int and lo <= v <= hi:  # noqa: E721 — bool is not an integer here
+        return v
+    raise ManifestError(f"{name}={_short(v)} must be an integer in [{lo}, {hi}]")
 
 
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -325,7 +331,7 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     for b in blocks:
         _need(isinstance(b, dict), "each block must be an object")
         extra = set(b) - _BLOCK
-        _need(not extra, f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")
+        _need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")
         _hex(b.get("key"), 32, "block key")
         _hex(b.get("parent"), 32, "block parent", allow_empty=True)
         for f in ("index", "length"):
@@ -335,48 +341,48 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
         if keyed:
             _hex(t, 64, "block tokens (a keyed digest)")
         else:
-            _need(isinstance(t, list) and len(t) <= MAX_TOKENS, f"block tokens must be a list of at most "
-                                                                f"{MAX_TOKENS} integers")
-            _need(all(isinstance(x, int) and not isinstance(x, bool) and -INT64 - 1 <= x <= INT64 for x in t),
+            _need(isinstance(t, list) and len(t) <= MAX_TOKENS,
+                  lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers")
+            _need(all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # noqa: E721 — not bool
                   "block tokens must be int64 integers")
         _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
         objs = b.get("objects")
         _need(isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
-              f"block objects must be a list of at most {MAX_OBJECTS}")
+              lambda: f"block objects must be a list of at most {MAX_OBJECTS}")
         names = set()
         for o in objs:
             _need(isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
                   f"object name must be a string of 1 to {MAX_NAME} characters")
-            _need(o["name"] not in names, f"object {_short(o['name'])} is listed twice in block {b['index']}")
+            _need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")
             names.add(o["name"])
             extra = set(o) - _OBJECT
-            _need(not extra, f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
-            _need(o.get("dtype") in DTYPES, f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
+            _need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
+            _need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
             shape = o.get("shape")
             _need(isinstance(shape, list) and len(shape) <= MAX_DIMS,
-                  f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers")
+                  lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers")
             n = ITEMSIZE[o["dtype"]]
             for d in shape:
                 n *= _int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
-                _need(n <= MAX_DATA_BYTES, f"object {o['name']} shape={_short(shape)} holds more than "
+                _need(n <= MAX_DATA_BYTES, lambda: f"object {o['name']} shape={_short(shape)} holds more than "
                                            f"{MAX_DATA_BYTES} bytes")
             _int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
             off = _int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
             nb = _int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
             _int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
-            _need(nb == n, f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
-            _need(off % ALIGN == 0, f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
+            _need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
+            _need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
             _need(off + nb <= data_bytes,
-                  f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}")
+                  lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}")
             if keyed:
                 _hex(o.get("sha256"), 64, f"object {o['name']} sha256")
             else:
-                _need("sha256" not in o, f"object {o['name']} has a sha256 but the manifest is not keyed")
+                _need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")
             if nb:
                 spans.append((off, off + nb, o["name"], b["index"]))
     spans.sort()
     for (_, end, name, i), (lo, _, name2, j) in zip(spans, spans[1:]):
-        _need(lo >= end, f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")
+        _need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")
     return doc
 
 
