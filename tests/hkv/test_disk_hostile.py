@@ -217,7 +217,7 @@ def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_anothe
         assert code == 1 and out["disk_auth"] == 1
 
 
-def test_a_keyed_store_keeps_token_ids_and_block_keys_private(tmp_path, monkeypatch):
+def test_a_keyed_store_keeps_token_ids_and_block_keys_private(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("HKV_STORE_KEY", raising=False)
     blocks = _chain("p", 2, 11)
     for b in blocks:
@@ -243,6 +243,13 @@ def test_a_keyed_store_keeps_token_ids_and_block_keys_private(tmp_path, monkeypa
     # the key from the environment (hex) is the same key
     monkeypatch.setenv("HKV_STORE_KEY", KEY.hex())
     assert len(DiskTier(str(tmp_path)).find_chain(ABI, *_keys(blocks)).refs) == 2
+    code, rep = _verify_json(capsys, tmp_path)  # hkv store verify takes the key from the environment
+    assert code == 0 and rep["blocks_ok"] == 2 and rep["disk_auth"] == 0
+    monkeypatch.delenv("HKV_STORE_KEY")
+    code, rep = _verify_json(capsys, tmp_path)
+    assert code == 1 and rep["blocks_ok"] == 0 and rep["disk_auth"] == 1
+    assert rep["problems"][0].endswith("disk_auth: manifest is authenticated (HMAC) but this tier has no key "
+                                       "(pass key= or set HKV_STORE_KEY)")
     # without a key (b"" ignores the environment) or with another key: nothing restored, with a reason
     for other in (b"", b"x" * 32):
         t = DiskTier(str(tmp_path), key=other)
