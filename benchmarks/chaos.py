@@ -50,7 +50,9 @@ def main(argv=None) -> int:
                     "and restarted from its checkpoint (comma-separated; '' for none)")
     ap.add_argument("--save-kill-turns", default="1,4", help="turns after which a process is SIGKILLed inside "
                     "save(overwrite=True), then restored")
-    ap.add_argument("--budget", type=int, default=96 << 10, help="store budget (bytes) of worker 0, 0 for none")
+    ap.add_argument("--no-final-save-kill", action="store_true", help="skip the SIGKILL inside a save after the "
+                    "final checks")
+    ap.add_argument("--budget", type=int, default=320 << 10, help="store budget (bytes) of worker 0, 0 for none")
     ap.add_argument("--key", action="store_true", help="DiskTier(key=...) everywhere, plus forged manifests")
     ap.add_argument("--workdir", help="keep the store and logs here (default: a temporary directory, deleted)")
     ap.add_argument("--json", metavar="FILE", help="also write the whole report as JSON")
@@ -65,7 +67,8 @@ def main(argv=None) -> int:
                       interrupt_rate=args.interrupt_rate, disk_full_rate=args.disk_full_rate,
                       budget_bytes=args.budget or None, kill_alien_turn=1 if alien else None,
                       kill_writer_turns=turns_list(args.kill_writer_turns),
-                      save_kill_turns=turns_list(args.save_kill_turns), corrupt_truth=args.corrupt_truth)
+                      save_kill_turns=turns_list(args.save_kill_turns), final_save_kill=not args.no_final_save_kill,
+                      corrupt_truth=args.corrupt_truth)
     print(f"# hkv chaos  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}"
           f"  {_machine.cores()} cores  {platform.machine()}  python {platform.python_version()}")
     print(f"# {' '.join(sys.argv[1:]) or '(defaults)'}")

@@ -59,13 +59,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COMPILE_CACHE = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(),
                                                                              "hkv-test-xla-cache")
 TAG = "CHAOS "  # protocol lines on a worker's stdout start with this
+STRAY = "stray-"  # names of the files the parent plants in the store
 STORE_KEY = b"chaos-store-key-0123456789abcdef"
 
 # the engine: the configuration of tests/hkv/test_prefix.make_engine(scale=1, records=24), so every
 # compiled program is shared with the rest of the suite through the compilation cache
 BT, SLOTS, MAX_CONTEXT, PAGE, RECORDS, CHUNK = 16, 2, 352, 8, 24, 16
 MAX_NEW = 3
-SYSTEM_TOKENS = 48  # three blocks shared by every chat (and by the process with other weights)
+SYSTEM_TOKENS = 96  # six blocks shared by every chat (and stored first by the process with other weights)
 ADDRESS_SPACE = 6 << 30  # RLIMIT_AS of children: a hostile size may fail an allocation, never eat the machine
 
 STORE_FAULTS = ("flip_data", "truncate_data", "delete_data", "flip_manifest", "truncate_manifest",
@@ -95,10 +96,11 @@ class ChaosConfig:
     disk_full_rate: float = 0.15  # per turn and process: writes fail (RLIMIT_FSIZE) for that turn
     evict_rate: float = 0.5  # per turn and process: evict_prefixes first (the hit comes from disk)
     branch_rate: float = 0.3  # per turn: a second prompt re-asks an earlier prefix (batch of two)
-    budget_bytes: int | None = 96 << 10  # the store budget of worker 0 (it evicts others' segments)
+    budget_bytes: int | None = 320 << 10  # store budget of worker 0 (segments are ~100 KiB: it evicts others')
     kill_alien_turn: int | None = 1  # SIGKILL the alien while its disk writes are in flight (no respawn)
     kill_writer_turns: tuple[int, ...] = ()  # SIGKILL worker 0 mid-write at these turns, respawn + restore
     save_kill_turns: tuple[int, ...] = (1,)  # worker 1 (or 0) saves paused; killed at one pause; restored
+    final_save_kill: bool = True  # after the final checks, worker 0 is SIGKILLed inside a save (no restart)
     save_every: int = 0  # every worker also saves after each N-th turn (0: only the saves the kills need)
     turn_timeout: float = 240.0
     start_timeout: float = 300.0
@@ -516,12 +518,15 @@ class Worker:
         out["exact"] = ok and self.counts["wrong_tokens"] == before
         out["health_after"] = self.health()
         self.counts["final"] = out
+        self._tier_counters()
+        self.save_state()
+
+    def close(self) -> None:
         if self.tier is not None:
             try:
                 self.tier.close()
             except Exception as e:  # noqa: BLE001
                 self._exception("tier.close", e)
-        self._tier_counters()
         self.save_state()
 
     def main(self) -> None:
@@ -560,6 +565,9 @@ class Worker:
                 elif kind == "final":
                     self.final()
                     self.say(event="summary", counts=self.counts)
+                    continue
+                elif kind == "exit":
+                    self.close()
                     return
             except Exception as e:  # noqa: BLE001 — the harness itself must not die silently
                 self._exception(f"cmd {kind}", e)
@@ -590,19 +598,19 @@ class StoreFaults:
 
     def _manifests(self) -> list[str]:
         return sorted(f for f in glob.glob(os.path.join(self.store, "manifests", "*", "*.json"))
-                      if os.path.isfile(f) and not os.path.islink(f) and "chaos" not in os.path.basename(f))
+                      if os.path.isfile(f) and not os.path.islink(f) and STRAY not in os.path.basename(f))
 
     def _shards(self) -> list[str]:
         return sorted(f for f in glob.glob(os.path.join(self.store, "data", "*", "*", "c", "*"))
                       if os.path.isfile(f) and not os.path.islink(f) and not f.endswith(".__lock")
-                      and "chaos" not in f)
+                      and STRAY not in os.path.relpath(f, self.store))
 
     def _abis(self) -> list[str]:
         return sorted(d for d in os.listdir(os.path.join(self.store, "manifests"))
                       if len(d) == 32) if os.path.isdir(os.path.join(self.store, "manifests")) else []
 
     def _name(self) -> str:
-        return f"chaos{self.rng.randrange(1 << 30):08x}"
+        return f"{STRAY}{self.rng.randrange(1 << 30):08x}"
 
     def inject(self, kind: str) -> bool:
         try:
@@ -938,6 +946,7 @@ class Parent:
         self.save_points: list[dict] = []
         self.summaries: dict[int, dict] = {}
         self.key_skipped = None
+        self.saved: set[int] = set()  # workers with a whole checkpoint (a restart restores it)
 
     # --------------------------------------------------------------------- processes
     def _worker_cfg(self, wid: int, restore: str | None = None) -> dict:
@@ -1000,7 +1009,7 @@ class Parent:
              "branch": r.random() < c.branch_rate, "interrupt": None}
         if r.random() < c.interrupt_rate:
             a["interrupt"] = ({"mode": "progress", "at": r.randint(1, 4)} if r.random() < 0.6
-                              else {"mode": "signal", "delay": round(r.uniform(0.0, 0.25), 3)})
+                              else {"mode": "signal", "delay": round(r.uniform(0.001, 0.25), 3)})
         return a
 
     def turn(self, t: int) -> None:
@@ -1027,7 +1036,7 @@ class Parent:
             now = time.monotonic() - t0
             while schedule and schedule[0][0] <= now:
                 _, kind = schedule.pop(0)
-                self.faults.inject(kind)
+                self._inject(kind, kinds)
             if kill is not None and kill[0].wid in pending:
                 pr = kill[0]
                 self._pump(pr)
@@ -1057,9 +1066,15 @@ class Parent:
                 break
             time.sleep(0.005)
         for _, kind in schedule:  # the turn ended before these moments: inject them now
-            self.faults.inject(kind)
+            self._inject(kind, kinds)
         for wid in respawn:
             self._respawn(wid, t)
+
+    def _inject(self, kind: str, kinds: list[str]) -> None:
+        """One store fault of `kind`, or (no target for it now) of up to three other kinds."""
+        for k in [kind] + [self.faults.rng.choice(kinds) for _ in range(3)]:  # not self.rng: it stays in step
+            if self.faults.inject(k):
+                return
 
     def _pump(self, pr: Proc) -> None:
         """Consume `pr`'s events up to the first 'writing' (sets pr.writing)."""
@@ -1092,7 +1107,8 @@ class Parent:
         return None  # writing / other progress events
 
     def _respawn(self, wid: int, t: int) -> None:
-        ckpt = os.path.join(self.workdir, f"ckpt{wid}")
+        # restarted from its checkpoint if it saved one (gone after a kill: a failure), else cold
+        ckpt = os.path.join(self.workdir, f"ckpt{wid}") if wid in self.saved else None
         pr = self._start(wid, restore=ckpt)
         self._wait(pr, "ready", self.cfg.start_timeout)
         if pr.alive:  # redo the turn it was killed in (its state file holds the turns it finished)
@@ -1110,7 +1126,7 @@ class Parent:
             return f"{type(e).__name__}: {str(e)[:200]}"
         return "ok"
 
-    def save(self, wid: int, kill: bool) -> None:
+    def save(self, wid: int, kill: bool, restart: bool = True) -> None:
         pr = self.procs.get(wid)
         if pr is None or not pr.alive:
             return
@@ -1118,6 +1134,8 @@ class Parent:
         if not kill:
             pr.send(cmd="save")
             self._wait(pr, "done", self.cfg.turn_timeout)
+            if self._checkpoint_state(ckpt) == "ok":
+                self.saved.add(wid)
             return
         had = self._checkpoint_state(ckpt) == "ok"
         points: list[tuple[int, str, str]] = []
@@ -1146,8 +1164,9 @@ class Parent:
                                  "ops": [f"{n}:{op}:{'ok' if s == 'ok' else 'LOST'}" for n, op, s in points]})
         self.say(f"save of worker {wid}: killed after op {killed[0] if killed else None} of {len(points)}; "
                  f"checkpoint at each op: {[s == 'ok' for _, _, s in points]}")
-        new = self._start(wid, restore=ckpt)
-        self._wait(new, "ready", self.cfg.start_timeout)
+        if restart:  # from the checkpoint it had before this save (old or new must be there)
+            new = self._start(wid, restore=ckpt if had else None)
+            self._wait(new, "ready", self.cfg.start_timeout)
 
     # ---------------------------------------------------------------------------- run
     def run(self) -> dict:
@@ -1187,14 +1206,24 @@ class Parent:
                 ev = self._wait(pr, "summary", c.turn_timeout)
                 if ev is not None:
                     self.summaries[pr.wid] = ev["counts"]
-                pr.p.wait(timeout=60)
+            if c.final_save_kill and 0 in self.procs and self.procs[0].alive:
+                # after the final checks: a clean save (a checkpoint to lose), then one SIGKILLed inside
+                # save(overwrite=True); the checkpoint is checked at every pause (no restart)
+                self.save(0, kill=False)
+                self.save(0, kill=True, restart=False)
+            for pr in self.live():
+                pr.send(cmd="exit")
+                try:
+                    pr.p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.failures.append(f"stuck: worker {pr.wid} did not exit")
                 pr.alive = False
-            # a killed process never printed a summary: its state file has its counts
+            # every process's counts: its state file, written after each command (a killed process's
+            # holds what it finished)
             for wid in self.procs:
-                if wid not in self.summaries:
-                    sp = os.path.join(self.workdir, f"state{wid}.json")
-                    if os.path.exists(sp):
-                        self.summaries[wid] = json.load(open(sp))["counts"]
+                sp = os.path.join(self.workdir, f"state{wid}.json")
+                if os.path.exists(sp):
+                    self.summaries[wid] = json.load(open(sp))["counts"]
             verify = run_verify(self.store, self.workdir, c.key)
         finally:
             for pr in self.procs.values():
@@ -1292,6 +1321,8 @@ def format_report(rep: dict) -> str:
              f"wrong tokens         {rep['wrong_tokens']}",
              f"faults injected      {sum(rep['faults'].values())}"]
     lines += [f"  {k:<22} {v}" for k, v in rep["faults"].items()]
+    if rep["faults_skipped"]:
+        lines.append(f"  (no target for {sum(rep['faults_skipped'].values())}: {rep['faults_skipped']})")
     reasons = {k: v for k, v in rep["plan_reasons"].items() if k != "None"}
     lines.append(f"plans                {rep['generations']} ({rep['disk_plans']} from disk, "
                  f"{rep['disk_tokens']} tokens; {rep['restored_tokens']} restored in all)")

@@ -17,14 +17,18 @@ import pytest
 
 from .harness import ChaosConfig, format_report, key_supported, run_chaos
 
-# 2 processes with the shared weights + 1 with other weights, 3 turns: ~1.5 store faults a turn, a
-# full disk and interrupts at random, the other-weights process SIGKILLed mid-write in turn 1,
-# worker 1 SIGKILLed inside save(overwrite=True) after turn 1 and restored from that checkpoint
-SHORT = ChaosConfig(workers=2, alien=True, turns=3, seed=11, fault_rate=2.0, interrupt_rate=0.5,
-                    disk_full_rate=0.2, kill_alien_turn=1, kill_writer_turns=(), save_kill_turns=(1,))
+# one process with the shared weights + one with other weights (starting a process costs ~35 s of CPU
+# here: ~100 programs traced and loaded from the compilation cache, so the short run restarts none),
+# 3 turns, 2 store faults a turn, full disk and interrupts at random, the other-weights process
+# SIGKILLed mid-write in turn 1, worker 0 SIGKILLed inside save(overwrite=True) after its final checks
+# (the checkpoint is checked at every file-system operation of the save)
+SHORT = ChaosConfig(workers=1, alien=True, turns=3, seed=11, fault_rate=2.0, interrupt_rate=0.5,
+                    disk_full_rate=0.2, kill_alien_turn=1, kill_writer_turns=(), save_kill_turns=(),
+                    final_save_kill=True)
 
 # more turns and processes: every honest process saves every 2 turns, worker 0 is SIGKILLed mid-write
-# twice and restarted from its checkpoint, two saves are killed
+# twice and restarted from its checkpoint, two saves of worker 1 are killed and it is restarted from
+# that checkpoint
 LONG = ChaosConfig(workers=2, alien=True, turns=8, seed=23, fault_rate=2.0, kill_alien_turn=5,
                    kill_writer_turns=(2, 6), save_kill_turns=(1, 4), save_every=2)
 
@@ -69,6 +73,7 @@ def test_chaos_long_with_store_key(tmp_path):
 def test_the_harness_catches_a_wrong_token(tmp_path):
     """Self-check: worker 0 compares one generation with a corrupted truth; the run must fail."""
     cfg = ChaosConfig(workers=1, alien=False, turns=1, seed=5, fault_rate=0, interrupt_rate=0, disk_full_rate=0,
-                      kill_alien_turn=None, save_kill_turns=(), corrupt_truth=True)
+                      kill_alien_turn=None, save_kill_turns=(), final_save_kill=False,
+                      corrupt_truth=True)
     rep = _run(cfg, tmp_path)
     assert rep["wrong_tokens"] >= 1 and any("wrong tokens" in f for f in rep["failures"]), format_report(rep)
