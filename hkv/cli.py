@@ -118,11 +118,11 @@ def _temp_only_segments(spec: dict | str, listed: list[str]) -> list[str]:
     return out
 
 
-def _open(spec: dict | str, budget_bytes: int | None = None):
+def _open(spec: dict | str):
     from .disk import DiskTier
 
     try:
-        return DiskTier(spec, budget_bytes=budget_bytes)
+        return DiskTier(spec)
     except Exception as e:  # noqa: BLE001 — any failure to open is "cannot open", exit 2
         raise _UsageError(str(e)) from None
 
@@ -183,7 +183,8 @@ def cmd_verify(args) -> int:
 # ------------------------------------------------------------------------------------- stats
 def cmd_stats(args) -> int:
     spec = store_spec(args.path, args.spec)
-    tier = _open(spec, args.budget)
+    # the budget is only compared against: a tier opened with it would also refuse larger segments
+    tier = _open(spec)
     try:
         st = tier.stats()
     finally:
@@ -191,7 +192,7 @@ def cmd_stats(args) -> int:
     abis = {abi: {k: d[k] for k in ("segments", "blocks", "snapshots", "stored_bytes", "hits")}
             for abi, d in sorted(st["abis"].items())}
     total = {k: sum(d[k] for d in abis.values()) for k in ("blocks", "snapshots", "hits")}
-    budget = st["budget_bytes"]
+    budget = args.budget
     if args.json:
         out = {"store": _describe(spec), "segments": st["segments"], "stored_bytes": st["stored_bytes"], **total,
                "bad_files": st["bad_files"], "budget_bytes": budget,
