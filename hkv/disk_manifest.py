@@ -12,7 +12,7 @@ checksum of its own canonical text, so a torn or edited manifest is detected, ne
                  "tokens": [block_tokens ids], "indexer_version": v, "snapshot": bool,
                  "objects": [{"name": str, "dtype": str, "shape": [..], "row_start": r0,
                               "offset": byte offset (64-aligned), "nbytes": n, "crc32": int}]}],
-     "checksum": crc32 of the canonical JSON of every other field}
+     "checksum": crc32 of the canonical JSON of every other field but "hmac"}
 
 The data array is cut into shards of `shard_bytes` (a multiple of `chunk_bytes`; the last shard may
 be shorter), one file each. Version 1 (no `shard_bytes`: the whole array is one shard) is still read.
@@ -29,7 +29,8 @@ nesting depth (`MAX_DEPTH`, checked without recursion), the number of blocks, ob
 dimensions, every integer within int64 and a sane range (`data_bytes` at most `MAX_DATA_BYTES` and
 the reader's budget, at most `MAX_SHARDS` shards of at most `MAX_CHUNKS_PER_SHARD` chunks, shapes
 whose byte size matches `nbytes`, object byte ranges inside `data_bytes`, 64-byte aligned and
-disjoint). Anything else is a `ManifestError` whose `reason` says how it is counted: `disk_checksum`
+disjoint), and no field the schema does not name (a new field needs a new version). Anything else
+is a `ManifestError` whose `reason` says how it is counted: `disk_checksum`
 (not JSON, not UTF-8, or the crc32 fails: bytes a writer did not write), `disk_malformed` (a valid
 checksum but outside the schema or its bounds, too large or too deep, or naming another segment),
 `disk_auth` (the HMAC is missing, wrong, or present where no key is configured), `disk_abi` (the
