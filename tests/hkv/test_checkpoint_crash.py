@@ -51,10 +51,10 @@ if mode == "switch":  # SIGKILL right before the arg-th rename / replace / rmtre
     new.save(path, overwrite=True)
     print("done", count[0], flush=True)
 else:  # "loop": save NEW and OLD alternately until killed
-    old = make_state("old", new)
     while True:
-        for e in (new, old):
-            e.save(path, overwrite=True)
+        for which in ("new", "old"):
+            make_state(which, new).save(path, overwrite=True)  # one engine, re-labelled before each save
+            print("saved", which, flush=True)
 """
 
 SALTS = {"old": b"old-state", "new": b"new-state"}
@@ -142,16 +142,24 @@ def test_sigkill_before_every_switch_of_an_overwriting_save_leaves_old_or_new(st
 
 
 def kill_at_random(states, tmp_path, kills: int, seed: int) -> list[str]:
+    """`kills` rounds: a child saves NEW and OLD alternately; after 0-2 completed saves (at random)
+    it is SIGKILLed at a uniformly random moment within one save's measured duration."""
     model, want = states
     path = tmp_path / "ckpt"
     rng = random.Random(seed)
-    seen = []
+    seen, save_s = [], 1.0
     for _ in range(kills):
         p = child(path, "loop")
         assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:] if p.poll() is not None else ""
-        time.sleep(rng.uniform(0.0, 1.5))  # a save of the tiny engine takes ~0.3-1 s here
+        t = time.monotonic()
+        for _ in range(rng.randrange(3)):
+            assert p.stdout.readline().startswith("saved"), p.stderr.read()[-3000:] if p.poll() is not None else ""
+            now = time.monotonic()
+            save_s, t = now - t, now
+        time.sleep(rng.uniform(0.0, save_s))
         p.send_signal(signal.SIGKILL)
         p.communicate(timeout=60)
+        assert p.returncode == -signal.SIGKILL
         seen.append(restored_state(path, model, want))
         assert_clean_after_next_save(path, model)
     return seen
