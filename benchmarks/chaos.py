@@ -2,7 +2,7 @@
 tier store run multi-turn chats while faults are injected; every generation is checked against the
 stateless forward.
 
-    python benchmarks/chaos.py [--processes 3 --turns 6 --seed 0 --fault-rate 1.5 --duration 0 --key]
+    python benchmarks/chaos.py [--processes 3 --turns 6 --seed 0 --fault-rate 3 --duration 0 --key]
 
 --processes counts every engine process: one of them runs OTHER weights under the same model_id
 (unless --no-alien). Faults: store file damage (flips, truncations, deletions, swapped manifests and
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=6, help="turns per process (a minimum with --duration)")
     ap.add_argument("--duration", type=float, default=0, help="seconds of turns (0: just --turns)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fault-rate", type=float, default=1.5, help="store faults per turn (1.5: one or two)")
+    ap.add_argument("--fault-rate", type=float, default=3.0, help="store faults per turn (1.5: one or two); "
+                    "kinds are dealt in shuffled rounds, so 15 faults inject every kind")
     ap.add_argument("--faults", default=",".join(STORE_FAULTS), help="store fault kinds, comma-separated")
     ap.add_argument("--interrupt-rate", type=float, default=0.35, help="per generate call")
     ap.add_argument("--disk-full-rate", type=float, default=0.15, help="per turn and process")

@@ -15,8 +15,11 @@ on ONE shared store), run multi-turn chats while the parent process injects faul
   them) followed by `Engine.restore(path)`; `KeyboardInterrupt` inside `generate` (raised by the
   `progress=` callback at a chosen call, or by SIGALRM at a chosen delay) followed by a health check
   (slots released, cache not donated, `check_invariants`) and a retry; a full disk for one turn
-  (RLIMIT_FSIZE: every write of the process past a few bytes fails, as on a full file system); a
-  process with OTHER weights and the same `model_id` writing the same block keys to the store.
+  (RLIMIT_FSIZE of 64 bytes: every file write of that process past 64 bytes fails with EFBIG, as
+  writes fail on a full file system — unprivileged and confined to one process, unlike mounting a
+  tiny tmpfs, which needs root); a process with OTHER weights and the same `model_id` that stores
+  the shared system prompt's blocks first (same block keys: only the ABI fingerprint keeps them
+  apart).
 
 Every generation is checked token by token against the truth: greedy decoding by the stateless
 forward (`models.deepseek_v4.forward_fn`, the definition of truth; the same loop as
@@ -27,9 +30,12 @@ that fails), a disk tier that raised or stopped serving restores, a checkpoint l
 save, a turn that did not finish in time, and `hkv store verify` exiting other than 0/1 or with a
 traceback.
 
-Everything random is drawn from `random.Random(seed)` (parent: fault kinds, targets, timings,
-interrupts) and `numpy.random.default_rng` (workloads); the OS interleaving of processes is not
-controlled, so counts vary a little between runs of one seed, the judgement does not.
+Everything random is drawn from `random.Random(seed)` (parent: fault kinds, dealt in shuffled
+rounds, targets, timings, interrupts, kill points) and `numpy.random.default_rng` (workloads; the
+replies are the truth's, so a bug never changes the workload); the OS interleaving of processes is
+not controlled, so the files a fault hits (and the counts) vary a little between runs of one seed.
+Children run under RLIMIT_AS = 6 GiB: a hostile size may fail an allocation, never exhaust the
+machine.
 
 Children run `python -m tests.chaos.harness worker CONFIG.json`. Used by tests/chaos/test_chaos.py
 and benchmarks/chaos.py.
@@ -89,7 +95,7 @@ class ChaosConfig:
     turns: int = 3  # turns per process (at least; `duration` may add more)
     duration: float | None = None  # seconds of turns (then `turns` is a minimum)
     seed: int = 0
-    fault_rate: float = 1.5  # store faults per turn (1.5: one or two)
+    fault_rate: float = 1.5  # store faults per turn (1.5: one or two); kinds dealt in shuffled rounds
     store_faults: tuple[str, ...] = STORE_FAULTS
     key: bool = False  # DiskTier(key=...) in every process (skipped when hkv lacks it) + forged manifests
     interrupt_rate: float = 0.35  # per generate call: a KeyboardInterrupt is armed
@@ -827,21 +833,36 @@ class StoreFaults:
         return self._resealed(mutate, forge=True)
 
     def _budget_evict(self):
+        """Another process (this one) opens the store with half its size as budget and enforces it.
+        In a thread with a timeout: a store that hangs its opener must not hang the harness."""
         from hkv.disk import DiskTier
 
-        try:
-            kw = {"key": STORE_KEY} if self.keyed else {}
-            tier = DiskTier(self.store, writer_id="chaos-parent", **kw)
-            total = tier.stored_bytes()
-            tier.budget_bytes = total // 2
-            n = tier.enforce_budget()
-            tier.close()
-        except Exception as e:  # noqa: BLE001 — a hostile file keeping another process off the store
+        out: dict = {}
+
+        def run():
+            try:
+                kw = {"key": STORE_KEY} if self.keyed else {"key": b""} if key_supported() else {}
+                tier = DiskTier(self.store, writer_id="chaos-parent", **kw)
+                total = tier.stored_bytes()
+                tier.budget_bytes = total // 2
+                n = tier.enforce_budget()
+                tier.close()
+                out["what"] = f"enforce_budget({total // 2}) deleted {n} segments of {total} bytes"
+            except Exception as e:  # noqa: BLE001 — a hostile file keeping another process off the store
+                out["error"] = e
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(timeout=90)
+        if th.is_alive():
+            out["error"] = TimeoutError("DiskTier open + enforce_budget did not return in 90 s")
+        if "error" in out:
+            e = out["error"]
             _count(self.parent_tier_errors, type(e).__name__)
             if len(self.parent_tier_error_details) < 4:
                 self.parent_tier_error_details.append(f"{type(e).__name__}: {str(e)[:300]}")
             return None
-        return f"enforce_budget({total // 2}) deleted {n} segments of {total} bytes"
+        return out["what"]
 
 
 # -------------------------------------------------------------------------------- the parent
@@ -947,6 +968,7 @@ class Parent:
         self.summaries: dict[int, dict] = {}
         self.key_skipped = None
         self.saved: set[int] = set()  # workers with a whole checkpoint (a restart restores it)
+        self._deck: list[str] = []
 
     # --------------------------------------------------------------------- processes
     def _worker_cfg(self, wid: int, restore: str | None = None) -> dict:
@@ -1021,7 +1043,7 @@ class Parent:
         # store faults at random moments while the turn runs: int(rate), plus one with the fraction
         n_faults = int(c.fault_rate) + (self.rng.random() < c.fault_rate - int(c.fault_rate))
         kinds = list(c.store_faults) + (list(KEYED_FAULTS) if c.key else [])
-        schedule = sorted((self.rng.uniform(0.0, 1.5), self.rng.choice(kinds)) for _ in range(n_faults))
+        schedule = sorted((self.rng.uniform(0.0, 1.5), self._next_kind(kinds)) for _ in range(n_faults))
         kill = None
         if c.alien and c.kill_alien_turn == t and c.workers in self.procs and self.procs[c.workers].alive:
             kill = (self.procs[c.workers], False)
@@ -1069,6 +1091,14 @@ class Parent:
             self._inject(kind, kinds)
         for wid in respawn:
             self._respawn(wid, t)
+
+    def _next_kind(self, kinds: list[str]) -> str:
+        """Kinds are dealt like cards: every kind once, in a random order, then again (a run with as
+        many faults as kinds injects each of them)."""
+        if not self._deck:
+            self._deck = list(kinds)
+            self.rng.shuffle(self._deck)
+        return self._deck.pop()
 
     def _inject(self, kind: str, kinds: list[str]) -> None:
         """One store fault of `kind`, or (no target for it now) of up to three other kinds."""

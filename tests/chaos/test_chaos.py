@@ -19,17 +19,18 @@ from .harness import ChaosConfig, format_report, key_supported, run_chaos
 
 # one process with the shared weights + one with other weights (starting a process costs ~35 s of CPU
 # here: ~100 programs traced and loaded from the compilation cache, so the short run restarts none),
-# 3 turns, 2 store faults a turn, full disk and interrupts at random, the other-weights process
-# SIGKILLed mid-write in turn 1, worker 0 SIGKILLed inside save(overwrite=True) after its final checks
-# (the checkpoint is checked at every file-system operation of the save)
-SHORT = ChaosConfig(workers=1, alien=True, turns=3, seed=11, fault_rate=2.0, interrupt_rate=0.5,
+# 3 turns with 5 store faults each (every kind at least once: they are dealt in shuffled rounds),
+# full disk and interrupts at random, the other-weights process SIGKILLed mid-write in turn 1,
+# worker 0 SIGKILLed inside save(overwrite=True) after its final checks (the checkpoint is checked at
+# every file-system operation of the save)
+SHORT = ChaosConfig(workers=1, alien=True, turns=3, seed=11, fault_rate=5.0, interrupt_rate=0.5,
                     disk_full_rate=0.2, kill_alien_turn=1, kill_writer_turns=(), save_kill_turns=(),
-                    final_save_kill=True)
+                    final_save_kill=True, turn_timeout=150.0)
 
 # more turns and processes: every honest process saves every 2 turns, worker 0 is SIGKILLed mid-write
 # twice and restarted from its checkpoint, two saves of worker 1 are killed and it is restarted from
 # that checkpoint
-LONG = ChaosConfig(workers=2, alien=True, turns=8, seed=23, fault_rate=2.0, kill_alien_turn=5,
+LONG = ChaosConfig(workers=2, alien=True, turns=8, seed=23, fault_rate=3.0, kill_alien_turn=5,
                    kill_writer_turns=(2, 6), save_kill_turns=(1, 4), save_every=2)
 
 
