@@ -67,12 +67,12 @@ READABLE_VERSIONS = (1, 2)
 METADATA_FILE = "hkv_engine.json"
 CACHE_DIR = "cache"  # version 1's array directory; version 2 names its own (`cache_dir`)
 MAX_METADATA_BYTES = 16 << 20  # a real engine's metadata is tens of KiB
-MAX_JSON_DEPTH = 16  # the schema nests 4 deep (doc.spec.layers[i].compressor)
+MAX_JSON_DEPTH = 16  # the schema nests 5 deep (doc.spec.layers[i].compressor)
 MAX_LEAVES = 1 << 16
 
 _TOKEN = r"[0-9a-f]{32}"
 _CACHE_DIR_RE = re.compile(rf"cache-{_TOKEN}")
-_LIVE_DIR_PATTERNS = (re.compile(rf"cache(-{_TOKEN}.*)?"), re.compile(rf"\.{re.escape(METADATA_FILE)}\.tmp-{_TOKEN}"))
+_INSIDE_PATTERNS = (re.compile(rf"cache(-{_TOKEN}.*)?"), re.compile(rf"\.{re.escape(METADATA_FILE)}\.tmp-{_TOKEN}"))
 
 __all__ = ["EngineCheckpointError", "save_engine", "restore_engine", "read_metadata", "cache_dir",
            "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "METADATA_FILE", "MAX_METADATA_BYTES",
@@ -139,8 +139,12 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _is_replaceable(p: Path) -> bool:
-    """`overwrite=True` only ever deletes an empty directory or a previous engine checkpoint."""
-    return p.is_dir() and (not any(p.iterdir()) or (p / METADATA_FILE).is_file())
+    """`overwrite=True` only ever replaces a previous engine checkpoint or a directory holding nothing
+    but leftovers of killed saves (our names; e.g. an empty directory a save into was killed)."""
+    if not p.is_dir() or p.is_symlink():
+        return False
+    return (p / METADATA_FILE).is_file() or all(any(q.fullmatch(e.name) for q in _INSIDE_PATTERNS)
+                                                for e in p.iterdir())
 
 
 def cache_dir(path: str | os.PathLike) -> Path:
@@ -284,7 +288,7 @@ def _clean_stale(path: Path, *, keep: str, before: float) -> None:
     stale = []
     if path.is_dir():
         for e in path.iterdir():
-            if e.name != keep and any(p.fullmatch(e.name) for p in _LIVE_DIR_PATTERNS):
+            if e.name != keep and any(p.fullmatch(e.name) for p in _INSIDE_PATTERNS):
                 stale.append(e)
     beside = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-([0-9a-f]{{12}}|{_TOKEN})")
     for e in path.parent.iterdir():
@@ -547,7 +551,14 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
 
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
-        raise EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory)")
+        hint = ""
+        if path.parent.is_dir():  # hkv's version-1 save, killed between its two renames, left only this
+            old = sorted(e.name for e in path.parent.iterdir() if re.fullmatch(
+                rf"\.{re.escape(path.name)}\.old-[0-9a-f]{{12}}", e.name) and (e / METADATA_FILE).is_file())
+            if old:
+                hint = (f"; {str(path.parent / old[-1])!r} is the checkpoint an interrupted save of an older hkv "
+                        f"moved aside: rename it to {str(path)!r} to use it")
+        raise EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory){hint}")
     doc = read_metadata(path)
     if doc["version"] < 2:
         raise EngineCheckpointError(

@@ -363,3 +363,25 @@ def test_overwrite_keeps_one_version_and_cleans_only_our_stale_entries(restored,
     os.utime(young, (time.time() + 60, time.time() + 60))
     restored.save(path, overwrite=True)
     assert young.exists()
+
+
+def test_leftovers_of_a_killed_first_save_do_not_block_the_next(model, restored, saved, tmp_path):
+    """A save into an empty directory killed before its metadata switch leaves only our entries: the
+    directory is no checkpoint (restore refuses), and overwrite=True may reuse it; a version-1 save
+    killed between its renames left the old checkpoint beside the path: restore names it."""
+    path = tmp_path / "ck"
+    path.mkdir()
+    (path / f"cache-{'e' * 32}").mkdir()
+    (path / f"cache-{'f' * 32}.orbax-checkpoint-tmp-3").mkdir()
+    with pytest.raises(hc.EngineCheckpointError, match="not an hkv engine checkpoint"):
+        hc.restore_engine(path, model)
+    past = time.time() - 60
+    for p in path.iterdir():
+        os.utime(p, (past, past))
+    restored.save(path, overwrite=True)
+    assert sorted(os.listdir(path)) == sorted([hc.METADATA_FILE, hc.cache_dir(path).name])
+    lost = tmp_path / "lost"
+    shutil.copytree(saved[2], tmp_path / ".lost.old-0123456789ab")
+    with pytest.raises(hc.EngineCheckpointError, match=r"not a directory\); .*\.lost\.old-0123456789ab' is the "
+                                                       r"checkpoint an interrupted save"):
+        hc.restore_engine(lost, model)
