@@ -27,7 +27,7 @@ tensor — not against an adversary who controls the weights (the lane sums are 
 hash; whoever can choose weights can construct a collision).
 
 Cost, measured on the 2-core CPU VM this repo is tested on (2026-11-30, float32, 64 arrays of
-16 MiB, the VM shared with other jobs, load average 4-7): 4.7-8 s per GB of weights, compute-bound
+16 MiB, the VM shared with other jobs, load average 4-7): 3.0-8 s per GB of weights, compute-bound
 (XLA:CPU does not vectorise the 32-bit integer multiplies well); a GPU or TPU runs it at memory
 bandwidth. The tiny test model (1 MB, 126 leaves) takes 0.8 s the first time in a process, mostly
 compiling. Memory: no copy of a big leaf; the small leaves' concatenation (<= `GROUP` words).
@@ -200,7 +200,7 @@ def weights_digest(state) -> str:
     Raises:
       WeightsDigestError: a leaf is neither an array nor a plain scalar (names its path).
 
-    Cost: one on-device pass over the weights (4.7-8 s per GB on a busy 2-core CPU, see above); repeated calls on the
+    Cost: one on-device pass over the weights (3-8 s per GB on a busy 2-core CPU, see above); repeated calls on the
     same (immutable, jax.Array) leaves return the cached digest at no cost.
     """
     leaves = _leaves(state)
