@@ -346,7 +346,8 @@ def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...
         raise EngineCheckpointError(f"checkpoint metadata: missing field {where + '.' if where else ''}{missing[0]!r}")
     extra = sorted(k for k in d if k not in required and k not in optional)
     if extra:
-        raise EngineCheckpointError(f"checkpoint metadata: unknown field {where + '.' if where else ''}{_show(extra[0])} "
+        prefix = where + "." if where else ""
+        raise EngineCheckpointError(f"checkpoint metadata: unknown field {prefix}{_show(extra[0])} "
                                     f"(this hkv knows {sorted(required + optional)})")
     return d
 

@@ -89,7 +89,8 @@ def test_every_position_and_bit_of_a_large_array_is_detected(monkeypatch):
     seen = {base}
     for index in (0, 99, 100, 101, 250, 449):
         for bit in (0, 13, 31):
-            d = weights_digest({"w": jax.lax.bitcast_convert_type(u.at[index].set(u[index] ^ jnp.uint32(1 << bit)), jnp.float32)})
+            flipped = u.at[index].set(u[index] ^ jnp.uint32(1 << bit))
+            d = weights_digest({"w": jax.lax.bitcast_convert_type(flipped, jnp.float32)})
             assert d not in seen, (index, bit)
             seen.add(d)
     # swapping two chunks' contents (same multiset of values, other positions) is detected too
