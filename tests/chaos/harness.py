@@ -378,6 +378,8 @@ class Worker:
         except Exception as e:  # noqa: BLE001 — an exception from generate is a failure (counted)
             self._exception(where, e)
             if type(e).__name__ == "CacheCapacityError":  # does it fit once the prefix cache is empty?
+                leaked = {"slot_leak", "running_left", "donated_cache"} & set(self.health())
+                _count(self.counts["capacity_refusals"], "with_a_leaked_slot" if leaked else "idle_engine")
                 try:
                     self.engine.evict_prefixes()
                     gens = self.engine.generate(prompts, MAX_NEW)
