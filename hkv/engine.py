@@ -17,9 +17,13 @@ greedy decoding is deterministic, so its output does not change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import signal
+import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -33,17 +37,54 @@ from . import prefix as px
 from . import swap
 from . import transitions as tr
 from .block_keys import ROOT, key_bytes, key_words, next_key
-from .disk import DiskTier
+from .disk import DiskTier, DiskTierClosedError
 from .memory import architectural_minimum, memory_report
 from .plan import RestorePlan
 from .policy import RetentionPolicy, eviction_order, receptive_field
 from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
+from .weights import weights_digest
 
 RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
 
 
 class CacheCapacityError(RuntimeError):
-    """A request cannot fit in the cache even with every other sequence preempted."""
+    """A request cannot fit in the cache's pools even with nothing else running and every cached
+    prefix evicted. The message lists each pool's capacity and what holds its pages."""
+
+
+class _DeferredInterrupt:
+    """Defers SIGINT (Ctrl-C, a notebook's stop button) to `deliver()`, called between two transitions,
+    so an interrupt never lands between a donating transition and the engine installing its result.
+    Active only in the main thread and only over Python's default SIGINT handler; a second SIGINT
+    before delivery interrupts at once (the engine then recovers in `_abort`). A signal still pending
+    when the scope ends is raised there."""
+
+    def __init__(self):
+        self.pending = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def deliver(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if exc[0] is None:
+            self.deliver()
 
 
 @dataclasses.dataclass
@@ -111,12 +152,14 @@ class Engine:
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
         self.model = model
         self.disk = disk
-        self.spec = model.cache_spec(block_tokens=block_tokens, model_id=model_id)
+        self._graphdef, weights = nnx.split(model)
+        self._weights = jax.tree.map(lambda x: x, weights)  # a snapshot: later changes to `model` cannot alter it
+        self.spec = dataclasses.replace(model.cache_spec(block_tokens=block_tokens, model_id=model_id),
+                                        weights_digest=weights_digest(self._weights))  # the ABI covers the weights
         self.layout = CacheLayout(self.spec, config)
         self.cache = init_cache(self.layout)
         self.prefill_chunk = prefill_chunk
         self.progress = progress
-        self._graphdef, self._weights = nnx.split(model)
         self.compilations = {"prefill": 0, "decode": 0}
         self._stats = {"prompts": 0, "prefill_tokens": 0, "prefill_steps": 0, "decode_steps": 0,
                        "generated_tokens": 0, "preemptions": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
@@ -170,16 +213,39 @@ class Engine:
         self._disk_inflight: set[tuple[bytes, bool]] = set()
         self._running: dict[int, _Seq] = {}
         self._admitting: _Seq | None = None  # the sequence being prefilled (its chain is pinned too)
+        self._interrupt: _DeferredInterrupt | None = None  # set while a public call runs transitions
         self._record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
         # measured costs for restore choices: seconds per prefill chunk, seconds per token from disk
         self._cost = {"chunk": None, "disk_token": None}
 
     # ---------------------------------------------------------------------------------- api
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """Greedy continuation of each prompt (lengths may differ). Inputs are validated before
-        anything runs: an invalid request raises `ValueError` and leaves the cache untouched."""
-        self._validate(prompts, max_new_tokens)
-        queue = deque(_Seq(i, list(map(int, p)), max_new_tokens) for i, p in enumerate(prompts))
+    def generate(self, prompts, max_new_tokens: int) -> list[Generation]:
+        """Greedy continuation of each prompt (lengths may differ).
+
+        Args:
+          prompts: a non-empty list of token-id sequences (lists, tuples or 1-D integer arrays) or a
+            2-D integer array [batch, tokens]; ids in [0, vocab_size).
+          max_new_tokens: an integer >= 0 (Python or numpy; not a bool).
+        Returns:
+          one `Generation` per prompt, in order.
+
+        Inputs are validated before anything runs: an invalid request raises `ValueError` and leaves
+        the cache untouched. An exception or interrupt while it runs (a raising progress callback,
+        Ctrl-C / a notebook's stop button) propagates after the engine has released the aborted
+        requests' slots and pages; `engine.cache` stays a live, consistent value and the next call
+        works. A SIGINT in the main thread is deferred to the next point between two transitions.
+        Raises `CacheCapacityError` when a prompt cannot fit the pools even with nothing else running
+        and every cached prefix evicted (the message says what holds each pool's pages).
+        """
+        prompts, max_new_tokens = self._validate(prompts, max_new_tokens)
+        if self.disk is not None and self.disk.closed:
+            raise DiskTierClosedError(f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
+                                      "with an open hkv.DiskTier (or disk=None) to generate")
+        with self._guard():
+            return self._generate(prompts, max_new_tokens)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        queue = deque(_Seq(i, p, max_new_tokens) for i, p in enumerate(prompts))
         done: dict[int, _Seq] = {}
         running: dict[int, _Seq] = {}
         self._running = running
@@ -195,16 +261,18 @@ class Engine:
                 clock += 1
                 if not self._admit(seq, clock):
                     queue.appendleft(seq)
-                    if not running:
+                    if not running:  # nothing else holds pages but cached prefixes, and they gave way
                         raise CacheCapacityError(
                             f"prompt {seq.index} ({len(seq.prompt) + len(seq.tokens)} tokens) does not fit in the "
-                            f"cache's pools even alone; raise CacheConfig.pool_pages or lower max_context")
+                            f"cache's pools even alone, with every cached prefix evicted; raise "
+                            f"CacheConfig.pool_pages or lower max_context. Pools now: {self._pool_report()}")
                     break
                 running[seq.slot] = seq
                 if seq.done:
                     self._finish(seq, running, done)
             if running:
                 self._decode_all(running, queue, done)
+        self._running = {}
         return [Generation(tokens=d.tokens, logits=np.stack(d.logits) if d.logits
                            else np.zeros((0, self.model.cfg.vocab_size), np.float32),
                            plan=d.plan or RestorePlan.cold(len(d.prompt))) for d in
@@ -230,14 +298,17 @@ class Engine:
         if self.disk is not None:
             self._offload(p)
         every = jnp.asarray(alive)
-        self.cache = self._evict(self.layout, self.cache, every, every, every)
+        with self._guard():
+            self._tx(self._evict, every, every, every)
         self._say(f"evicted {int(alive.sum())} cached prefix records from device memory")
         return int(alive.sum())
 
     def flush_disk(self) -> None:
-        """Wait for every disk write issued so far and mark the committed blocks on disk."""
+        """Wait for every disk write issued so far and mark the committed blocks on disk (nothing to
+        wait for once the tier was closed: `DiskTier.close` finished its writes)."""
         if self.disk is not None:
-            self.disk.flush()
+            if not self.disk.closed:
+                self.disk.flush()
             self._poll_disk()
 
     def save(self, path, *, overwrite: bool = False) -> None:
@@ -276,25 +347,117 @@ class Engine:
         return architectural_minimum(self.spec, context)
 
     # ------------------------------------------------------------------------------ internals
-    def _validate(self, prompts, max_new_tokens) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"{max_new_tokens=} must be an integer >= 0")
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
+    def _validate(self, prompts, max_new_tokens) -> tuple[list[list[int]], int]:
+        """(prompts as lists of Python ints, max_new_tokens as an int), or `ValueError` naming the bad
+        value and the allowed range."""
+        if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0 (Python or numpy, not a bool)")
+        max_new = int(max_new_tokens)
+        if isinstance(prompts, (np.ndarray, jax.Array)):
+            if prompts.ndim != 2:
+                raise ValueError(f"prompts given as an array must be 2-D [batch, tokens]; got shape {prompts.shape}")
+            prompts = list(np.asarray(prompts))
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a non-empty list of token-id sequences or a 2-D integer array; got "
+                             f"{type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id sequences")
         cap = self.layout.config.max_context
         vocab = self.model.cfg.vocab_size
+        out = []
         for i, p in enumerate(prompts):
-            if len(p) == 0:
+            if p is None or isinstance(p, (str, bytes, dict)):
+                raise ValueError(f"prompt {i} is a {type(p).__name__}; it must be a sequence of integer token ids")
+            try:
+                arr = np.asarray(p)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"prompt {i} must be a flat sequence of integer token ids (ragged: {e})") from None
+            if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
-            if len(p) + max_new_tokens > cap:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} = "
-                                 f"{len(p) + max_new_tokens} exceeds max_context={cap}")
-            arr = np.asarray(p)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            if arr.ndim != 1 or arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, "
+                                 f"dtype {arr.dtype}")
+            if arr.size + max_new > cap:
+                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} = {arr.size + max_new} "
+                                 f"exceeds max_context={cap}")
             if arr.min() < 0 or arr.max() >= vocab:
                 raise ValueError(f"prompt {i}: token ids range [{arr.min()}, {arr.max()}] must lie in "
                                  f"[0, vocab_size={vocab})")
+            out.append(arr.tolist())
+        return out, max_new
+
+    # ------------------------------------------------------------------ transitions and safety
+    def _tx(self, fn, *args) -> tuple:
+        """Run the donating transition `fn(layout, cache, *args)` and install its cache at once, so the
+        engine never holds a donated buffer outside a transition. Returns fn's other outputs (a tuple).
+        Then delivers a SIGINT deferred by `_guard`: this is a point between two transitions."""
+        out = fn(self.layout, self.cache, *args)
+        self.cache, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
+        if self._interrupt is not None:
+            self._interrupt.deliver()
+        return rest
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Scope of a public call that runs transitions: SIGINT (main thread, default handler) is
+        deferred to the next point between two transitions (a second SIGINT interrupts at once); any
+        exception or interrupt frees what the call held (`_abort`) before it propagates."""
+        deferred = _DeferredInterrupt()
+        self._interrupt = deferred
+        try:
+            with deferred:
+                yield
+        except BaseException:
+            self._interrupt = None
+            self._abort()
+            raise
+        finally:
+            self._interrupt = None
+
+    def _cache_alive(self) -> bool:
+        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    def _abort(self) -> None:
+        """After an exception inside a call: drop the host state of its requests and release every
+        active slot (between calls no slot is active), so their pages return to the pools and cached
+        prefixes stay as they are. If `engine.cache` was lost (an interrupt landed between a donating
+        transition and its result, or a transition failed after its input was donated), a fresh cache
+        replaces it: cached prefixes on device are dropped (the disk tier keeps its blocks), with a
+        `RuntimeWarning`."""
+        self._running = {}
+        self._admitting = None
+        try:
+            if self._cache_alive():
+                for slot in np.nonzero(np.asarray(self.cache.active))[0]:
+                    self._tx(self._release, jnp.int32(slot))
+                return
+        except Exception:  # noqa: BLE001 — a cache that cannot even release a slot is replaced below
+            pass
+        self.cache = init_cache(self.layout)
+        self._record_stamps = {}
+        warnings.warn("hkv.Engine: the device cache was lost to an interrupted transition and has been "
+                      "re-initialised; cached prefixes on device were dropped", RuntimeWarning, stacklevel=3)
+
+    def _pool_report(self) -> str:
+        """Per pool: capacity, free pages, pages mapped by running slots, pages held only by cached prefix
+        records, and what one sequence of max_context tokens maps at most."""
+        c = jax.device_get(self.cache)
+        active = np.asarray(c.active)
+        alive = np.asarray(c.prefix.state) == px.RecordState.ALIVE
+        parts = []
+        for gi, grp in enumerate(self.layout.groups):
+            g = c.groups[gi]
+            refc = np.asarray(g.refcount)
+            slot_pages = np.unique(np.asarray(g.page_table)[active])
+            slot_pages = slot_pages[slot_pages >= 0]
+            rec_pages = np.unique(np.asarray(c.prefix.pages[gi])[alive]) if self.prefix_enabled else np.zeros(0, int)
+            rec_only = np.setdiff1d(rec_pages[rec_pages >= 0], slot_pages)
+            parts.append(f"pool {gi} ({grp.kind.name}, layers {list(grp.layers)}): {refc.shape[0]} pages, "
+                         f"{int((refc == 0).sum())} free, {len(slot_pages)} mapped by running sequences, "
+                         f"{len(rec_only)} held only by cached prefix records; one sequence maps up to "
+                         f"{self.layout.logical_pages(gi)}")
+        return "; ".join(parts)
 
     def _say(self, msg: str) -> None:
         if self.progress is not None:
@@ -303,7 +466,7 @@ class Engine:
     def _admit(self, seq: _Seq, clock: int) -> bool:
         """Claim a slot and prefill prompt (+ tokens generated before a preemption). False if the
         pools cannot hold it now (slot released again, cache as before)."""
-        self.cache, slot, status = self._claim(self.layout, self.cache)
+        slot, status = self._tx(self._claim)
         if int(status) != Status.OK:
             return False
         slot = int(slot)
@@ -327,16 +490,15 @@ class Engine:
             buf[0, :len(chunk)] = chunk
             while True:
                 t1, compiled = time.perf_counter(), self.compilations["prefill"]
-                self.cache, logits, status = self._prefill(self.layout, self.cache, self._weights, jnp.asarray(buf),
-                                                           jnp.array([slot], jnp.int32),
-                                                           jnp.array([len(chunk)], jnp.int32))
+                logits, status = self._tx(self._prefill, self._weights, jnp.asarray(buf),
+                                          jnp.array([slot], jnp.int32), jnp.array([len(chunk)], jnp.int32))
                 st = int(status)
                 if compiled == self.compilations["prefill"]:
                     self._measure("chunk", time.perf_counter() - t1)
                 if st != Status.NO_PAGES or not self._make_room():
                     break
             if st != Status.OK:
-                self.cache, _ = self._release(self.layout, self.cache, jnp.int32(slot))
+                self._tx(self._release, jnp.int32(slot))
                 seq.slot = -1
                 if st == Status.NO_PAGES:
                     return False
@@ -361,7 +523,7 @@ class Engine:
         self._stats["generated_tokens"] += 1
 
     def _finish(self, seq: _Seq, running: dict, done: dict) -> None:
-        self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
+        self._tx(self._release, jnp.int32(seq.slot))
         running.pop(seq.slot)
         done[seq.index] = seq
 
@@ -373,14 +535,14 @@ class Engine:
             tokens[slot, 0] = seq.tokens[-1]
             n_valid[slot] = 1
         t0 = time.perf_counter()
-        self.cache, logits, status = self._decode(self.layout, self.cache, self._weights, jnp.asarray(tokens),
-                                                  jnp.arange(s, dtype=jnp.int32), jnp.asarray(n_valid))
+        logits, status = self._tx(self._decode, self._weights, jnp.asarray(tokens), jnp.arange(s, dtype=jnp.int32),
+                                  jnp.asarray(n_valid))
         st = int(status)
         if st == Status.NO_PAGES and self._make_room():
             return  # cached prefixes gave way; the same step is retried
         if st == Status.NO_PAGES:  # preempt the youngest sequence; it is recomputed later
             victim = max(running.values(), key=lambda q: q.admitted_at)
-            self.cache, _ = self._release(self.layout, self.cache, jnp.int32(victim.slot))
+            self._tx(self._release, jnp.int32(victim.slot))
             running.pop(victim.slot)
             victim.slot = -1
             queue.appendleft(victim)
@@ -438,8 +600,8 @@ class Engine:
             if i < nb:
                 keys[i], toks[i] = key_words(parent), ids[i * bt:(i + 1) * bt]
         while True:
-            self.cache, vec = self._restore(self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(keys),
-                                            jnp.asarray(toks), jnp.int32(usable))
+            vec, = self._tx(self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks),
+                            jnp.int32(usable))
             plan = RestorePlan.from_vector(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
@@ -457,12 +619,16 @@ class Engine:
         if choice == "window" or (choice == "disk" and plan.disk_tokens is None and window_ok):
             # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
             # slot and restore the entries at the longer boundary, then recompute its window.
-            self._restart_slot(seq)
             padded = np.zeros((self.layout.config.max_context,), np.int32)
             padded[:len(ids)] = ids
-            self.cache, vec, st = self._restore_window(self.layout, self.cache, self._weights, jnp.int32(seq.slot),
-                                                       jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable),
-                                                       jnp.asarray(padded))
+            while True:
+                self._restart_slot(seq)
+                vec, st = self._tx(self._restore_window, self._weights, jnp.int32(seq.slot), jnp.asarray(keys),
+                                   jnp.asarray(toks), jnp.int32(usable), jnp.asarray(padded))
+                no_pages = int(st) == Status.NO_PAGES or int(np.asarray(vec)[px.PLAN_FIELDS.index("status")]) \
+                    == Status.NO_PAGES
+                if not no_pages or not self._make_room():  # pools full: cached objects give way, then retry
+                    break
             window_plan = RestorePlan.from_vector(vec, bt, len(ids))
             if int(st) == Status.OK and window_plan.status == "OK" and window_plan.restored_tokens:
                 plan = dataclasses.replace(window_plan, window_recomputed=(window_plan.restored_tokens - r,
@@ -474,7 +640,7 @@ class Engine:
                 plan = dataclasses.replace(plan, restored_tokens=0, recompute=(0, len(ids)))
                 vec = np.asarray(vec).copy()
                 vec[px.PLAN_FIELDS.index("byte_blocks")] = 0
-        self.cache = self._count_plan(self.layout, self.cache, jnp.asarray(vec))  # once per request
+        self._tx(self._count_plan, jnp.asarray(vec))  # once per request
         if seq.plan is None:  # a preempted request keeps the plan of its first admission
             seq.plan = plan
         restored = plan.restored_tokens
@@ -490,8 +656,8 @@ class Engine:
 
     def _restart_slot(self, seq: _Seq) -> None:
         """Release seq's slot (and whatever a restore mapped into it) and claim a fresh one."""
-        self.cache, _ = self._release(self.layout, self.cache, jnp.int32(seq.slot))
-        self.cache, slot, _ = self._claim(self.layout, self.cache)
+        self._tx(self._release, jnp.int32(seq.slot))
+        slot, _ = self._tx(self._claim)
         seq.slot = int(slot)
 
     def _after_step(self, seq: _Seq) -> None:
@@ -536,8 +702,8 @@ class Engine:
                 keys[j] = key_words(seq.keys[n - 1])
                 toks[j] = ids[(n - 1) * bt:n * bt]
                 lengths[j], retain[j] = n * bt, ret
-            self.cache, recs, _, done = self._record_many(
-                self.layout, self.cache, jnp.int32(seq.slot), jnp.asarray(keys), jnp.int32(seq.parent_record),
+            recs, _, done = self._tx(
+                self._record_many, jnp.int32(seq.slot), jnp.asarray(keys), jnp.int32(seq.parent_record),
                 jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.arange(k) < len(batch))
             recs, done, last_used = jax.device_get((recs, done, self.cache.prefix.last_used))
             for r in recs[:int(done)]:
@@ -567,6 +733,14 @@ class Engine:
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
         order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than,
                                                      never_hit) if k in kinds]
+        unpinned = False
+        if not order and pinned and not self._running and "record" in kinds and used_before is None \
+                and shorter_than is None and not never_hit:
+            # Idle but for the request being admitted, whose own pinned chain holds the pages it needs
+            # (e.g. it re-records blocks it hashed to but could not restore, so its slot shares none of
+            # their pages): cached chains give way, pinned or not; it stops caching if its parent goes.
+            order = [(k, r) for k, r in eviction_order(self.spec, meta, set()) if k in kinds]
+            unpinned = True
         if not order:
             return False
         batch = order[:max(1, len(order) // 8)]
@@ -576,7 +750,11 @@ class Engine:
             (snap if kind == "snapshot" else whole)[r] = True
         if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
             self._offload(p, [r for _, r in batch])
-        self.cache = self._evict(self.layout, self.cache, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
+        self._tx(self._evict, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
+        if unpinned:
+            for q in live:
+                if q.parent_record >= 0 and whole[q.parent_record]:
+                    q.record_stopped = True  # its chain is gone: never extend a record slot reused later
         self._say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
         return True
 
@@ -640,7 +818,7 @@ class Engine:
             k = swap.bucket(len(keys))
             arr = np.zeros((k, 4), np.uint32)
             arr[:len(keys)] = [key_words(x) for x in keys]
-            self.cache = self._mark_on_disk(self.layout, self.cache, jnp.asarray(arr), jnp.arange(k) < len(keys))
+            self._tx(self._mark_on_disk, jnp.asarray(arr), jnp.arange(k) < len(keys))
 
     def _disk_probe(self, seq: _Seq, keys: np.ndarray, ids: list[int], usable: int, l0: int) -> dict:
         """What the disk tier's index holds past the device-restored prefix [0, l0) (no data read):
@@ -683,8 +861,7 @@ class Engine:
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
             while True:
-                self.cache, st = self._swap_in(self.layout, self.cache, jnp.int32(seq.slot), jnp.int32(l0),
-                                               jnp.int32(l1), rows, tails)
+                st, = self._tx(self._swap_in, jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
                 if int(st) != Status.NO_PAGES or not self._make_room():
                     break
             if int(st) != Status.OK:
