@@ -162,6 +162,17 @@ def test_digest_is_computed_once_per_weights_and_again_after_a_change(seed0, mon
     assert weights_digest(state) != d and len(calls) == 4
 
 
+def test_the_engine_runs_the_weights_its_fingerprint_names(seed0):
+    """nnx.split shares Variables with the model: the engine keeps its own (a snapshot, no copy of the
+    arrays), so changing the model afterwards cannot make the engine run weights its digest does not name."""
+    model = init(CFG, seed=0)
+    engine = make_engine(model)
+    model.embed.value = model.embed.value * 2
+    assert weights_digest(engine._weights) == engine.spec.weights_digest  # the weights the engine runs
+    assert weights_digest(nnx.state(model)) != engine.spec.weights_digest
+    assert make_engine(model).spec.fingerprint() != engine.spec.fingerprint()
+
+
 def test_spec_validates_the_digest():
     spec = init(CFG, seed=0).cache_spec()
     with pytest.raises(ValueError, match=r"weights_digest='XYZ' must be None or 32 lowercase hex"):
