@@ -126,7 +126,8 @@ class Engine:
 
     model: see the module docstring (e.g. `models.deepseek_v4.DeepseekV4`).
     config: static cache capacities. block_tokens: state-table / prefix block size.
-    prefill_chunk: tokens per prefill step. model_id: weights identity for the ABI fingerprint.
+    prefill_chunk: tokens per prefill step. model_id: a display label (the ABI fingerprint covers the
+    weights themselves, `hkv.weights_digest`).
     kernel_options: keyword arguments for the model's cached step, e.g. {"kernel_backend": "gpu",
     "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
     retention: where SWA + TAIL snapshots are kept (prefix cache on when config.prefix_records > 0).

@@ -14,7 +14,8 @@ from .config import CSA, HCA, DeepseekV4Config
 
 def cache_spec(cfg: DeepseekV4Config, dtype: str = "float32", block_tokens: int = 16,
                model_id: str = "unknown") -> CacheSpec:
-    """The `CacheSpec` of a DeepSeek-V4 config; `model_id` names the weights (ABI fingerprint)."""
+    """The `CacheSpec` of a DeepSeek-V4 config; `model_id` is a display label (the engine adds the
+    weights digest, which the ABI fingerprint covers)."""
     layers = []
     for i, t in enumerate(cfg.layer_types):
         comp = idx = None
