@@ -946,8 +946,8 @@ def run_verify(store: str, workdir: str, keyed: bool, timeout: float = 120) -> d
            "seconds": round(time.monotonic() - t0, 1), "stderr": r.stderr[-1500:]}
     try:
         rep = json.loads(r.stdout)
-        out["summary"] = {k: rep[k] for k in ("segments", "blocks_ok", "disk_checksum", "disk_missing",
-                                              "disk_truncated", "disk_abi", "orphaned_segments") if k in rep}
+        out["summary"] = {k: v for k, v in rep.items() if isinstance(v, int) and not isinstance(v, bool)
+                          and k != "exit_code"}
         out["problems"] = len(rep.get("problems", []))
     except (json.JSONDecodeError, TypeError):
         out["summary"] = None
