@@ -40,7 +40,7 @@ from .block_keys import ROOT, key_bytes, key_words, next_key
 from .disk import DiskTier, DiskTierClosedError
 from .memory import architectural_minimum, memory_report
 from .plan import RestorePlan
-from .policy import RetentionPolicy, eviction_order, receptive_field
+from .policy import RetentionPolicy, eviction_order, window_rebuild_tokens
 from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
 from .weights import weights_digest
 
@@ -185,7 +185,7 @@ class Engine:
         self._count_plan = jax.jit(px.count_plan, static_argnums=0, donate_argnums=1)
         self._record_many = jax.jit(px.record_many, static_argnums=0, donate_argnums=1)
         self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
-        self.window_recompute_tokens = receptive_field(self.spec)
+        self.window_recompute_tokens = window_rebuild_tokens(self.spec)  # 0: no exact rebuild route
 
         def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
             """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window

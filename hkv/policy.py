@@ -81,6 +81,16 @@ def receptive_field(spec: CacheSpec) -> int:
     return sum((l.window - 1) for l in spec.layers if l.window)
 
 
+def window_rebuild_tokens(spec: CacheSpec) -> int:
+    """Tokens a window rebuild (`hkv.prefix.restore(recompute=R)`) recomputes, R = the receptive field;
+    0 when no rebuild restores exactly: a full-attention layer (window=None) attends to every row
+    before the boundary, and a record keeps those rows only with its snapshot, so a hit without one
+    must shrink to the last snapshot (or come from disk), never rebuild."""
+    if any(l.window is None for l in spec.layers):
+        return 0
+    return receptive_field(spec)
+
+
 def _subtree_max(meta: dict[str, np.ndarray], values: np.ndarray) -> np.ndarray:
     """int[NR]: the max of `values` over each alive record and every alive record extending it;
     -1 for records not alive."""

@@ -344,7 +344,13 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     (whose indexer keys are current), and leave the slot at length L - R with no window and an empty
     TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
     SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
+    Raises ValueError (at trace time) for a spec with a full-attention layer: records keep its rows
+    only with a snapshot, so no rebuild restores it (`hkv.policy.window_rebuild_tokens` is 0 there).
     """
+    if recompute and any(grp.kind == ObjectKind.SWA and grp.keep is None for grp in layout.groups):
+        raise ValueError(f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
+                         f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
+                         f"hkv.policy.window_rebuild_tokens")
     px = cache.prefix
     bt = layout.spec.block_tokens
     nb = keys.shape[0]

@@ -1,0 +1,71 @@
+"""A window rebuild cannot restore a full-attention layer (issue 11 #10, issue 12 #5).
+
+`prefix.restore(recompute=R)` claims only COMPRESSED / INDEXER rows and leaves the SWA window to be
+rebuilt by re-running [L - R, L). A full-attention layer (window=None) needs every row before L, and
+a record keeps those rows only with its snapshot: the rebuilt cache read zeros for rows before
+L - R (a hand-written Gemma-style model restored with max |logit error| 1.32 and status OK). The
+route is now refused for such specs, at trace time in the core and by the engine's choice.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hkv import prefix as px
+from hkv import transitions as tr
+from hkv.block_keys import ROOT, key_words, next_key
+from hkv.policy import receptive_field, window_rebuild_tokens
+from hkv.state import CacheConfig, CacheLayout, Status
+from tests.hkv.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
+
+BT = 8
+
+
+def _recorded_chain(spec, blocks=3):
+    """A slot filled with blocks * BT tokens, every boundary recorded without a snapshot, then
+    released; a fresh slot claimed. Returns (layout, cache, fresh slot, keys, tokens)."""
+    layout = CacheLayout(spec, CacheConfig(slots=2, max_context=48, page_size=4, prefix_records=8))
+    h = Harness(layout)
+    s = h.claim()
+    assert h.append([(s, blocks * BT)]) == Status.OK
+    cache = h.cache
+    nb = layout.num_blocks
+    keys = np.zeros((nb, 4), np.uint32)
+    toks = np.zeros((nb, BT), np.int32)
+    parent, key = -1, ROOT
+    for n in range(1, blocks + 1):
+        toks[n - 1] = np.arange(BT) + 10 * n
+        key = next_key(key, toks[n - 1].tolist())
+        keys[n - 1] = key_words(key)
+        cache, r, st = px.record(layout, cache, jnp.int32(s), jnp.asarray(keys[n - 1]), jnp.int32(parent),
+                                 jnp.asarray(toks[n - 1]), jnp.bool_(False), jnp.int32(n * BT))
+        assert int(st) == Status.OK
+        parent = int(r)
+    cache, _ = tr.release_slot(layout, cache, jnp.int32(s))
+    cache, slot, st = tr.claim_slot(layout, cache)
+    assert int(st) == Status.OK
+    return layout, cache, slot, jnp.asarray(keys), jnp.asarray(toks)
+
+
+def test_window_rebuild_is_refused_for_a_spec_with_full_attention_layers():
+    spec = gemma_like_spec()  # window-6 layers alternating with full-attention layers
+    assert receptive_field(spec) == 10 and window_rebuild_tokens(spec) == 0
+    layout, cache, slot, keys, toks = _recorded_chain(spec)
+    with pytest.raises(ValueError, match="full-attention"):
+        px.restore(layout, cache, slot, keys, toks, jnp.int32(3), recompute=receptive_field(spec))
+    # without a snapshot the plain route restores nothing (swa_missing), never a partial full layer
+    _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(3))
+    v = dict(zip(px.PLAN_FIELDS, np.asarray(plan).tolist()))
+    assert v["hash_blocks"] == 3 and v["byte_blocks"] == 0 and v["reason"] == px.Reason.SWA_MISSING
+
+
+def test_window_rebuild_still_serves_specs_whose_layers_all_have_windows():
+    spec = deepseek_like_spec()
+    r = window_rebuild_tokens(spec)
+    assert r == receptive_field(spec) > 0
+    layout, cache, slot, keys, toks = _recorded_chain(spec, blocks=4)
+    _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(4), recompute=r)
+    v = dict(zip(px.PLAN_FIELDS, np.asarray(plan).tolist()))
+    assert v["status"] == Status.OK and v["byte_blocks"] == 4
