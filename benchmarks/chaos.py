@@ -70,8 +70,9 @@ def main(argv=None) -> int:
                       kill_writer_turns=turns_list(args.kill_writer_turns),
                       save_kill_turns=turns_list(args.save_kill_turns), final_save_kill=not args.no_final_save_kill,
                       corrupt_truth=args.corrupt_truth)
-    print(f"# hkv chaos  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}"
-          f"  {_machine.cores()} cores  {platform.machine()}  python {platform.python_version()}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# hkv chaos  {now:%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}  {_machine.cores()} cores  "
+          f"{platform.machine()}  python {platform.python_version()}")
     print(f"# {' '.join(sys.argv[1:]) or '(defaults)'}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="hkv-chaos-")
     os.makedirs(workdir, exist_ok=True)

@@ -1334,7 +1334,8 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
         if v.get("timed_out"):
             f.append("hkv store verify timed out")
         elif v.get("exit_code") not in (0, 1) or v.get("traceback"):
-            f.append(f"hkv store verify exit {v.get('exit_code')} (must be 0 or 1, no traceback): {v.get('stderr', '')[-600:]}")
+            f.append(f"hkv store verify exit {v.get('exit_code')} (must be 0 or 1, no traceback): "
+                     f"{v.get('stderr', '')[-600:]}")
     return f
 
 
@@ -1346,8 +1347,8 @@ def run_chaos(cfg: ChaosConfig, workdir: str, say=None) -> dict:
 def format_report(rep: dict) -> str:
     if "skipped" in rep:
         return f"skipped: {rep['skipped']}"
-    lines = [f"processes            {rep['processes']} ({rep['rounds']} rounds, {rep['turns']} turns, {rep['seconds']} s, "
-             f"store key {'on' if rep['key'] else 'off'})",
+    lines = [f"processes            {rep['processes']} ({rep['rounds']} rounds, {rep['turns']} turns, "
+             f"{rep['seconds']} s, store key {'on' if rep['key'] else 'off'})",
              f"generations          {rep['generations']}",
              f"tokens checked       {rep['tokens_checked']}",
              f"wrong tokens         {rep['wrong_tokens']}",
