@@ -13,7 +13,7 @@ on ONE shared store), run multi-turn chats while the parent process injects faul
   inside `engine.save(path, overwrite=True)` (paused after each file-system operation of the save:
   at every pause the parent checks that `path` still holds a whole checkpoint, then kills at one of
   them) followed by `Engine.restore(path)`; `KeyboardInterrupt` inside `generate` (raised by the
-  `progress=` callback at a chosen call, or by SIGALRM at a chosen delay) followed by a health check
+  `progress=` callback at a chosen call, or SIGINT sent at a chosen delay) followed by a health check
   (slots released, cache not donated, `check_invariants`) and a retry; a full disk for one turn
   (RLIMIT_FSIZE of 64 bytes: every file write of that process past 64 bytes fails with EFBIG, as
   writes fail on a full file system — unprivileged and confined to one process, unlike mounting a
@@ -266,9 +266,11 @@ class Worker:
             raise KeyboardInterrupt(f"chaos: progress call {a['at']}")
 
     def _alarm(self, *_):
+        """A Ctrl-C at a random moment of generate: SIGINT to this process, handled by whatever
+        SIGINT handler is installed then (Python's raises KeyboardInterrupt; hkv may defer it)."""
         if self.armed is not None and self.armed["mode"] == "signal":
             self.armed = None
-            raise KeyboardInterrupt("chaos: SIGALRM")
+            signal.raise_signal(signal.SIGINT)
 
     def _engine(self, restore: str | None = None):
         hkv = self.hkv
@@ -577,6 +579,9 @@ class Worker:
                 elif kind == "exit":
                     self.close()
                     return
+            except KeyboardInterrupt:  # a SIGINT delivered after generate returned (deferred by hkv)
+                _count(self.counts["interrupts"], "late")
+                self.save_state()
             except Exception as e:  # noqa: BLE001 — the harness itself must not die silently
                 self._exception(f"cmd {kind}", e)
                 self.save_state()
