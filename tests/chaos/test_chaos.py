@@ -1,6 +1,7 @@
 """Issue 11's chaos suite: engines in several processes share one disk tier store while faults are
 injected (store damage, hostile files, budget eviction by another process, a full disk, SIGKILL of a
-writer and of a process inside `save(overwrite=True)` then `Engine.restore`, KeyboardInterrupt inside
+writer and of a process inside `save(overwrite=True)` (then `Engine.restore`, in the long runs),
+KeyboardInterrupt / SIGINT inside
 `generate`, a process with other weights under the same model_id). Asserts: no wrong token, no
 unexpected exception, every store fault harmless or a miss with a documented reason (the tier never
 raises, and still serves restores afterwards), no checkpoint lost by a kill, engines usable and exact
@@ -19,7 +20,8 @@ from .harness import ChaosConfig, format_report, key_supported, run_chaos
 
 # one process with the shared weights + one with other weights (starting a process costs ~35 s of CPU
 # here: ~100 programs traced and loaded from the compilation cache, so the short run restarts none),
-# 3 turns with 5 store faults each (every kind at least once: they are dealt in shuffled rounds),
+# 3 turns with 5 store faults each (kinds are dealt in shuffled rounds: each of the 14-15 kinds once,
+# unless it has no target at that moment),
 # full disk and interrupts at random, the other-weights process SIGKILLed mid-write in turn 1,
 # worker 0 SIGKILLed inside save(overwrite=True) after its final checks (the checkpoint is checked at
 # every file-system operation of the save)
