@@ -1,8 +1,8 @@
 """Issue 11's chaos suite: engines in several processes share one disk tier store while faults are
 injected (store damage, hostile files, budget eviction by another process, a full disk, SIGKILL of a
 writer and of a process inside `save(overwrite=True)` (then `Engine.restore`, in the long runs),
-KeyboardInterrupt / SIGINT inside
-`generate`, a process with other weights under the same model_id). Asserts: no wrong token, no
+KeyboardInterrupt / SIGINT inside `generate`, a process with other weights under the same model_id).
+Asserts: no wrong token, no
 unexpected exception, every store fault harmless or a miss with a documented reason (the tier never
 raises, and still serves restores afterwards), no checkpoint lost by a kill, engines usable and exact
 after interrupts, `hkv store verify` exits 0 or 1 without a traceback. The harness and its report:
