@@ -2,11 +2,11 @@
 injected (store damage, hostile files, budget eviction by another process, a full disk, SIGKILL of a
 writer and of a process inside `save(overwrite=True)` (then `Engine.restore`, in the long runs),
 KeyboardInterrupt / SIGINT inside `generate`, a process with other weights under the same model_id).
-Asserts: no wrong token, no
-unexpected exception, every store fault harmless or a miss with a documented reason (the tier never
-raises, and still serves restores afterwards), no checkpoint lost by a kill, engines usable and exact
-after interrupts, `hkv store verify` exits 0 or 1 without a traceback. The harness and its report:
-tests/chaos/harness.py; the same run as a script: benchmarks/chaos.py.
+Asserts: no wrong token, no unexpected exception, every store fault harmless or a miss with a
+documented reason (the tier never raises, and still serves restores afterwards), no checkpoint lost
+by a kill, engines usable and exact after interrupts, `hkv store verify` exits 0 or 1 without a
+traceback. The harness and its report: tests/chaos/harness.py; the same run as a script:
+benchmarks/chaos.py.
 
 The short run is in `make test`; the long ones and the harness self-check are `slow`."""
 
