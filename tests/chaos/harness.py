@@ -499,8 +499,13 @@ class Worker:
                 self._exception("flush_disk", e)
 
     def final(self) -> None:
-        """After the faults: the engine is idle and exact, and the store still serves restores."""
-        out = {"health": self.health(), "exact": None, "disk_restore": None}
+        """After the faults: the engine is idle and exact, and the store, hostile files and all,
+        still serves what this process writes: a fresh prompt (on an emptied device prefix index,
+        so every block is recorded) is written, evicted, found and read back verified by the tier,
+        then generated again (restored from disk unless the engine's measured costs say recompute)."""
+        from hkv.block_keys import chain_keys
+
+        out = {"health": self.health(), "exact": None, "disk_restore": None, "tier_ok": None}
         if out["health"]:
             for p in out["health"]:
                 _count(self.counts["interrupt_damage"], f"final:{p}")
@@ -508,6 +513,11 @@ class Worker:
         rng = self.np.random.default_rng([self.cfg["seed"], 99, self.wid])
         prompt = rng.integers(0, self.model.cfg.vocab_size, 5 * BT + 7).tolist()
         before = self.counts["wrong_tokens"]
+        try:
+            self.engine.evict_prefixes()
+            self.engine.flush_disk()
+        except Exception as e:  # noqa: BLE001
+            self._exception("final evict_prefixes", e)
         ok = self.generate([prompt], None, "final")
         if self.tier is not None and ok:
             try:
@@ -517,6 +527,13 @@ class Worker:
                 out["evicted"] = self.engine.evict_prefixes()
                 self.engine.flush_disk()
                 out["write_failures"] = self.tier.counters["write_failures"] - wf
+                keys = chain_keys(prompt, BT)
+                toks = [prompt[i * BT:(i + 1) * BT] for i in range(len(keys))]
+                found = self.tier.find_chain(self.engine.spec.fingerprint(), keys, toks)
+                res = self.tier.read(found.refs)
+                out["tier_read"] = {"blocks": len(keys), "found": len(found.refs), "stop": found.stop,
+                                    "verified": len(res.payloads), "reason": res.reason, "detail": res.detail[:200]}
+                out["tier_ok"] = len(res.payloads) == len(keys) and res.reason is None
                 (g,) = self.engine.generate([prompt], MAX_NEW)
                 self.check([g], [prompt], "final from disk")
                 out["disk_restore"] = g.plan.disk_tokens is not None
@@ -524,7 +541,7 @@ class Worker:
                                     "restored": g.plan.restored_tokens}
             except Exception as e:  # noqa: BLE001
                 self._exception("final from disk", e)
-                out["disk_restore"] = False
+                out["tier_ok"] = False
         out["exact"] = ok and self.counts["wrong_tokens"] == before
         out["health_after"] = self.health()
         self.counts["final"] = out
@@ -1321,6 +1338,8 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
     if rep["restores"]["failed"]:
         f.append(f"{rep['restores']['failed']} restores from a checkpoint failed after a SIGKILL: "
                  f"{rep['restore_errors'][:2]}")
+    from hkv.disk import DISK_REASONS as disk_reasons
+
     unknown = set(rep["plan_reasons"]) - known_reasons() - {"None"}
     if unknown:
         f.append(f"plan reasons outside the documented set: {sorted(unknown)}")
@@ -1330,8 +1349,11 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
             continue  # killed for good (the alien) or already reported as a harness failure
         if not fin.get("exact"):
             f.append(f"worker {wid}: final generate after the faults not exact / failed")
-        if fin.get("disk_restore") is False:
-            f.append(f"worker {wid}: the disk tier no longer serves restores after the faults: {fin.get('disk_plan')}")
+        if fin.get("tier_ok") is False:
+            f.append(f"worker {wid}: after the faults the disk tier does not serve the blocks this process just "
+                     f"wrote: {fin.get('tier_read')}")
+        if (fin.get("disk_plan") or {}).get("reason") in disk_reasons:
+            f.append(f"worker {wid}: the engine refused blocks just written to the store: {fin['disk_plan']}")
         if fin.get("health_after"):
             f.append(f"worker {wid}: engine not idle after the final generate: {fin['health_after']}")
     v = rep["verify"]
@@ -1372,6 +1394,9 @@ def format_report(rep: dict) -> str:
     for sp in rep["save_points"]:
         lines.append(f"  kill during save     worker {sp['worker']}: killed after op {sp['killed_after_op']}; "
                      f"checkpoint at each op {sp['ops']}")
+    lines.append("final checks         " + ("; ".join(
+        f"worker {w}: exact {f.get('exact')}, store serves new blocks {f.get('tier_ok')}, "
+        f"restored from disk {f.get('disk_restore')}" for w, f in sorted(rep["final"].items()) if f) or "none"))
     lines.append("exceptions           " + (", ".join(f"{k} {v}" for k, v in rep["exceptions"].items()) or "none"))
     if rep["interrupt_damage"]:
         lines.append(f"engine damage        {rep['interrupt_damage']}")
