@@ -218,7 +218,7 @@ class Worker:
 
     def _exception(self, where: str, e: BaseException) -> None:
         _count(self.counts["exceptions"], type(e).__name__)
-        if len(self.counts["exception_details"]) < 8:
+        if self.counts["exceptions"][type(e).__name__] <= 3:  # the first three of each type
             self.counts["exception_details"].append(
                 f"worker {self.wid} turn {self.turn} {where}: {type(e).__name__}: {str(e)[:300]}\n"
                 + "".join(traceback.format_exception(e)[-3:])[-1200:])
@@ -1327,7 +1327,8 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
     if rep["wrong_tokens"]:
         f.append(f"{rep['wrong_tokens']} wrong tokens: {rep['wrong'][:3]}")
     if rep["exceptions"]:
-        f.append(f"unexpected exceptions {rep['exceptions']}: " + " | ".join(rep["exception_details"][:3]))
+        first = [next((d for d in rep["exception_details"] if f": {t}: " in d), "") for t in rep["exceptions"]]
+        f.append(f"unexpected exceptions {rep['exceptions']}: " + " | ".join(d for d in first if d))
     if rep["interrupt_damage"]:
         f.append(f"engine unusable after an interrupt/exception: {rep['interrupt_damage']}")
     if rep["tier_errors"] or rep["tier_open_failures"] or rep["parent_tier_errors"]:
