@@ -53,6 +53,8 @@ def main(argv=None) -> int:
                     "save(overwrite=True), then restored")
     ap.add_argument("--no-final-save-kill", action="store_true", help="skip the SIGKILL inside a save after the "
                     "final checks")
+    ap.add_argument("--message-tokens", default="6,18", help="a turn's new message, MIN,MAX tokens (larger: chats "
+                    "reach max_context sooner)")
     ap.add_argument("--budget", type=int, default=320 << 10, help="store budget (bytes) of worker 0, 0 for none")
     ap.add_argument("--key", action="store_true", help="DiskTier(key=...) everywhere, plus forged manifests")
     ap.add_argument("--workdir", help="keep the store and logs here (default: a temporary directory, deleted)")
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                       budget_bytes=args.budget or None, kill_alien_turn=1 if alien else None,
                       kill_writer_turns=turns_list(args.kill_writer_turns),
                       save_kill_turns=turns_list(args.save_kill_turns), final_save_kill=not args.no_final_save_kill,
-                      corrupt_truth=args.corrupt_truth)
+                      message_tokens=turns_list(args.message_tokens), corrupt_truth=args.corrupt_truth)
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# hkv chaos  {now:%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}  {_machine.cores()} cores  "
           f"{platform.machine()}  python {platform.python_version()}")

@@ -110,6 +110,7 @@ class ChaosConfig:
     save_every: int = 0  # every worker also saves after each N-th turn (0: only the saves the kills need)
     turn_timeout: float = 240.0
     start_timeout: float = 300.0
+    message_tokens: tuple[int, int] = (6, 18)  # a turn's new message (larger: chats reach max_context sooner)
     corrupt_truth: bool = False  # self-check of the harness: worker 0 flips a truth token (must be caught)
 
 
@@ -118,13 +119,14 @@ class Chat:
     """A deterministic multi-turn chat: prompt(t) = previous prompt + the (true) reply + a message.
     The reply is the truth (not the engine's output), so the workload never depends on a bug."""
 
-    def __init__(self, seed: int, wid: int, vocab: int = 128):
+    def __init__(self, seed: int, wid: int, vocab: int = 128, message: tuple[int, int] = (6, 18)):
         import numpy as np
 
         self.np = np
         self.system = np.random.default_rng([seed, 7]).integers(0, vocab, SYSTEM_TOKENS).tolist()
         self.rng = np.random.default_rng([seed, 11, wid])
         self.vocab = vocab
+        self.message = tuple(message)
         self.history: list[int] = []
         self.asked: list[list[int]] = []  # earlier prompts (for branches)
 
@@ -132,10 +134,10 @@ class Chat:
         return self.rng.integers(0, self.vocab, int(self.rng.integers(lo, hi + 1))).tolist()
 
     def prompts(self, branch: bool) -> list[list[int]]:
-        if not self.history or len(self.history) + 24 + MAX_NEW > MAX_CONTEXT - 8:
+        if not self.history or len(self.history) + self.message[1] + 6 + MAX_NEW > MAX_CONTEXT - 8:
             self.history = self.system + self._msg(8, 20)  # a new conversation
         else:
-            self.history = self.history + self._msg(6, 18)
+            self.history = self.history + self._msg(*self.message)
         out = [list(self.history)]
         if branch and self.asked:
             old = self.asked[int(self.rng.integers(0, len(self.asked)))]
@@ -192,7 +194,7 @@ class Worker:
         self.model = init(tiny_config(), seed=cfg["weights_seed"])
         self.fwd = forward_fn(self.model)
         self.truths: dict[tuple, list[int]] = {}
-        self.chat = Chat(cfg["seed"], cfg["chat_id"])
+        self.chat = Chat(cfg["seed"], cfg["chat_id"], message=cfg.get("message_tokens", (6, 18)))
         self.counts = _new_counts()
         self.turn = 0
         if os.path.exists(self.state_path):
@@ -1002,7 +1004,7 @@ class Parent:
                 "state_path": os.path.join(self.workdir, f"state{wid}.json"),
                 "ckpt": os.path.join(self.workdir, f"ckpt{wid}"), "restore": restore,
                 "budget_bytes": self.cfg.budget_bytes if wid == 0 else None, "warmup": restore is None,
-                "corrupt_truth": self.cfg.corrupt_truth and wid == 0}
+                "corrupt_truth": self.cfg.corrupt_truth and wid == 0, "message_tokens": list(self.cfg.message_tokens)}
 
     def _wait(self, pr: Proc, want: str, timeout: float, on_op=None) -> dict | None:
         """The next event `want` of `pr` (op events go to `on_op`); None if it died or timed out."""

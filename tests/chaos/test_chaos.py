@@ -29,11 +29,12 @@ SHORT = ChaosConfig(workers=1, alien=True, turns=3, seed=11, fault_rate=5.0, int
                     disk_full_rate=0.2, kill_alien_turn=1, kill_writer_turns=(), save_kill_turns=(),
                     final_save_kill=True, turn_timeout=150.0)
 
-# more turns and processes: every honest process saves every 2 turns, worker 0 is SIGKILLed mid-write
-# twice and restarted from its checkpoint, two saves of worker 1 are killed and it is restarted from
-# that checkpoint
-LONG = ChaosConfig(workers=2, alien=True, turns=8, seed=23, fault_rate=3.0, kill_alien_turn=5,
-                   kill_writer_turns=(2, 6), save_kill_turns=(1, 4), save_every=2)
+# more turns and processes, messages of 20-45 tokens (chats reach max_context every ~8 turns: long
+# prompts over a full prefix cache are where an idle engine refused prompts that fit), every honest
+# process saves every 2 turns, worker 0 is SIGKILLed mid-write twice and restarted from its
+# checkpoint, two saves of worker 1 are killed and it is restarted from that checkpoint
+LONG = ChaosConfig(workers=2, alien=True, turns=12, seed=23, fault_rate=3.0, kill_alien_turn=5,
+                   kill_writer_turns=(2, 8), save_kill_turns=(1, 6), save_every=2, message_tokens=(20, 45))
 
 
 def _run(cfg: ChaosConfig, tmp_path) -> dict:
