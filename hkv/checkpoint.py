@@ -42,6 +42,7 @@ installed. Any failure raises; a half-restored engine is never returned.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -603,29 +604,28 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
                 raise EngineCheckpointError(f"leaf {i} cache{name}: stored={m['stored']!r} but its size is {size}")
 
     # Before anything is allocated: the spec the engine will have, its fingerprint, its cache's shapes.
-    try:
+    @contextlib.contextmanager
+    def settings_error(what: str):
+        """A TypeError/ValueError/OverflowError/MemoryError from the saved settings -> EngineCheckpointError."""
+        try:
+            yield
+        except EngineCheckpointError:
+            raise
+        except (TypeError, ValueError, OverflowError, MemoryError) as err:
+            raise EngineCheckpointError(f"{str(path)!r}: {what} (with overrides {sorted(engine_kwargs)}): "
+                                        f"{type(err).__name__}: {str(err)[:300]}") from err
+
+    with settings_error("the saved settings do not describe a cache for this model"):
         bt, mid = kwargs["block_tokens"], kwargs["model_id"]
         spec = dataclasses.replace(model.cache_spec(block_tokens=bt, model_id=mid),
                                    weights_digest=weights_digest(nnx.split(model)[1]))
         refuse_fingerprint(spec)
         layout = CacheLayout(spec, config)
         shapes = jax.eval_shape(lambda: init_cache(layout))
-    except EngineCheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, MemoryError) as err:
-        raise EngineCheckpointError(f"{str(path)!r}: the saved settings (with overrides "
-                                    f"{sorted(engine_kwargs)}) do not describe a cache for this model: "
-                                    f"{type(err).__name__}: {str(err)[:300]}") from err
     refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
 
-    try:
+    with settings_error("cannot build an engine from the saved settings"):
         engine = Engine(model, config, **kwargs)
-    except EngineCheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, MemoryError) as err:
-        raise EngineCheckpointError(f"{str(path)!r}: cannot build an engine from the saved settings (with "
-                                    f"overrides {sorted(engine_kwargs)}): {type(err).__name__}: "
-                                    f"{str(err)[:300]}") from err
     refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
 
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
