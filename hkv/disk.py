@@ -414,7 +414,7 @@ class DiskTier:
         self._staging = np.empty((0,), np.uint8)  # the writer thread's segment buffer (largest segment so far)
         self._hits: dict[str, dict[str, int]] = {}
         self.counters = {"segments_written": 0, "blocks_written": 0, "bytes_written": 0, "write_failures": 0,
-                         "writes_dropped": 0, "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
+                         "hit_write_failures": 0, "writes_dropped": 0, "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
                          **{f"rejected_{r}": 0 for r in DISK_REASONS}}
         self.refresh(force=True)
         self._load_own_hits()
@@ -818,7 +818,7 @@ class DiskTier:
             with self._lock:
                 pending = list(self._pending)
             concurrent.futures.wait(pending, timeout=timeout)
-        self.save_hits()
+        self._save_hits_advisory()
 
     # -------------------------------------------------------------------------------- read
     def read(self, refs: list[BlockRef], expect: Callable[[dict], dict[str, tuple[np.dtype, tuple]]] | None = None,
@@ -1111,8 +1111,18 @@ class DiskTier:
         report["problems"] += [f"data/{a}/{s}/: no manifest (an interrupted write; ignored)" for a, s in orphans]
         return report
 
+    def _save_hits_advisory(self) -> None:
+        """`save_hits` for `flush` / `close`: hit counts are statistics, so a write that fails (a full
+        disk, a read-only store) is counted in `counters["hit_write_failures"]`, never raised."""
+        try:
+            self.save_hits()
+        except Exception as e:  # noqa: BLE001 — statistics must not fail a flush (or the engine calling it)
+            self.counters["hit_write_failures"] += 1
+            self._say(f"disk tier: hit counts not saved ({type(e).__name__}: {str(e)[:200]})")
+
     def save_hits(self) -> None:
-        """Persist this writer's restore counts (read by `stats` of any process)."""
+        """Persist this writer's restore counts (read by `stats` of any process); raises what the
+        kvstore raises (`flush` and `close` call it through `_save_hits_advisory`)."""
         with self._lock:
             hits = {abi: dict(h) for abi, h in self._hits.items()}
         for abi, h in hits.items():

@@ -287,3 +287,37 @@ def test_use_after_close_raises_a_named_error(tmp_path):
                  lambda: tier.find_chain(ABI, *_keys(blocks)), tier.flush):
         with pytest.raises(DiskTierClosedError, match="this DiskTier was closed.*open a new DiskTier"):
             call()
+
+
+class _FullDiskForHits:
+    """A kvstore proxy whose writes under hits/ fail as tensorstore fails on a full file system."""
+
+    def __init__(self, kv):
+        self._kv = kv
+
+    def write(self, key, value, *a, **kw):
+        if str(key).startswith("hits/"):
+            raise ValueError(f'OUT_OF_RANGE: Failed writing: "{key}.__lock": File too large [os_error_code=27]')
+        return self._kv.write(key, value, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+
+def test_a_full_disk_never_fails_flush_or_close_through_hit_counts(store):
+    """Found by the chaos suite: with a full disk, `flush` (and so `Engine.write_through`,
+    `flush_disk`, `save`, `close`) raised the kvstore's ValueError from saving restore-hit counts,
+    which are statistics. Now the failure is counted and the tier goes on serving."""
+    tier = DiskTier(str(store))
+    blocks = _chain("a", 3, 1)
+    found = tier.find_chain(ABI, *_keys(blocks))
+    assert tier.read(found.refs).reason is None  # a hit to save
+    real = tier.kv
+    tier.kv = _FullDiskForHits(real)
+    tier.flush()
+    assert tier.counters["hit_write_failures"] == 1
+    tier.kv = real  # (tensorstore's array reads need the real kvstore object)
+    _intact(tier)
+    tier.kv = _FullDiskForHits(real)
+    tier.close()
+    assert tier.counters["hit_write_failures"] == 2 and tier.closed
