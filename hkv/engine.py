@@ -443,16 +443,16 @@ class Engine:
     def _pool_report(self) -> str:
         """Per pool: capacity, free pages, pages mapped by running slots, pages held only by cached prefix
         records, and what one sequence of max_context tokens maps at most."""
-        c = jax.device_get(self.cache)
-        active = np.asarray(c.active)
-        alive = np.asarray(c.prefix.state) == px.RecordState.ALIVE
+        c = self.cache  # only page bookkeeping crosses to the host, never the pools' rows
+        active, state = jax.device_get((c.active, c.prefix.state))
+        alive = np.asarray(state) == px.RecordState.ALIVE
         parts = []
         for gi, grp in enumerate(self.layout.groups):
-            g = c.groups[gi]
-            refc = np.asarray(g.refcount)
-            slot_pages = np.unique(np.asarray(g.page_table)[active])
+            refc, table, held = (np.asarray(a) for a in jax.device_get(
+                (c.groups[gi].refcount, c.groups[gi].page_table, c.prefix.pages[gi])))
+            slot_pages = np.unique(table[np.asarray(active)])
             slot_pages = slot_pages[slot_pages >= 0]
-            rec_pages = np.unique(np.asarray(c.prefix.pages[gi])[alive]) if self.prefix_enabled else np.zeros(0, int)
+            rec_pages = np.unique(held[alive]) if self.prefix_enabled else np.zeros(0, int)
             rec_only = np.setdiff1d(rec_pages[rec_pages >= 0], slot_pages)
             parts.append(f"pool {gi} ({grp.kind.name}, layers {list(grp.layers)}): {refc.shape[0]} pages, "
                          f"{int((refc == 0).sum())} free, {len(slot_pages)} mapped by running sequences, "
