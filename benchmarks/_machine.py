@@ -14,7 +14,14 @@ def cores() -> int:
 def hkv_revision() -> str:
     """Short git revision of the checkout the benchmarks live in ("?" outside git)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"

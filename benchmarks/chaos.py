@@ -35,26 +35,43 @@ from tests.chaos.harness import STORE_FAULTS, ChaosConfig, format_report, run_ch
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--processes", type=int, default=3, help="engine processes on the store, the alien included")
     ap.add_argument("--no-alien", action="store_true", help="every process runs the same weights")
     ap.add_argument("--turns", type=int, default=6, help="turns per process (a minimum with --duration)")
     ap.add_argument("--duration", type=float, default=0, help="seconds of turns (0: just --turns)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fault-rate", type=float, default=3.0, help="store faults per turn (1.5: one or two); "
-                    "kinds are dealt in shuffled rounds, so 15 faults inject every kind")
+    ap.add_argument(
+        "--fault-rate",
+        type=float,
+        default=3.0,
+        help="store faults per turn (1.5: one or two); "
+        "kinds are dealt in shuffled rounds, so 15 faults inject every kind",
+    )
     ap.add_argument("--faults", default=",".join(STORE_FAULTS), help="store fault kinds, comma-separated")
     ap.add_argument("--interrupt-rate", type=float, default=0.35, help="per generate call")
     ap.add_argument("--disk-full-rate", type=float, default=0.15, help="per turn and process")
-    ap.add_argument("--kill-writer-turns", default="3", help="turns at which worker 0 is SIGKILLed mid-write "
-                    "and restarted from its checkpoint (comma-separated; '' for none)")
-    ap.add_argument("--save-kill-turns", default="1,4", help="turns after which a process is SIGKILLed inside "
-                    "save(overwrite=True), then restored")
-    ap.add_argument("--no-final-save-kill", action="store_true", help="skip the SIGKILL inside a save after the "
-                    "final checks")
-    ap.add_argument("--message-tokens", default="6,18", help="a turn's new message, MIN,MAX tokens (larger: chats "
-                    "reach max_context sooner)")
+    ap.add_argument(
+        "--kill-writer-turns",
+        default="3",
+        help="turns at which worker 0 is SIGKILLed mid-write "
+        "and restarted from its checkpoint (comma-separated; '' for none)",
+    )
+    ap.add_argument(
+        "--save-kill-turns",
+        default="1,4",
+        help="turns after which a process is SIGKILLed inside save(overwrite=True), then restored",
+    )
+    ap.add_argument(
+        "--no-final-save-kill", action="store_true", help="skip the SIGKILL inside a save after the final checks"
+    )
+    ap.add_argument(
+        "--message-tokens",
+        default="6,18",
+        help="a turn's new message, MIN,MAX tokens (larger: chats reach max_context sooner)",
+    )
     ap.add_argument("--budget", type=int, default=320 << 10, help="store budget (bytes) of worker 0, 0 for none")
     ap.add_argument("--key", action="store_true", help="DiskTier(key=...) everywhere, plus forged manifests")
     ap.add_argument("--workdir", help="keep the store and logs here (default: a temporary directory, deleted)")
@@ -64,17 +81,30 @@ def main(argv=None) -> int:
 
     alien = not args.no_alien and args.processes >= 2
     turns_list = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
-    cfg = ChaosConfig(workers=args.processes - alien, alien=alien, turns=args.turns,
-                      duration=args.duration or None, seed=args.seed, fault_rate=args.fault_rate,
-                      store_faults=tuple(f for f in args.faults.split(",") if f), key=args.key,
-                      interrupt_rate=args.interrupt_rate, disk_full_rate=args.disk_full_rate,
-                      budget_bytes=args.budget or None, kill_alien_turn=1 if alien else None,
-                      kill_writer_turns=turns_list(args.kill_writer_turns),
-                      save_kill_turns=turns_list(args.save_kill_turns), final_save_kill=not args.no_final_save_kill,
-                      message_tokens=turns_list(args.message_tokens), corrupt_truth=args.corrupt_truth)
+    cfg = ChaosConfig(
+        workers=args.processes - alien,
+        alien=alien,
+        turns=args.turns,
+        duration=args.duration or None,
+        seed=args.seed,
+        fault_rate=args.fault_rate,
+        store_faults=tuple(f for f in args.faults.split(",") if f),
+        key=args.key,
+        interrupt_rate=args.interrupt_rate,
+        disk_full_rate=args.disk_full_rate,
+        budget_bytes=args.budget or None,
+        kill_alien_turn=1 if alien else None,
+        kill_writer_turns=turns_list(args.kill_writer_turns),
+        save_kill_turns=turns_list(args.save_kill_turns),
+        final_save_kill=not args.no_final_save_kill,
+        message_tokens=turns_list(args.message_tokens),
+        corrupt_truth=args.corrupt_truth,
+    )
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"# hkv chaos  {now:%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}  {_machine.cores()} cores  "
-          f"{platform.machine()}  python {platform.python_version()}")
+    print(
+        f"# hkv chaos  {now:%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}  {_machine.cores()} cores  "
+        f"{platform.machine()}  python {platform.python_version()}"
+    )
     print(f"# {' '.join(sys.argv[1:]) or '(defaults)'}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="hkv-chaos-")
     os.makedirs(workdir, exist_ok=True)

@@ -97,8 +97,10 @@ def prefault(gib: float, quiet: bool = False) -> None:
     a[::4096] = 2
     del a
     if not quiet:
-        say(f"prefaulted {gib:g} GiB of memory in {time.perf_counter() - t:.2f} s "
-        f"({gib * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s first touch)")
+        say(
+            f"prefaulted {gib:g} GiB of memory in {time.perf_counter() - t:.2f} s "
+            f"({gib * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s first touch)"
+        )
 
 
 def dir_bytes(path: str) -> int:
@@ -143,8 +145,9 @@ def make_segments(layout, n_segments: int, blocks: int, rng) -> list:
                 n = int(np.prod(shape)) * dt.itemsize
                 objs[name] = (np.frombuffer(rng.bytes(n), np.uint8).view(dt).reshape(shape), 0)
             key = rng.bytes(16)
-            chain.append(BlockPayload(key, parent, i, (i + 1) * bt, rng.integers(0, 1 << 17, bt).tolist(), 0, snap,
-                                      objs))
+            chain.append(
+                BlockPayload(key, parent, i, (i + 1) * bt, rng.integers(0, 1 << 17, bt).tolist(), 0, snap, objs)
+            )
             parent = key
         segs.append(chain)
     return segs
@@ -178,8 +181,12 @@ def open_tier(kind: str, path: str, chunk_bytes: int, context: dict | None, shar
 
     from hkv.disk import DiskTier
 
-    return DiskTier(store_spec(kind, path), chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
-                    context=ts.Context(context) if context else None)
+    return DiskTier(
+        store_spec(kind, path),
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        context=ts.Context(context) if context else None,
+    )
 
 
 def tier_restore(tier, layout, segs, check: bool = False) -> None:
@@ -210,9 +217,11 @@ def io_benchmark(args, root: str) -> dict:
     total = n_seg * seg_bytes
     plain = sum(a.nbytes for b in one[0] for n, (a, _) in b.objects.items() if n.endswith(".rows")) / blocks
     snap = seg_bytes - plain * blocks
-    say(f"part 1: {n_seg} segments x {blocks} blocks of {args.block_tokens} tokens (DeepSeek-V4-Flash, bf16: "
+    say(
+        f"part 1: {n_seg} segments x {blocks} blocks of {args.block_tokens} tokens (DeepSeek-V4-Flash, bf16: "
         f"{plain / 1024:.0f} KiB per block on average, + {snap / 2**20:.1f} MiB SWA window + TAIL on "
-        f"the last) = {total / 2**20:.1f} MiB; chunk_bytes {args.chunk_bytes}; {args.io_repeats} repeats")
+        f"the last) = {total / 2**20:.1f} MiB; chunk_bytes {args.chunk_bytes}; {args.io_repeats} repeats"
+    )
     kinds = ["raw", "file"] + (["ocdbt"] if not args.no_ocdbt else [])
     res = {k: {"write": [], "warm": [], "cold": []} for k in kinds}  # (wall s, CPU s) per repeat
     stored = {}
@@ -221,7 +230,7 @@ def io_benchmark(args, root: str) -> dict:
         d = tempfile.mkdtemp(prefix=f"rep{rep}-", dir=root)
         tiers = {}
         try:
-            for k in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:  # each kind goes first in turn
+            for k in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:  # each kind goes first in turn
                 p = os.path.join(d, k)
                 prefault(min(1, args.prefault_gib), quiet=True)
                 if k == "raw":
@@ -232,8 +241,10 @@ def io_benchmark(args, root: str) -> dict:
                     w, c = timed(lambda t: [f.result() for f in [t.write_async(abi, ch) for ch in segs]], tiers[k])
                 res[k]["write"].append((w, c))
                 stored[k] = dir_bytes(p)
-                say(f"  repeat {rep + 1}/{args.io_repeats}: {k:<5} write        {total / w / 1e6:6.0f} MB/s "
-                    f"({w:.2f} s, CPU {c:.2f} s)")
+                say(
+                    f"  repeat {rep + 1}/{args.io_repeats}: {k:<5} write        {total / w / 1e6:6.0f} MB/s "
+                    f"({w:.2f} s, CPU {c:.2f} s)"
+                )
             for phase in ("warm", "cold"):
                 if phase == "cold":
                     drop_page_cache(d)
@@ -243,8 +254,10 @@ def io_benchmark(args, root: str) -> dict:
                     else:
                         w, c = timed(tier_restore, tiers[k], layout, segs)
                     res[k][phase].append((w, c))
-                    say(f"  repeat {rep + 1}/{args.io_repeats}: {k:<5} read ({phase}) {total / w / 1e6:6.0f} MB/s "
-                        f"({w:.2f} s, CPU {c:.2f} s)")
+                    say(
+                        f"  repeat {rep + 1}/{args.io_repeats}: {k:<5} read ({phase}) {total / w / 1e6:6.0f} MB/s "
+                        f"({w:.2f} s, CPU {c:.2f} s)"
+                    )
             if rep == 0:  # untimed: the restored bytes are the written bytes
                 for k in tiers:
                     tier_restore(tiers[k], layout, segs, check=True)
@@ -253,17 +266,28 @@ def io_benchmark(args, root: str) -> dict:
             for t in tiers.values():
                 t.close()
             shutil.rmtree(d, ignore_errors=True)
-    return {"res": res, "total": total, "stored": stored, "segments": n_seg, "blocks": blocks,
-            "block_bytes": plain, "segment_bytes": seg_bytes}
+    return {
+        "res": res,
+        "total": total,
+        "stored": stored,
+        "segments": n_seg,
+        "blocks": blocks,
+        "block_bytes": plain,
+        "segment_bytes": seg_bytes,
+    }
 
 
 def print_io(args, io: dict) -> dict:
     res, total = io["res"], io["total"]
-    print(f"\n== part 1: store / restore throughput, {total / 2**20:.1f} MiB in {io['segments']} segments of "
-          f"{io['segment_bytes'] / 1e6:.1f} MB; MB/s median (best) of {args.io_repeats} repeats; x raw = median over "
-          f"the repeats of hkv MB/s / raw MB/s in the same repeat; CPU = MB per CPU-second of the process (all threads)")
-    print(f"{'':<6}{'write + fsync':>36}{'read, warm page cache':>36}{'read, page cache dropped':>36}"
-          f"{'stored/payload':>16}")
+    print(
+        f"\n== part 1: store / restore throughput, {total / 2**20:.1f} MiB in {io['segments']} segments of "
+        f"{io['segment_bytes'] / 1e6:.1f} MB; MB/s median (best) of {args.io_repeats} repeats; x raw = median over "
+        f"the repeats of hkv MB/s / raw MB/s in the same repeat; CPU = MB per CPU-second of the process (all threads)"
+    )
+    print(
+        f"{'':<6}{'write + fsync':>36}{'read, warm page cache':>36}{'read, page cache dropped':>36}"
+        f"{'stored/payload':>16}"
+    )
     ratios = {}
     for k, r in res.items():
         cells = []
@@ -273,17 +297,29 @@ def print_io(args, io: dict) -> dict:
             cpu = total / med([c for _, c in r[phase]])
             ratio = med([rw / w for (rw, _), (w, _) in zip(res["raw"][phase], r[phase])])
             ratios[(k, phase)] = ratio
-            cells.append(f"{m / 1e6:5.0f} ({b / 1e6:5.0f}) " + (f"{ratio:4.2f}x " if k != "raw" else " " * 6)
-                         + f"CPU {cpu / 1e6:5.0f}")
+            cells.append(
+                f"{m / 1e6:5.0f} ({b / 1e6:5.0f}) "
+                + (f"{ratio:4.2f}x " if k != "raw" else " " * 6)
+                + f"CPU {cpu / 1e6:5.0f}"
+            )
         print(f"{k:<6}" + "".join(f"{c:>36}" for c in cells) + f"{io['stored'][k] / total:>15.3f}x")
     for k in res:
         if k == "raw":
             continue
         w, warm, cold = ratios[(k, "write")], ratios[(k, "warm")], ratios[(k, "cold")]
-        rd = ("met" if min(warm, cold) >= 0.4 else "met cold only" if cold >= 0.4 else
-              "met warm only" if warm >= 0.4 else "NOT met")
-        print(f"{k}: writes {w:.2f}x raw [target >= 0.7x: {'met' if w >= 0.7 else 'NOT met'}]; reads {warm:.2f}x "
-              f"(warm) / {cold:.2f}x (page cache dropped) raw [target >= 0.4x: {rd}]")
+        rd = (
+            "met"
+            if min(warm, cold) >= 0.4
+            else "met cold only"
+            if cold >= 0.4
+            else "met warm only"
+            if warm >= 0.4
+            else "NOT met"
+        )
+        print(
+            f"{k}: writes {w:.2f}x raw [target >= 0.7x: {'met' if w >= 0.7 else 'NOT met'}]; reads {warm:.2f}x "
+            f"(warm) / {cold:.2f}x (page cache dropped) raw [target >= 0.4x: {rd}]"
+        )
     return {f"{k}_{p}": v for (k, p), v in ratios.items()}
 
 
@@ -302,8 +338,10 @@ def sweep(args, root: str) -> None:
     for n in (1, 4, 32):
         configs.append((1 << 19, {"file_io_concurrency": {"limit": n}, "data_copy_concurrency": {"limit": n}}))
     configs.append((1 << 19, {"cache_pool": {"total_bytes_limit": 256 << 20}}))
-    say(f"sweep: {total / 2**20:.0f} MiB ({n_seg} segments), {len(configs)} configurations x {args.sweep_repeats} "
-        f"repeats (file store; raw measured right before each)")
+    say(
+        f"sweep: {total / 2**20:.0f} MiB ({n_seg} segments), {len(configs)} configurations x {args.sweep_repeats} "
+        f"repeats (file store; raw measured right before each)"
+    )
     acc = [{} for _ in configs]
 
     def write_all(tier):
@@ -336,14 +374,18 @@ def sweep(args, root: str) -> None:
             finally:
                 shutil.rmtree(d, ignore_errors=True)
         say(f"  sweep repeat {rep + 1}/{args.sweep_repeats} done")
-    print(f"\n== sweep (file store): median over {args.sweep_repeats} repeats of MB/s, hkv/raw ratio (paired per "
-          f"repeat) and MB per CPU-second of the process")
+    print(
+        f"\n== sweep (file store): median over {args.sweep_repeats} repeats of MB/s, hkv/raw ratio (paired per "
+        f"repeat) and MB per CPU-second of the process"
+    )
     for (chunk, ctx), a in zip(configs, acc):
         cells = []
         for phase, label in (("w", "write"), ("warm", "read warm"), ("cold", "read cold")):
             v = a[phase]
-            cells.append(f"{label} {med([x[0] for x in v]) / 1e6:5.0f} MB/s {med([x[1] for x in v]):4.2f}x "
-                         f"({med([x[2] for x in v]) / 1e6:4.0f}/CPU-s)")
+            cells.append(
+                f"{label} {med([x[0] for x in v]) / 1e6:5.0f} MB/s {med([x[1] for x in v]):4.2f}x "
+                f"({med([x[2] for x in v]) / 1e6:4.0f}/CPU-s)"
+            )
         print(f"  chunk {chunk >> 10:>5} KiB {json.dumps(ctx) if ctx else 'default context':<84} " + "; ".join(cells))
 
 
@@ -362,8 +404,10 @@ def breakdown(args, root: str) -> tuple[int, dict]:
     total = sum(a.nbytes for a in objs)
     abi = layout.spec.fingerprint()
     acc: dict[str, list[tuple[float, float]]] = {}
-    say(f"breakdown: DiskTier's write and read steps one by one on one {total / 1e6:.0f} MB segment, "
-        f"{args.sweep_repeats} repeats")
+    say(
+        f"breakdown: DiskTier's write and read steps one by one on one {total / 1e6:.0f} MB segment, "
+        f"{args.sweep_repeats} repeats"
+    )
 
     class Step:
         def __init__(self, name):
@@ -389,25 +433,33 @@ def breakdown(args, root: str) -> tuple[int, dict]:
             buf[:] = 0  # faulted in (DiskTier reuses its staging buffer)
             with Step("write: hkv 1/3 objects copied into the staging buffer"):
                 for o, src in parts:
-                    buf[o:o + src.size] = src
+                    buf[o : o + src.size] = src
             with Step("write: hkv 2/3 crc32 per object"):
-                crcs = [zlib.crc32(buf[o:o + src.size]) for o, src in parts]
+                crcs = [zlib.crc32(buf[o : o + src.size]) for o, src in parts]
             kv = ts.KvStore.open({"driver": "file", "path": os.path.join(d, "ts") + "/"}).result()
             with Step("write: hkv 3/3 tensorstore: every shard written + committed, one after another"):
-                arr = ts.open(hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True,
-                              assume_metadata=True).result()
+                arr = ts.open(
+                    hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
+                ).result()
                 for lo, hi in lay.shards:
                     arr[lo:hi].write(buf[lo:hi]).result()
             with Step("  (3/3 with every shard write issued at once)"):
-                arr = ts.open(hd._array_spec(kv / "concurrent/", lay.padded, lay.chunk, lay.shard), open=True,
-                              assume_metadata=True).result()
+                arr = ts.open(
+                    hd._array_spec(kv / "concurrent/", lay.padded, lay.chunk, lay.shard),
+                    open=True,
+                    assume_metadata=True,
+                ).result()
                 for f in [arr[lo:hi].write(buf[lo:hi]) for lo, hi in lay.shards]:
                     f.result()
             with Step("  (3/3 as one shard in one transaction: DiskTier before the pipeline)"):
                 one = hd._Layout.plan(lay.padded, args.chunk_bytes, lay.padded)
                 txn = ts.Transaction()
-                arr = ts.open(hd._array_spec(kv / "txn/", one.padded, one.chunk, one.shard), open=True,
-                              assume_metadata=True, transaction=txn).result()
+                arr = ts.open(
+                    hd._array_spec(kv / "txn/", one.padded, one.chunk, one.shard),
+                    open=True,
+                    assume_metadata=True,
+                    transaction=txn,
+                ).result()
                 arr[...] = buf
                 txn.commit_async().result()
             flat = buf.tobytes()
@@ -422,11 +474,12 @@ def breakdown(args, root: str) -> tuple[int, dict]:
             drop_page_cache(d)
             with Step("read (page cache dropped): raw"):
                 raw_read(os.path.join(d, "raw"), segs)
-            arr = ts.open(hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True,
-                          assume_metadata=True).result()
+            arr = ts.open(
+                hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
+            ).result()
             drop_page_cache(d)
             with Step("read (page cache dropped): hkv, one zarr3 read per object"):
-                got = [f.result() for f in [arr[o:o + src.size].read() for o, src in parts]]  # as DiskTier.read
+                got = [f.result() for f in [arr[o : o + src.size].read() for o, src in parts]]  # as DiskTier.read
             with Step("  + zlib.crc32 per object (DiskTier.read checks both)"):
                 ok = [zlib.crc32(g) for g in got] == crcs
             drop_page_cache(d)
@@ -435,7 +488,7 @@ def breakdown(args, root: str) -> tuple[int, dict]:
             drop_page_cache(d)
             with Step("read (page cache dropped): hkv, whole array in one zarr3 read"):
                 whole = arr.read().result()
-            ok &= [zlib.crc32(whole[o:o + src.size]) for o, src in parts] == crcs
+            ok &= [zlib.crc32(whole[o : o + src.size]) for o, src in parts] == crcs
             if not ok:
                 raise SystemExit("breakdown: crc mismatch")
         finally:
@@ -444,8 +497,10 @@ def breakdown(args, root: str) -> tuple[int, dict]:
 
 
 def print_breakdown(args, total: int, acc: dict) -> None:
-    print(f"\nwhere the time goes: DiskTier's steps re-run one by one on one {total / 1e6:.0f} MB segment (chunk_bytes "
-          f"{args.chunk_bytes}); median of {args.sweep_repeats}: wall, throughput, CPU seconds (all threads)")
+    print(
+        f"\nwhere the time goes: DiskTier's steps re-run one by one on one {total / 1e6:.0f} MB segment (chunk_bytes "
+        f"{args.chunk_bytes}); median of {args.sweep_repeats}: wall, throughput, CPU seconds (all threads)"
+    )
     for k, v in acc.items():
         w, c = med([x[0] for x in v]), med([x[1] for x in v])
         print(f"  {k:<72} {w:6.3f} s {total / w / 1e6:6.0f} MB/s   CPU {c:6.3f} s")
@@ -492,16 +547,24 @@ def engine_benchmark(args, root: str) -> dict:
         else:  # the cached history + a slot restoring it
             pools.append(2 * base.pool_pages(g) + 8)
     records = mc // bt + 16
-    config = hkv.CacheConfig(slots=1, max_context=mc, page_size=16, pool_pages=tuple(pools), prefix_records=records,
-                             tail_snapshots=snaps)
+    config = hkv.CacheConfig(
+        slots=1, max_context=mc, page_size=16, pool_pages=tuple(pools), prefix_records=records, tail_snapshots=snaps
+    )
     store = os.path.join(root, "engine-store")
     tier = TimedTier(store)
     engine = hkv.Engine(model, config, block_tokens=bt, prefill_chunk=chunk, model_id="tiny-seed0", disk=tier)
-    cold = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=mc, page_size=16), block_tokens=bt,
-                      prefill_chunk=chunk, model_id="tiny-seed0")
-    say(f"part 2: tiny DeepSeek-V4 (layers {list(cfg.layer_types)}, window {cfg.sliding_window}, CSA m="
+    cold = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=1, max_context=mc, page_size=16),
+        block_tokens=bt,
+        prefill_chunk=chunk,
+        model_id="tiny-seed0",
+    )
+    say(
+        f"part 2: tiny DeepSeek-V4 (layers {list(cfg.layer_types)}, window {cfg.sliding_window}, CSA m="
         f"{cfg.compress_rate_csa}, HCA m={cfg.compress_rate_hca}, hidden {cfg.hidden_size}), float32, seed 0; "
-        f"block_tokens {bt}, prefill_chunk {chunk}; {config}")
+        f"block_tokens {bt}, prefill_chunk {chunk}; {config}"
+    )
     every = jnp.ones((records,), bool)
 
     def forget():
@@ -509,8 +572,9 @@ def engine_benchmark(args, root: str) -> dict:
 
     rng = np.random.default_rng(7)
     base_prompt = rng.integers(0, cfg.vocab_size, kmax).tolist()
-    news = {k: int((base_prompt[k] + 1) % cfg.vocab_size) if k < kmax else int(rng.integers(cfg.vocab_size))
-            for k in ks}
+    news = {
+        k: int((base_prompt[k] + 1) % cfg.vocab_size) if k < kmax else int(rng.integers(cfg.vocab_size)) for k in ks
+    }
     prompts = {k: base_prompt[:k] + [news[k]] for k in ks}
 
     t = time.perf_counter()
@@ -523,15 +587,19 @@ def engine_benchmark(args, root: str) -> dict:
     t = time.perf_counter()
     engine.generate([base_prompt], 1)
     ttft0 = engine.stats()["ttft_seconds"][-1]
-    say(f"prefix engine, cold {kmax}-token prompt (records + snapshots every {chunk} tokens): TTFT {ttft0:.2f} s "
-        f"(wall {time.perf_counter() - t:.2f} s)")
+    say(
+        f"prefix engine, cold {kmax}-token prompt (records + snapshots every {chunk} tokens): TTFT {ttft0:.2f} s "
+        f"(wall {time.perf_counter() - t:.2f} s)"
+    )
     t = time.perf_counter()
     queued = engine.write_through()
     engine.flush_disk()
     wt = time.perf_counter() - t
     st = tier.stats()
-    say(f"write_through + flush_disk: {queued} blocks, {st['stored_bytes'] / 2**20:.1f} MiB in {st['segments']} "
-        f"segment(s), {wt:.2f} s (includes compiling the host gathers)")
+    say(
+        f"write_through + flush_disk: {queued} blocks, {st['stored_bytes'] / 2**20:.1f} MiB in {st['segments']} "
+        f"segment(s), {wt:.2f} s (includes compiling the host gathers)"
+    )
 
     out = {"ttft0": ttft0, "write_through_s": wt, "stored_bytes": st["stored_bytes"], "rows": []}
     failures = []
@@ -562,9 +630,11 @@ def engine_benchmark(args, root: str) -> dict:
             if g.tokens != gc.tokens:
                 failures.append(f"K={k} {label}: token {g.tokens} != recompute {gc.tokens}")
             diff = float(np.abs(g.logits - gc.logits).max())
-            say(f"  K={k}: {label:<28} TTFT {ttft:.3f} s (wall {wall:.3f} s, CPU {cpu:.2f} s; disk read + verify "
+            say(
+                f"  K={k}: {label:<28} TTFT {ttft:.3f} s (wall {wall:.3f} s, CPU {cpu:.2f} s; disk read + verify "
                 f"{TimedTier.read_seconds:.3f} s); restored {p.restored_tokens} tokens, disk_tokens {p.disk_tokens}; "
-                f"token {'==' if g.tokens == gc.tokens else '!='} recompute, max |logit diff| {diff:.1e}")
+                f"token {'==' if g.tokens == gc.tokens else '!='} recompute, max |logit diff| {diff:.1e}"
+            )
             return ttft, TimedTier.read_seconds, diff, cpu
 
         first = restore("restore, first (compiles)", drop=False)
@@ -577,16 +647,24 @@ def engine_benchmark(args, root: str) -> dict:
                 rec_cpu.append(time.process_time() - c0)
                 if g2.tokens != gc.tokens:
                     failures.append(f"K={k}: recompute not deterministic")
-                say(f"  K={k}: recompute (no prefix cache) {i + 1}/{args.repeats}: TTFT {rec[-1]:.3f} s "
-                    f"(CPU {rec_cpu[-1]:.2f} s)")
+                say(
+                    f"  K={k}: recompute (no prefix cache) {i + 1}/{args.repeats}: TTFT {rec[-1]:.3f} s "
+                    f"(CPU {rec_cpu[-1]:.2f} s)"
+                )
             warm.append(restore(f"restore, warm {i + 1}/{args.repeats}", drop=False))
             coldr.append(restore(f"restore, cold {i + 1}/{args.repeats}", drop=True))
         row["recompute"], row["recompute_cpu"] = rec, rec_cpu
         dev = restore("device hit (no eviction)", drop=False, evict=False)
-        row.update(first=first[0], warm=[w[0] for w in warm], warm_read=[w[1] for w in warm],
-                   cold=[c[0] for c in coldr], cold_read=[c[1] for c in coldr], device=dev[0],
-                   restore_cpu=[x[3] for x in warm + coldr],
-                   diff=max([first[2], dev[2]] + [w[2] for w in warm] + [c[2] for c in coldr]))
+        row.update(
+            first=first[0],
+            warm=[w[0] for w in warm],
+            warm_read=[w[1] for w in warm],
+            cold=[c[0] for c in coldr],
+            cold_read=[c[1] for c in coldr],
+            device=dev[0],
+            restore_cpu=[x[3] for x in warm + coldr],
+            diff=max([first[2], dev[2]] + [w[2] for w in warm] + [c[2] for c in coldr]),
+        )
         out["rows"].append(row)
     tier.close()
     out["failures"] = failures
@@ -594,25 +672,38 @@ def engine_benchmark(args, root: str) -> dict:
 
 
 def print_engine(args, eng: dict) -> None:
-    print(f"\n== part 2: restore a prefix from disk vs recompute it (TTFT, median of {args.repeats}; "
-          f"prompt = K tokens + 1 new)")
-    print(f"prefix engine's cold {max(r['k'] for r in eng['rows'])}-token TTFT (with recording): {eng['ttft0']:.2f} s;"
-          f" write_through + flush: {eng['write_through_s']:.2f} s, {eng['stored_bytes'] / 2**20:.1f} MiB stored")
-    print(f"{'K':>6}{'recompute':>12}{'disk, warm':>12}{'(read)':>9}{'disk, cold':>12}{'(read)':>9}"
-          f"{'1st (compile)':>15}{'device hit':>12}{'recompute/disk warm':>21}{'/ disk cold':>13}"
-          f"{'CPU s: recompute / restore':>30}")
+    print(
+        f"\n== part 2: restore a prefix from disk vs recompute it (TTFT, median of {args.repeats}; "
+        f"prompt = K tokens + 1 new)"
+    )
+    print(
+        f"prefix engine's cold {max(r['k'] for r in eng['rows'])}-token TTFT (with recording): {eng['ttft0']:.2f} s;"
+        f" write_through + flush: {eng['write_through_s']:.2f} s, {eng['stored_bytes'] / 2**20:.1f} MiB stored"
+    )
+    print(
+        f"{'K':>6}{'recompute':>12}{'disk, warm':>12}{'(read)':>9}{'disk, cold':>12}{'(read)':>9}"
+        f"{'1st (compile)':>15}{'device hit':>12}{'recompute/disk warm':>21}{'/ disk cold':>13}"
+        f"{'CPU s: recompute / restore':>30}"
+    )
     for r in eng["rows"]:
         rc, w, c = med(r["recompute"]), med(r["warm"]), med(r["cold"])
         rcc, rsc = med(r["recompute_cpu"]), med(r["restore_cpu"])
-        print(f"{r['k']:>6}{rc:>10.3f} s{w:>10.3f} s{med(r['warm_read']):>7.3f} s{c:>10.3f} s"
-              f"{med(r['cold_read']):>7.3f} s{r['first']:>13.3f} s{r['device']:>10.3f} s{rc / w:>20.1f}x"
-              f"{rc / c:>12.1f}x{rcc:>13.2f} / {rsc:.2f} = {rcc / rsc:4.1f}x")
+        print(
+            f"{r['k']:>6}{rc:>10.3f} s{w:>10.3f} s{med(r['warm_read']):>7.3f} s{c:>10.3f} s"
+            f"{med(r['cold_read']):>7.3f} s{r['first']:>13.3f} s{r['device']:>10.3f} s{rc / w:>20.1f}x"
+            f"{rc / c:>12.1f}x{rcc:>13.2f} / {rsc:.2f} = {rcc / rsc:4.1f}x"
+        )
     big = [r for r in eng["rows"] if r["k"] >= 2048]
     ok = all(med(r["recompute"]) > max(med(r["warm"]), med(r["cold"])) for r in big)
-    print("restore faster than recompute from 2K tokens up [target: "
-          + (("met" if ok else "NOT met") if big else "not measured: no K >= 2048 in this run") + "]")
-    print(f"correctness: {'exact' if not eng['failures'] else 'FAILED'} (restored plans cover [0, K) from disk; "
-          f"first token equal to the recompute's; max |logit diff| {max(r['diff'] for r in eng['rows']):.1e})")
+    print(
+        "restore faster than recompute from 2K tokens up [target: "
+        + (("met" if ok else "NOT met") if big else "not measured: no K >= 2048 in this run")
+        + "]"
+    )
+    print(
+        f"correctness: {'exact' if not eng['failures'] else 'FAILED'} (restored plans cover [0, K) from disk; "
+        f"first token equal to the recompute's; max |logit diff| {max(r['diff'] for r in eng['rows']):.1e})"
+    )
     for f in eng["failures"]:
         print(f"  {f}")
 
@@ -627,8 +718,9 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=1 << 19, help="DiskTier chunk_bytes for part 1")
     ap.add_argument("--shard-bytes", type=int, default=1 << 24, help="DiskTier shard_bytes for part 1")
     ap.add_argument("--no-ocdbt", action="store_true")
-    ap.add_argument("--prefault-gib", type=float, default=4,
-                    help="touch this much memory before part 1 (see prefault(); 0: off)")
+    ap.add_argument(
+        "--prefault-gib", type=float, default=4, help="touch this much memory before part 1 (see prefault(); 0: off)"
+    )
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="part 2: prefix lengths K")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--engine-block-tokens", type=int, default=16)
@@ -664,8 +756,10 @@ def main() -> None:
     except (OSError, IndexError):
         pass
     say(f"load average {os.getloadavg()[0]:.1f} (other processes share this machine)")
-    say(f"date {datetime.date.today().isoformat()}; {cores}-core {platform.machine()} {jax.default_backend().upper()}, "
-        f"jax {jax.__version__}; hkv at {rev}; temp dir under {args.tmp}: {fs}")
+    say(
+        f"date {datetime.date.today().isoformat()}; {cores}-core {platform.machine()} {jax.default_backend().upper()}, "
+        f"jax {jax.__version__}; hkv at {rev}; temp dir under {args.tmp}: {fs}"
+    )
     root = tempfile.mkdtemp(prefix="hkv-disk-bench-", dir=args.tmp)
     summary = {}
     try:
@@ -684,8 +778,10 @@ def main() -> None:
         print_breakdown(args, *bd)
     if not args.skip_engine:
         print_engine(args, eng)
-    print(f"\ntotal {time.perf_counter() - T0:.0f} s (temporary files removed); load average at the end "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"\ntotal {time.perf_counter() - T0:.0f} s (temporary files removed); load average at the end "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     if not args.skip_engine and eng["failures"]:
         raise SystemExit("disk restores were not exact or not complete")
 

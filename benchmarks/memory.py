@@ -24,9 +24,11 @@ def main() -> None:
     cfg = DeepseekV4Config()  # transformers' default config: the DeepSeek-V4-Flash dimensions
     spec = cache_spec(cfg, dtype="bfloat16", block_tokens=64, model_id="deepseek-v4-flash")
     n_csa = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
-    print(f"DeepSeek-V4-Flash: {cfg.num_hidden_layers} layers ({n_csa} CSA m={cfg.compress_rate_csa}, "
-          f"{cfg.num_hidden_layers - n_csa} HCA m={cfg.compress_rate_hca}), head_dim {cfg.head_dim}, "
-          f"index_head_dim {cfg.index_head_dim}, window {cfg.sliding_window}; bf16; page_size {args.page_size}")
+    print(
+        f"DeepSeek-V4-Flash: {cfg.num_hidden_layers} layers ({n_csa} CSA m={cfg.compress_rate_csa}, "
+        f"{cfg.num_hidden_layers - n_csa} HCA m={cfg.compress_rate_hca}), head_dim {cfg.head_dim}, "
+        f"index_head_dim {cfg.index_head_dim}, window {cfg.sliding_window}; bf16; page_size {args.page_size}"
+    )
     for n in args.contexts:
         layout = CacheLayout(spec, CacheConfig(slots=1, max_context=n, page_size=args.page_size))
         alloc = allocated_bytes(layout)
@@ -37,8 +39,10 @@ def main() -> None:
         for k in KINDS + ("total",):
             ratio = alloc[k] / minimum[k] if minimum[k] else float("nan")
             print(f"  {k:<11}{alloc[k] / 2**20:>13.2f} MiB{minimum[k] / 2**20:>12.2f} MiB{ratio:>8.3f}")
-        print(f"  uniform paged full-KV cache: {full / 2**20:,.1f} MiB = {full / alloc['total']:.1f}x hkv's "
-              f"allocation ({full / minimum['total']:.1f}x the minimum)")
+        print(
+            f"  uniform paged full-KV cache: {full / 2**20:,.1f} MiB = {full / alloc['total']:.1f}x hkv's "
+            f"allocation ({full / minimum['total']:.1f}x the minimum)"
+        )
         print(f"  hkv allocation / architectural minimum = {alloc['total'] / minimum['total']:.4f}")
 
 

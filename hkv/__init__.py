@@ -1,11 +1,11 @@
 """hkv: the KV cache of hybrid-attention LLMs as one immutable pytree with pure transitions.
 
-    spec      = CacheSpec(...)                       # what each layer keeps (models build it)
-    layout    = CacheLayout(spec, CacheConfig(slots=4, max_context=8192))
-    cache     = init_cache(layout)
-    cache, slot, status = transitions.claim_slot(layout, cache)
-    check_invariants(layout, cache)                  # declared state == actual state
-    engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
+spec      = CacheSpec(...)                       # what each layer keeps (models build it)
+layout    = CacheLayout(spec, CacheConfig(slots=4, max_context=8192))
+cache     = init_cache(layout)
+cache, slot, status = transitions.claim_slot(layout, cache)
+check_invariants(layout, cache)                  # declared state == actual state
+engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
 """
 
 from .checkpoint import EngineCheckpointError

@@ -28,7 +28,7 @@ def chain_keys(tokens: Sequence[int], block_tokens: int, extra: bytes = b"", par
     out, key = [], parent
     salt = len(extra).to_bytes(4, "little") + extra
     for i in range(len(ids) // block_tokens):
-        block = ids[i * block_tokens:(i + 1) * block_tokens].astype("<i8").tobytes()
+        block = ids[i * block_tokens : (i + 1) * block_tokens].astype("<i8").tobytes()
         key = hashlib.blake2b(key + salt + block, digest_size=16).digest()
         out.append(key)
     return out

@@ -75,9 +75,19 @@ _TOKEN = r"[0-9a-f]{32}"
 _CACHE_DIR_RE = re.compile(rf"cache-{_TOKEN}")
 _INSIDE_PATTERNS = (re.compile(rf"cache(-{_TOKEN}.*)?"), re.compile(rf"\.{re.escape(METADATA_FILE)}\.tmp-{_TOKEN}"))
 
-__all__ = ["EngineCheckpointError", "save_engine", "restore_engine", "read_metadata", "cache_dir",
-           "FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "METADATA_FILE", "MAX_METADATA_BYTES",
-           "MAX_JSON_DEPTH"]
+__all__ = [
+    "EngineCheckpointError",
+    "save_engine",
+    "restore_engine",
+    "read_metadata",
+    "cache_dir",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "METADATA_FILE",
+    "MAX_METADATA_BYTES",
+    "MAX_JSON_DEPTH",
+]
 
 
 class EngineCheckpointError(ValueError):
@@ -144,8 +154,7 @@ def _is_replaceable(p: Path) -> bool:
     but leftovers of killed saves (our names; e.g. an empty directory a save into was killed)."""
     if not p.is_dir() or p.is_symlink():
         return False
-    return (p / METADATA_FILE).is_file() or all(any(q.fullmatch(e.name) for q in _INSIDE_PATTERNS)
-                                                for e in p.iterdir())
+    return (p / METADATA_FILE).is_file() or all(any(q.fullmatch(e.name) for q in _INSIDE_PATTERNS) for e in p.iterdir())
 
 
 def cache_dir(path: str | os.PathLike) -> Path:
@@ -185,14 +194,17 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     if running:
         raise EngineCheckpointError(
             f"cannot save while {len(running)} sequence(s) are running (slots {sorted(running)}); "
-            f"save between generate() calls")
+            f"save between generate() calls"
+        )
     replacing = path.exists() or path.is_symlink()
     if replacing:
         if not overwrite:
             raise EngineCheckpointError(f"{str(path)!r} already exists; pass overwrite=True to replace it")
         if not _is_replaceable(path):
-            raise EngineCheckpointError(f"{str(path)!r} exists and is not an hkv engine checkpoint or an empty "
-                                        f"directory; refusing to overwrite it")
+            raise EngineCheckpointError(
+                f"{str(path)!r} exists and is not an hkv engine checkpoint or an empty "
+                f"directory; refusing to overwrite it"
+            )
 
     cfg = engine.layout.config
     leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(engine.cache)
@@ -200,8 +212,15 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     leaf_meta, stored = [], {}
     for i, ((kp, _), a) in enumerate(zip(leaves_with_path, host)):
         keep = a.size > 0  # orbax refuses zero-size arrays; they carry no data
-        leaf_meta.append({"path": jax.tree_util.keystr(kp), "shape": list(a.shape), "dtype": a.dtype.name,
-                          "crc32": _crc32(a), "stored": keep})
+        leaf_meta.append(
+            {
+                "path": jax.tree_util.keystr(kp),
+                "shape": list(a.shape),
+                "dtype": a.dtype.name,
+                "crc32": _crc32(a),
+                "stored": keep,
+            }
+        )
         if keep:
             stored[_leaf_key(i)] = a
     token = uuid.uuid4().hex
@@ -210,12 +229,16 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "config": {
-            "slots": cfg.slots, "max_context": cfg.max_context, "page_size": cfg.page_size,
+            "slots": cfg.slots,
+            "max_context": cfg.max_context,
+            "page_size": cfg.page_size,
             "pool_pages": None if cfg.pool_pages is None else [int(p) for p in cfg.pool_pages],
-            "prefix_records": cfg.prefix_records, "tail_snapshots": cfg.tail_snapshots,
+            "prefix_records": cfg.prefix_records,
+            "tail_snapshots": cfg.tail_snapshots,
         },
         "engine": {
-            "block_tokens": engine.spec.block_tokens, "prefill_chunk": engine.prefill_chunk,
+            "block_tokens": engine.spec.block_tokens,
+            "prefill_chunk": engine.prefill_chunk,
             "model_id": engine.spec.model_id,
             "retention": {f.name: getattr(ret, f.name) for f in dataclasses.fields(ret)},
             "cache_salt": bytes(engine.cache_salt).hex(),
@@ -250,8 +273,9 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
             try:
                 os.rename(tmp, path)
             except OSError as err:  # another process created `path` meanwhile
-                raise EngineCheckpointError(f"{str(path)!r} appeared while saving ({err}); nothing was "
-                                            f"replaced") from err
+                raise EngineCheckpointError(
+                    f"{str(path)!r} appeared while saving ({err}); nothing was replaced"
+                ) from err
             _fsync_dir(path.parent)
         finally:
             if tmp.exists():
@@ -320,7 +344,7 @@ def _orbax_version() -> str:
 
 
 # ------------------------------------------------------------------------------------ restore
-_I32 = 2 ** 31 - 1
+_I32 = 2**31 - 1
 _SHORT = 1024  # longest label / key path / version string accepted
 _STR_SHOWN = 120  # characters of a bad value quoted in an error message
 
@@ -348,8 +372,10 @@ def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...
     extra = sorted(k for k in d if k not in required and k not in optional)
     if extra:
         prefix = where + "." if where else ""
-        raise EngineCheckpointError(f"checkpoint metadata: unknown field {prefix}{_show(extra[0])} "
-                                    f"(this hkv knows {sorted(required + optional)})")
+        raise EngineCheckpointError(
+            f"checkpoint metadata: unknown field {prefix}{_show(extra[0])} "
+            f"(this hkv knows {sorted(required + optional)})"
+        )
     return d
 
 
@@ -386,8 +412,27 @@ def _reject_constant(name: str):
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
-_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
-                     "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"})
+_DTYPES = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int4",
+        "uint4",
+    }
+)
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -409,8 +454,9 @@ def read_metadata(path: str | os.PathLike) -> dict:
             raise EngineCheckpointError(f"{str(path)!r} is not an hkv engine checkpoint: {METADATA_FILE} missing")
         size = f.stat().st_size
         if size > MAX_METADATA_BYTES:
-            raise EngineCheckpointError(f"{str(f)!r}: metadata is {size} bytes, more than MAX_METADATA_BYTES="
-                                        f"{MAX_METADATA_BYTES}")
+            raise EngineCheckpointError(
+                f"{str(f)!r}: metadata is {size} bytes, more than MAX_METADATA_BYTES={MAX_METADATA_BYTES}"
+            )
         with open(f, "rb") as fh:
             raw = fh.read(MAX_METADATA_BYTES + 1)
         if len(raw) > MAX_METADATA_BYTES:
@@ -420,20 +466,24 @@ def read_metadata(path: str | os.PathLike) -> dict:
         doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
         depth = _depth(doc, MAX_JSON_DEPTH)
         if depth > MAX_JSON_DEPTH:
-            raise EngineCheckpointError(f"{str(f)!r}: metadata nests more than MAX_JSON_DEPTH={MAX_JSON_DEPTH} "
-                                        f"levels deep")
+            raise EngineCheckpointError(
+                f"{str(f)!r}: metadata nests more than MAX_JSON_DEPTH={MAX_JSON_DEPTH} levels deep"
+            )
         if not isinstance(doc, dict):
             raise EngineCheckpointError(f"{str(f)!r}: metadata is a {type(doc).__name__}, not a JSON object")
         if doc.get("format") != FORMAT_NAME:
             raise EngineCheckpointError(f"{str(f)!r}: format={_show(doc.get('format'))}, expected {FORMAT_NAME!r}")
         version = doc.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
-            raise EngineCheckpointError(f"{str(f)!r}: unknown version={_show(version)} (this hkv reads versions "
-                                        f"{list(READABLE_VERSIONS)})")
+            raise EngineCheckpointError(
+                f"{str(f)!r}: unknown version={_show(version)} (this hkv reads versions {list(READABLE_VERSIONS)})"
+            )
         seal = doc.get("metadata_crc32")
         if seal != _seal(doc):
-            raise EngineCheckpointError(f"{str(f)!r}: metadata_crc32={_show(seal)} does not match its contents "
-                                        f"({_seal(doc)}): the file was edited or corrupted")
+            raise EngineCheckpointError(
+                f"{str(f)!r}: metadata_crc32={_show(seal)} does not match its contents "
+                f"({_seal(doc)}): the file was edited or corrupted"
+            )
         _check_schema(doc, version)
     except EngineCheckpointError:
         raise
@@ -447,11 +497,12 @@ def _check_schema(doc: dict, version: int) -> None:
     """Every field of a version-`version` metadata document: type, range, exact key sets."""
     top = ("format", "version", "config", "engine", "abi_fingerprint", "spec", "leaves", "versions", "metadata_crc32")
     _obj(doc, "", top + (("cache_dir",) if version >= 2 else ()))
-    _int(doc["metadata_crc32"], "metadata_crc32", 0, 2 ** 32 - 1)
+    _int(doc["metadata_crc32"], "metadata_crc32", 0, 2**32 - 1)
     if version >= 2:
         _str(doc["cache_dir"], "cache_dir", 64, _CACHE_DIR_RE, "'cache-' and 32 lowercase hex digits")
-    cfg = _obj(doc["config"], "config", ("slots", "max_context", "page_size", "pool_pages", "prefix_records",
-                                         "tail_snapshots"))
+    cfg = _obj(
+        doc["config"], "config", ("slots", "max_context", "page_size", "pool_pages", "prefix_records", "tail_snapshots")
+    )
     _int(cfg["slots"], "config.slots", 1, 1 << 16)
     _int(cfg["max_context"], "config.max_context", 1, _I32)
     _int(cfg["page_size"], "config.page_size", 1, 1 << 20)
@@ -499,7 +550,7 @@ def _check_schema(doc: dict, version: int) -> None:
         _str(m["dtype"], f"{w}.dtype", 32)
         if m["dtype"] not in _DTYPES:
             raise _bad(f"{w}.dtype", m["dtype"], f"one of {sorted(_DTYPES)}")
-        _int(m["crc32"], f"{w}.crc32", 0, 2 ** 32 - 1)
+        _int(m["crc32"], f"{w}.crc32", 0, 2**32 - 1)
         if not isinstance(m["stored"], bool):
             raise _bad(f"{w}.stored", m["stored"], "true or false")
     versions = doc["versions"]
@@ -555,11 +606,17 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
     if not path.is_dir():
         hint = ""
         if path.parent.is_dir():  # hkv's version-1 save, killed between its two renames, left only this
-            old = sorted(e.name for e in path.parent.iterdir() if re.fullmatch(
-                rf"\.{re.escape(path.name)}\.old-[0-9a-f]{{12}}", e.name) and (e / METADATA_FILE).is_file())
+            old = sorted(
+                e.name
+                for e in path.parent.iterdir()
+                if re.fullmatch(rf"\.{re.escape(path.name)}\.old-[0-9a-f]{{12}}", e.name)
+                and (e / METADATA_FILE).is_file()
+            )
             if old:
-                hint = (f"; {str(path.parent / old[-1])!r} is the checkpoint an interrupted save of an older hkv "
-                        f"moved aside: rename it to {str(path)!r} to use it")
+                hint = (
+                    f"; {str(path.parent / old[-1])!r} is the checkpoint an interrupted save of an older hkv "
+                    f"moved aside: rename it to {str(path)!r} to use it"
+                )
         raise EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory){hint}")
     doc = read_metadata(path)
     if doc["version"] < 2:
@@ -567,17 +624,28 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
             f"{str(path)!r} is a version-{doc['version']} checkpoint: its ABI fingerprint covers the label "
             f"model_id={_show(doc['engine']['model_id'])}, not the weights, so this hkv cannot check that "
             f"it was computed by this model's weights; refusing it (re-create it: run the engine and "
-            f"save again; this hkv writes version {FORMAT_VERSION})")
+            f"save again; this hkv writes version {FORMAT_VERSION})"
+        )
     c, e = doc["config"], doc["engine"]
     try:
-        config = CacheConfig(slots=c["slots"], max_context=c["max_context"], page_size=c["page_size"],
-                             pool_pages=None if c["pool_pages"] is None else tuple(c["pool_pages"]),
-                             prefix_records=c["prefix_records"], tail_snapshots=c["tail_snapshots"])
+        config = CacheConfig(
+            slots=c["slots"],
+            max_context=c["max_context"],
+            page_size=c["page_size"],
+            pool_pages=None if c["pool_pages"] is None else tuple(c["pool_pages"]),
+            prefix_records=c["prefix_records"],
+            tail_snapshots=c["tail_snapshots"],
+        )
         retention = RetentionPolicy(**e["retention"])
     except (TypeError, ValueError) as err:
         raise EngineCheckpointError(f"{str(path)!r}: invalid saved config/retention: {err}") from err
-    kwargs = dict(block_tokens=e["block_tokens"], prefill_chunk=e["prefill_chunk"], model_id=e["model_id"],
-                  retention=retention, cache_salt=bytes.fromhex(e["cache_salt"]))
+    kwargs = dict(
+        block_tokens=e["block_tokens"],
+        prefill_chunk=e["prefill_chunk"],
+        model_id=e["model_id"],
+        retention=retention,
+        cache_salt=bytes.fromhex(e["cache_salt"]),
+    )
     kwargs.update(engine_kwargs)
     metas = doc["leaves"]
 
@@ -587,18 +655,21 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
             raise EngineCheckpointError(
                 f"ABI fingerprint mismatch: checkpoint {str(path)!r} was saved with {saved_fp}, this model/engine "
                 f"gives {new_fp} (differs in {_abi_diff(doc['spec'], spec.to_json())}); restore with the same "
-                f"weights (bit for bit), dtype and dims")
+                f"weights (bit for bit), dtype and dims"
+            )
 
     def refuse_leaves(fresh_with_path) -> None:
         if len(metas) != len(fresh_with_path):
-            raise EngineCheckpointError(f"checkpoint has {len(metas)} cache leaves; this engine's cache has "
-                                        f"{len(fresh_with_path)}")
+            raise EngineCheckpointError(
+                f"checkpoint has {len(metas)} cache leaves; this engine's cache has {len(fresh_with_path)}"
+            )
         for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
             name, dtype = jax.tree_util.keystr(kp), jnp.dtype(fresh.dtype).name
             if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or m["dtype"] != dtype:
                 raise EngineCheckpointError(
                     f"leaf {i}: checkpoint has cache{_show(m['path'])[1:-1]} {m['dtype']}{m['shape']}, this engine "
-                    f"needs cache{name} {dtype}{list(fresh.shape)}")
+                    f"needs cache{name} {dtype}{list(fresh.shape)}"
+                )
             size = int(np.prod(fresh.shape, dtype=np.int64))
             if m["stored"] != (size > 0):
                 raise EngineCheckpointError(f"leaf {i} cache{name}: stored={m['stored']!r} but its size is {size}")
@@ -612,13 +683,16 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
         except EngineCheckpointError:
             raise
         except (TypeError, ValueError, OverflowError, MemoryError) as err:
-            raise EngineCheckpointError(f"{str(path)!r}: {what} (with overrides {sorted(engine_kwargs)}): "
-                                        f"{type(err).__name__}: {str(err)[:300]}") from err
+            raise EngineCheckpointError(
+                f"{str(path)!r}: {what} (with overrides {sorted(engine_kwargs)}): "
+                f"{type(err).__name__}: {str(err)[:300]}"
+            ) from err
 
     with settings_error("the saved settings do not describe a cache for this model"):
         bt, mid = kwargs["block_tokens"], kwargs["model_id"]
-        spec = dataclasses.replace(model.cache_spec(block_tokens=bt, model_id=mid),
-                                   weights_digest=weights_digest(nnx.split(model)[1]))
+        spec = dataclasses.replace(
+            model.cache_spec(block_tokens=bt, model_id=mid), weights_digest=weights_digest(nnx.split(model)[1])
+        )
         refuse_fingerprint(spec)
         layout = CacheLayout(spec, config)
         shapes = jax.eval_shape(lambda: init_cache(layout))
@@ -630,16 +704,20 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
 
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
     refuse_leaves(fresh_with_path)
-    target = {_leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
-              for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas)) if m["stored"]}
+    target = {
+        _leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
+        for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas))
+        if m["stored"]
+    }
 
     arrays = path / doc["cache_dir"]
     ocp, ck = _checkpointer()
     try:
         restored = ck.restore(arrays, args=ocp.args.StandardRestore(target)) if target else {}
     except Exception as err:  # orbax/tensorstore raise many types for missing or undecodable data
-        raise EngineCheckpointError(f"{str(arrays)!r}: orbax could not read the cache arrays: "
-                                    f"{type(err).__name__}: {str(err)[:500]}") from err
+        raise EngineCheckpointError(
+            f"{str(arrays)!r}: orbax could not read the cache arrays: {type(err).__name__}: {str(err)[:500]}"
+        ) from err
 
     host = []
     for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
@@ -653,12 +731,14 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
             a = np.zeros(fresh.shape, fresh.dtype)
         # orbax casts to the target dtype silently: re-check what came back, then the bytes.
         if a.shape != tuple(fresh.shape) or a.dtype != fresh.dtype:
-            raise EngineCheckpointError(f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected "
-                                        f"{fresh.dtype}{list(fresh.shape)}")
+            raise EngineCheckpointError(
+                f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected {fresh.dtype}{list(fresh.shape)}"
+            )
         crc = _crc32(a)
         if crc != m["crc32"]:
-            raise EngineCheckpointError(f"leaf {i} cache{name}: crc32 {crc:#010x} != saved {m['crc32']:#010x}: "
-                                        f"the array data is corrupt")
+            raise EngineCheckpointError(
+                f"leaf {i} cache{name}: crc32 {crc:#010x} != saved {m['crc32']:#010x}: the array data is corrupt"
+            )
         host.append(a)
     # Every check runs on the host copy, before any device memory is touched.
     host_cache = jax.tree_util.tree_unflatten(treedef, host)

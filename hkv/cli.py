@@ -63,8 +63,9 @@ def _directory_spec(path: str) -> dict:
         return {"driver": "ocdbt", "base": f"file://{path.rstrip('/')}/"}
     entries = os.listdir(path)
     if entries and not any(os.path.isdir(os.path.join(path, d)) for d in _STORE_DIRS):
-        raise _UsageError(f"{path} does not look like an hkv disk tier store (no {'/, '.join(_STORE_DIRS)}/ "
-                          f"and no manifest.ocdbt)")
+        raise _UsageError(
+            f"{path} does not look like an hkv disk tier store (no {'/, '.join(_STORE_DIRS)}/ and no manifest.ocdbt)"
+        )
     return {"driver": "file", "path": path + "/"}
 
 
@@ -78,12 +79,13 @@ def store_spec(path: str | None, spec: str | None) -> dict | str:
         except json.JSONDecodeError as e:
             raise _UsageError(f"--spec is not JSON: {e}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("driver"), str):
-            raise _UsageError('--spec must be a JSON object with a "driver", e.g. '
-                              '{"driver": "ocdbt", "base": "file:///data/hkv/"}')
+            raise _UsageError(
+                '--spec must be a JSON object with a "driver", e.g. {"driver": "ocdbt", "base": "file:///data/hkv/"}'
+            )
         return doc
     if "://" in path:
         if path.startswith("file://") and "|" not in path:
-            return _directory_spec(path[len("file://"):])
+            return _directory_spec(path[len("file://") :])
         return path
     return _directory_spec(path)
 
@@ -149,9 +151,17 @@ def cmd_verify(args) -> int:
     problems = [p for p in report["problems"] if not p.startswith("data/")]
     code = EXIT_BAD if bad else EXIT_OK
     if args.json:
-        out = {"store": _describe(spec), "ok": not bad, "exit_code": code, "segments": report["segments"],
-               "blocks_ok": report["blocks_ok"], **{r: report[r] for r in DISK_REASONS},
-               "orphaned_segments": report["orphaned_segments"], "problems": problems, "orphans": orphans}
+        out = {
+            "store": _describe(spec),
+            "ok": not bad,
+            "exit_code": code,
+            "segments": report["segments"],
+            "blocks_ok": report["blocks_ok"],
+            **{r: report[r] for r in DISK_REASONS},
+            "orphaned_segments": report["orphaned_segments"],
+            "problems": problems,
+            "orphans": orphans,
+        }
         print(json.dumps(out, indent=2))
         return code
     print(f"hkv disk tier: {_describe(spec)}")
@@ -159,9 +169,14 @@ def cmd_verify(args) -> int:
     print(f"blocks ok            {report['blocks_ok']}")
     for r in DISK_REASONS:
         print(f"{r:<20} {report[r]}")
-    print(f"orphaned segments    {report['orphaned_segments']}"
-          + ("  (data without a manifest, left by interrupted writes: never read; not a failure)"
-             if report["orphaned_segments"] else ""))
+    print(
+        f"orphaned segments    {report['orphaned_segments']}"
+        + (
+            "  (data without a manifest, left by interrupted writes: never read; not a failure)"
+            if report["orphaned_segments"]
+            else ""
+        )
+    )
     if problems:
         print("problems:")
         for p in problems:
@@ -171,11 +186,16 @@ def cmd_verify(args) -> int:
         for p in orphans:
             print(f"  {p}")
     if bad:
-        print(f"FAILED: {bad} published block(s), manifest(s) or hit file(s) fail verification "
-              f"(a restore of them is refused with the reason above, never used)")
+        print(
+            f"FAILED: {bad} published block(s), manifest(s) or hit file(s) fail verification "
+            f"(a restore of them is refused with the reason above, never used)"
+        )
     else:
-        note = (f"; {report['orphaned_segments']} orphaned segment(s) from interrupted writes are not a failure"
-                if report["orphaned_segments"] else "")
+        note = (
+            f"; {report['orphaned_segments']} orphaned segment(s) from interrupted writes are not a failure"
+            if report["orphaned_segments"]
+            else ""
+        )
         print(f"OK: every published block is intact{note}")
     return code
 
@@ -189,14 +209,23 @@ def cmd_stats(args) -> int:
         st = tier.stats()
     finally:
         _close(tier)
-    abis = {abi: {k: d[k] for k in ("segments", "blocks", "snapshots", "stored_bytes", "hits")}
-            for abi, d in sorted(st["abis"].items())}
+    abis = {
+        abi: {k: d[k] for k in ("segments", "blocks", "snapshots", "stored_bytes", "hits")}
+        for abi, d in sorted(st["abis"].items())
+    }
     total = {k: sum(d[k] for d in abis.values()) for k in ("blocks", "snapshots", "hits")}
     budget = args.budget
     if args.json:
-        out = {"store": _describe(spec), "segments": st["segments"], "stored_bytes": st["stored_bytes"], **total,
-               "bad_files": st["bad_files"], "budget_bytes": budget,
-               "budget_used": (st["stored_bytes"] / budget if budget else None), "abis": abis}
+        out = {
+            "store": _describe(spec),
+            "segments": st["segments"],
+            "stored_bytes": st["stored_bytes"],
+            **total,
+            "bad_files": st["bad_files"],
+            "budget_bytes": budget,
+            "budget_used": (st["stored_bytes"] / budget if budget else None),
+            "abis": abis,
+        }
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print(f"hkv disk tier: {_describe(spec)}")
@@ -205,8 +234,11 @@ def cmd_stats(args) -> int:
     print(f"blocks     {total['blocks']} ({total['snapshots']} with a snapshot)")
     print(f"hits       {total['hits']} (restores saved by every writer)")
     if st["bad_files"]:
-        print("bad files  " + ", ".join(f"{n} {r}" for r, n in sorted(st["bad_files"].items()))
-              + " (skipped: run `hkv store verify` for details)")
+        print(
+            "bad files  "
+            + ", ".join(f"{n} {r}" for r, n in sorted(st["bad_files"].items()))
+            + " (skipped: run `hkv store verify` for details)"
+        )
     if budget is None:
         print("budget     none given (a store records no budget; pass --budget BYTES to compare)")
     else:
@@ -215,49 +247,70 @@ def cmd_stats(args) -> int:
     if abis:
         print(f"{'ABI fingerprint':<34} {'segments':>8} {'blocks':>8} {'snapshots':>9} {'stored':>12} {'hits':>8}")
         for abi, d in abis.items():
-            print(f"{abi:<34} {d['segments']:>8} {d['blocks']:>8} {d['snapshots']:>9} "
-                  f"{_human(d['stored_bytes']):>12} {d['hits']:>8}")
+            print(
+                f"{abi:<34} {d['segments']:>8} {d['blocks']:>8} {d['snapshots']:>9} "
+                f"{_human(d['stored_bytes']):>12} {d['hits']:>8}"
+            )
     return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------ parser
 def _add_store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", nargs="?", metavar="PATH",
-                   help="store directory (an OCDBT database in it is detected), or a kvstore URL")
-    p.add_argument("--spec", metavar="JSON", help="a tensorstore kvstore spec instead of PATH, e.g. "
-                   '\'{"driver": "ocdbt", "base": "file:///data/hkv/"}\'')
+    p.add_argument(
+        "path",
+        nargs="?",
+        metavar="PATH",
+        help="store directory (an OCDBT database in it is detected), or a kvstore URL",
+    )
+    p.add_argument(
+        "--spec",
+        metavar="JSON",
+        help='a tensorstore kvstore spec instead of PATH, e.g. \'{"driver": "ocdbt", "base": "file:///data/hkv/"}\'',
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hkv", description="hkv: KV cache for hybrid-attention LLMs. Tools for the on-disk prefix tier.",
-        epilog="exit codes: 0 ok, 1 verification failed, 2 usage error or unopenable store")
+        prog="hkv",
+        description="hkv: KV cache for hybrid-attention LLMs. Tools for the on-disk prefix tier.",
+        epilog="exit codes: 0 ok, 1 verification failed, 2 usage error or unopenable store",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     store = sub.add_parser(
-        "store", help="inspect a disk tier store (verify, stats)",
+        "store",
+        help="inspect a disk tier store (verify, stats)",
         description="Inspect a disk tier store (hkv.disk.DiskTier). Read-only: nothing is created or repaired.",
         epilog="PATH: a directory (file kvstore; a directory with manifest.ocdbt opens as OCDBT), a kvstore URL "
-               "(file:///..., gs://..., s3://...), or --spec JSON instead. Exit codes: 0 ok, 1 verification "
-               "failed, 2 usage error or unopenable store.")
+        "(file:///..., gs://..., s3://...), or --spec JSON instead. Exit codes: 0 ok, 1 verification "
+        "failed, 2 usage error or unopenable store.",
+    )
     ssub = store.add_subparsers(dest="store_command", metavar="SUBCOMMAND")
     v = ssub.add_parser(
-        "verify", help="check every manifest and every object's checksum",
+        "verify",
+        help="check every manifest and every object's checksum",
         description="Read every published block back and check it (manifest schema and checksum, ABI, crc32c of "
-                    "the data chunks, per-object crc32; with HKV_STORE_KEY set, each manifest's HMAC). Reports "
-                    "blocks ok, disk_checksum, disk_missing, disk_truncated, disk_abi, disk_auth, disk_malformed "
-                    "(manifests and hit files), and orphaned segments (data of interrupted writes, never read).",
+        "the data chunks, per-object crc32; with HKV_STORE_KEY set, each manifest's HMAC). Reports "
+        "blocks ok, disk_checksum, disk_missing, disk_truncated, disk_abi, disk_auth, disk_malformed "
+        "(manifests and hit files), and orphaned segments (data of interrupted writes, never read).",
         epilog="exit codes: 0 every published block intact (orphaned data alone is not a failure), "
-               "1 any block, manifest or hit file fails (every one is reported), 2 usage error or unopenable store")
+        "1 any block, manifest or hit file fails (every one is reported), 2 usage error or unopenable store",
+    )
     _add_store_args(v)
     v.set_defaults(func=cmd_verify)
     s = ssub.add_parser(
-        "stats", help="size, segments, blocks, snapshots, hits per ABI fingerprint",
+        "stats",
+        help="size, segments, blocks, snapshots, hits per ABI fingerprint",
         description="Size, segments, blocks, snapshots and restore hit counts (saved by every writer) per ABI "
-                    "fingerprint, and the budget.")
+        "fingerprint, and the budget.",
+    )
     _add_store_args(s)
-    s.add_argument("--budget", type=parse_size, metavar="BYTES",
-                   help="the budget the engines use (e.g. 64GiB) to report usage against; the store records none")
+    s.add_argument(
+        "--budget",
+        type=parse_size,
+        metavar="BYTES",
+        help="the budget the engines use (e.g. 64GiB) to report usage against; the store records none",
+    )
     s.set_defaults(func=cmd_stats)
     parser._hkv_store = store  # for `hkv store` without a subcommand
     return parser

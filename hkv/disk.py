@@ -105,9 +105,11 @@ def resolve_key(key: bytes | str | None) -> mf.StoreKey | None:
         except ValueError:
             secret = b""
         if len(secret) < 16:
-            raise ValueError(f"{ENV_KEY} must be at least 32 hex digits (16 bytes), e.g. the output of "
-                             f"`python -c 'import os; print(os.urandom(32).hex())'`; it holds {len(env)} "
-                             f"characters that are not")
+            raise ValueError(
+                f"{ENV_KEY} must be at least 32 hex digits (16 bytes), e.g. the output of "
+                f"`python -c 'import os; print(os.urandom(32).hex())'`; it holds {len(env)} "
+                f"characters that are not"
+            )
         return mf.StoreKey(secret)
     if isinstance(key, str):
         if not key:
@@ -118,8 +120,7 @@ def resolve_key(key: bytes | str | None) -> mf.StoreKey | None:
             raise ValueError("key given as a str must be hex digits (at least 32); pass raw bytes as bytes") from None
     if isinstance(key, (bytes, bytearray)):
         return mf.StoreKey(bytes(key)) if key else None
-    raise ValueError(f"key must be bytes, a hex str, b'' (no key) or None (read {ENV_KEY}), "
-                     f"not {type(key).__name__}")
+    raise ValueError(f"key must be bytes, a hex str, b'' (no key) or None (read {ENV_KEY}), not {type(key).__name__}")
 
 
 def _manifest_where(name: str) -> tuple[str, str] | None:
@@ -214,22 +215,38 @@ def _kvstore_spec(store) -> dict | str:
         return {"driver": "file", "path": os.path.abspath(s).rstrip("/") + "/"}
     if isinstance(store, dict) and "driver" in store:
         return store
-    raise ValueError(f"store={store!r} must be a directory path, a kvstore URL (file://, memory://, gs://, s3://) "
-                     f"or a tensorstore kvstore spec dict with a 'driver'")
+    raise ValueError(
+        f"store={store!r} must be a directory path, a kvstore URL (file://, memory://, gs://, s3://) "
+        f"or a tensorstore kvstore spec dict with a 'driver'"
+    )
 
 
 def _array_spec(kv: ts.KvStore, n: int, chunk: int, shard: int) -> dict:
     """The zarr3 spec of a segment's data: `n` bytes (uint8), shards of `shard` bytes made of inner
     chunks of `chunk` bytes, crc32c in the chunk and the shard-index codecs."""
-    return {"driver": "zarr3", "kvstore": kv.spec().to_json(), "store_data_equal_to_fill_value": True,
-            "fill_missing_data_reads": False,  # a missing shard is an error (disk_missing), never zeros
-            "metadata": {"shape": [n], "data_type": "uint8", "fill_value": 0,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
-                         "codecs": [{"name": "sharding_indexed", "configuration": {
-                             "chunk_shape": [chunk], "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
-                             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                              {"name": "crc32c"}],
-                             "index_location": "end"}}]}}
+    return {
+        "driver": "zarr3",
+        "kvstore": kv.spec().to_json(),
+        "store_data_equal_to_fill_value": True,
+        "fill_missing_data_reads": False,  # a missing shard is an error (disk_missing), never zeros
+        "metadata": {
+            "shape": [n],
+            "data_type": "uint8",
+            "fill_value": 0,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard]}},
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [chunk],
+                        "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                        "index_location": "end",
+                    },
+                }
+            ],
+        },
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +310,10 @@ def _parse_hits(raw: bytes) -> dict[str, int]:
         ManifestError: not JSON (`disk_checksum`), too deep or outside the schema (`disk_malformed`).
     """
     doc = mf.load_json(raw, "hit file", MAX_HITS_BYTES, max_depth=2)
-    mf._need(isinstance(doc, dict) and set(doc) == {"hits"} and isinstance(doc["hits"], dict),
-             'a hit file must be {"hits": {block key: restores}}')
+    mf._need(
+        isinstance(doc, dict) and set(doc) == {"hits"} and isinstance(doc["hits"], dict),
+        'a hit file must be {"hits": {block key: restores}}',
+    )
     h = doc["hits"]
     mf._need(len(h) <= MAX_HITS, f"a hit file lists {len(h)} blocks, more than {MAX_HITS}")
     for k, n in h.items():
@@ -360,15 +379,28 @@ class DiskTier:
     stored only as keyed hashes; manifests written without this key (or with none) are `disk_auth`.
     """
 
-    def __init__(self, store="hkv-store", *, budget_bytes: int | None = None, chunk_bytes: int = 1 << 19,
-                 shard_bytes: int = 1 << 24, max_segment_bytes: int = 1 << 26, max_queued_bytes: int | None = 1 << 30,
-                 linger_seconds: float = 0.2, writer_id: str | None = None, refresh_seconds: float = 0.5,
-                 context: ts.Context | None = None, progress: Callable[[str], None] | None = None,
-                 key: bytes | str | None = None):
-        if writer_id is not None and (not isinstance(writer_id, str) or not 0 < len(writer_id) <= mf.MAX_NAME
-                                      or mf.NAME.match(writer_id) is None):
-            raise ValueError(f"{writer_id=} must be 1 to {mf.MAX_NAME} characters of [A-Za-z0-9_.-], not starting "
-                             f"with '.' or '-'")
+    def __init__(
+        self,
+        store="hkv-store",
+        *,
+        budget_bytes: int | None = None,
+        chunk_bytes: int = 1 << 19,
+        shard_bytes: int = 1 << 24,
+        max_segment_bytes: int = 1 << 26,
+        max_queued_bytes: int | None = 1 << 30,
+        linger_seconds: float = 0.2,
+        writer_id: str | None = None,
+        refresh_seconds: float = 0.5,
+        context: ts.Context | None = None,
+        progress: Callable[[str], None] | None = None,
+        key: bytes | str | None = None,
+    ):
+        if writer_id is not None and (
+            not isinstance(writer_id, str) or not 0 < len(writer_id) <= mf.MAX_NAME or mf.NAME.match(writer_id) is None
+        ):
+            raise ValueError(
+                f"{writer_id=} must be 1 to {mf.MAX_NAME} characters of [A-Za-z0-9_.-], not starting with '.' or '-'"
+            )
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"{budget_bytes=} must be an integer >= 0 or None")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
@@ -413,9 +445,19 @@ class DiskTier:
         self._queued_bytes = 0
         self._staging = np.empty((0,), np.uint8)  # the writer thread's segment buffer (largest segment so far)
         self._hits: dict[str, dict[str, int]] = {}
-        self.counters = {"segments_written": 0, "blocks_written": 0, "bytes_written": 0, "write_failures": 0,
-                         "hit_write_failures": 0, "writes_dropped": 0, "blocks_read": 0, "bytes_read": 0, "segments_evicted": 0, "bytes_evicted": 0,
-                         **{f"rejected_{r}": 0 for r in DISK_REASONS}}
+        self.counters = {
+            "segments_written": 0,
+            "blocks_written": 0,
+            "bytes_written": 0,
+            "write_failures": 0,
+            "hit_write_failures": 0,
+            "writes_dropped": 0,
+            "blocks_read": 0,
+            "bytes_read": 0,
+            "segments_evicted": 0,
+            "bytes_evicted": 0,
+            **{f"rejected_{r}": 0 for r in DISK_REASONS},
+        }
         self.refresh(force=True)
         self._load_own_hits()
 
@@ -433,7 +475,8 @@ class DiskTier:
         if self._closed:
             raise DiskTierClosedError(
                 f"DiskTier.{op}: this DiskTier was closed (close() was called) and no longer reads or writes its "
-                f"store; open a new DiskTier on the same store to use it again")
+                f"store; open a new DiskTier on the same store to use it again"
+            )
 
     def _id(self, key: bytes) -> str:
         """The hex id a manifest lists for block key `key` (a keyed hash of it in a keyed store)."""
@@ -462,8 +505,11 @@ class DiskTier:
                 else:
                     out[k] = (None, f"unreadable: {msg[:300]}")
                 continue
-            out[k] = (None, None) if r.state != "value" else \
-                (None, f"more than {cap:,} bytes, the most such a file may have")
+            out[k] = (
+                (None, None)
+                if r.state != "value"
+                else (None, f"more than {cap:,} bytes, the most such a file may have")
+            )
         reads = {k: self.kv.read(k, byte_range=slice(0, n)) if n else self.kv.read(k) for k, n in sizes.items()}
         for k, fut in reads.items():
             try:
@@ -515,8 +561,9 @@ class DiskTier:
         bad with its reason and never indexed; nothing it holds raises out of here."""
         if not force and time.monotonic() - self._refreshed < self.refresh_seconds:
             return
-        names = [k.decode(errors="replace")
-                 for k in self.kv.list(ts.KvStore.KeyRange("manifests/", "manifests0")).result()]
+        names = [
+            k.decode(errors="replace") for k in self.kv.list(ts.KvStore.KeyRange("manifests/", "manifests0")).result()
+        ]
         names = [n for n in names if n.endswith(".json")]
         with self._lock:
             known = {s.manifest_key: sid for sid, s in self._segments.items()}
@@ -538,8 +585,9 @@ class DiskTier:
                     self._bad[n] = (MALFORMED, why)
                 continue
             try:
-                doc = mf.parse(raw, key=self._key, abi=where[n][0], segment=where[n][1],
-                               max_data_bytes=self.budget_bytes)
+                doc = mf.parse(
+                    raw, key=self._key, abi=where[n][0], segment=where[n][1], max_data_bytes=self.budget_bytes
+                )
             except mf.ManifestError as e:
                 self._bad[n] = (e.reason, str(e))
                 continue
@@ -547,10 +595,18 @@ class DiskTier:
         self._refreshed = time.monotonic()
 
     def _add_segment(self, manifest_key: str, doc: dict, raw: bytes) -> None:
-        seg = _Segment(abi=doc["abi"], name=doc["segment"], manifest_key=manifest_key, manifest_bytes=len(raw),
-                       digest=hashlib.blake2b(raw, digest_size=16).digest(), doc=doc,
-                       stored_bytes=doc["stored_bytes"], created=float(doc.get("created", 0.0)),
-                       keys=tuple(b["key"] for b in doc["blocks"]), parents=tuple(b["parent"] for b in doc["blocks"]))
+        seg = _Segment(
+            abi=doc["abi"],
+            name=doc["segment"],
+            manifest_key=manifest_key,
+            manifest_bytes=len(raw),
+            digest=hashlib.blake2b(raw, digest_size=16).digest(),
+            doc=doc,
+            stored_bytes=doc["stored_bytes"],
+            created=float(doc.get("created", 0.0)),
+            keys=tuple(b["key"] for b in doc["blocks"]),
+            parents=tuple(b["parent"] for b in doc["blocks"]),
+        )
         with self._lock:
             if (seg.abi, seg.name) in self._segments:  # a refresh and the writer thread both saw it published
                 return
@@ -595,8 +651,11 @@ class DiskTier:
                     return ChainLookup(refs, "collision")
                 best = max(same, key=lambda r: (r.snapshot, self._segments[(r.abi, r.segment)].created))
                 parent = keys[i - 1] if i > 0 and best.entry["parent"] == self._id(keys[i - 1]) else None
-                refs.append(dataclasses.replace(best, raw_key=bytes(keys[i]), raw_parent=parent,
-                                                raw_tokens=tuple(int(t) for t in tokens[i])))
+                refs.append(
+                    dataclasses.replace(
+                        best, raw_key=bytes(keys[i]), raw_parent=parent, raw_tokens=tuple(int(t) for t in tokens[i])
+                    )
+                )
         return ChainLookup(refs, None)
 
     # ------------------------------------------------------------------------------- write
@@ -618,12 +677,18 @@ class DiskTier:
         nbytes = sum(int(np.asarray(a).nbytes) for b in blocks for a, _ in b.objects.values())
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._queue and self.max_queued_bytes is not None \
-                    and self._queued_bytes + nbytes > self.max_queued_bytes:
+            if (
+                self._queue
+                and self.max_queued_bytes is not None
+                and self._queued_bytes + nbytes > self.max_queued_bytes
+            ):
                 self.counters["writes_dropped"] += 1
-                fut.set_exception(DiskBacklogError(
-                    f"disk tier backlog: {self._queued_bytes:,} bytes queued + {nbytes:,} would exceed "
-                    f"max_queued_bytes={self.max_queued_bytes:,}; these {len(blocks)} blocks are not written"))
+                fut.set_exception(
+                    DiskBacklogError(
+                        f"disk tier backlog: {self._queued_bytes:,} bytes queued + {nbytes:,} would exceed "
+                        f"max_queued_bytes={self.max_queued_bytes:,}; these {len(blocks)} blocks are not written"
+                    )
+                )
                 return fut
             self._queue.append(_Request(abi, blocks, fut, nbytes))
             self._queued_bytes += nbytes
@@ -656,8 +721,11 @@ class DiskTier:
                     break
                 self._cv.wait(left)
             abi, take, size = self._queue[0].abi, [], 0
-            while self._queue and self._queue[0].abi == abi and \
-                    (not take or size + self._queue[0].nbytes <= self.max_segment_bytes):
+            while (
+                self._queue
+                and self._queue[0].abi == abi
+                and (not take or size + self._queue[0].nbytes <= self.max_segment_bytes)
+            ):
                 take.append(self._queue.popleft())
                 size += take[-1].nbytes
         try:
@@ -718,22 +786,46 @@ class DiskTier:
             objs = []
             for name, (arr, row_start) in b.objects.items():
                 a = np.ascontiguousarray(arr)
-                o = {"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "row_start": int(row_start),
-                     "offset": off, "nbytes": int(a.nbytes), "crc32": 0}
+                o = {
+                    "name": name,
+                    "dtype": a.dtype.name,
+                    "shape": list(a.shape),
+                    "row_start": int(row_start),
+                    "offset": off,
+                    "nbytes": int(a.nbytes),
+                    "crc32": 0,
+                }
                 if self._key is not None:
                     o["sha256"] = "0" * 64  # computed with the crc32 once the bytes are staged
                 objs.append(o)
                 parts.append((o, a.reshape(-1).view(np.uint8)))
                 off += -(-a.nbytes // mf.ALIGN) * mf.ALIGN
-            entries.append({"key": self._id(b.key), "parent": self._id(b.parent) if b.parent else "",
-                            "index": int(b.index), "length": int(b.length), "tokens": self._tokens(b.tokens),
-                            "indexer_version": int(b.indexer_version), "snapshot": bool(b.snapshot),
-                            "objects": objs})
+            entries.append(
+                {
+                    "key": self._id(b.key),
+                    "parent": self._id(b.parent) if b.parent else "",
+                    "index": int(b.index),
+                    "length": int(b.length),
+                    "tokens": self._tokens(b.tokens),
+                    "indexer_version": int(b.indexer_version),
+                    "snapshot": bool(b.snapshot),
+                    "objects": objs,
+                }
+            )
         data_bytes = max(off, 1)
         lay = _Layout.plan(data_bytes, self.chunk_bytes, self.shard_bytes)
         seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{self.writer_id}-{uuid.uuid4().hex[:8]}"
-        doc = {"abi": abi, "segment": seg, "writer": self.writer_id, "created": time.time(), "data_bytes": data_bytes,
-               "stored_bytes": sum(lay.files), "chunk_bytes": lay.chunk, "shard_bytes": lay.shard, "blocks": entries}
+        doc = {
+            "abi": abi,
+            "segment": seg,
+            "writer": self.writer_id,
+            "created": time.time(),
+            "data_bytes": data_bytes,
+            "stored_bytes": sum(lay.files),
+            "chunk_bytes": lay.chunk,
+            "shard_bytes": lay.shard,
+            "blocks": entries,
+        }
         # a manifest that would be refused is never written, nor its data
         mf.check(doc, keyed=self._key is not None, max_data_bytes=self.budget_bytes)
         return doc, parts, lay
@@ -743,8 +835,12 @@ class DiskTier:
         tensorstore holds a copy of every byte (the staging buffer can take the next segment)."""
         doc, parts, lay = self._plan(abi, blocks)
         seg = doc["segment"]
-        arr = ts.open(_array_spec(self.kv / f"data/{abi}/{seg}/", lay.padded, lay.chunk, lay.shard), open=True,
-                      assume_metadata=True, context=self.context).result()
+        arr = ts.open(
+            _array_spec(self.kv / f"data/{abi}/{seg}/", lay.padded, lay.chunk, lay.shard),
+            open=True,
+            assume_metadata=True,
+            context=self.context,
+        ).result()
         # Shard k's bytes are copied into the staging buffer and its write is issued at once
         # (tensorstore encodes, writes and fsyncs it on its own threads) before shard k + 1 is
         # copied; the per-object crc32 runs after the last write is issued, while the shards are
@@ -754,7 +850,7 @@ class DiskTier:
         # one at a time on the writer thread), so its pages are faulted in once.
         if self._staging.size < lay.padded:
             self._staging = np.empty((lay.padded,), np.uint8)
-        buf = self._staging[:lay.padded]
+        buf = self._staging[: lay.padded]
         writes, i = [], 0
         try:
             for lo, hi in lay.shards:
@@ -763,7 +859,7 @@ class DiskTier:
                     o, src = parts[i]
                     s0, s1 = max(o["offset"], lo), min(o["offset"] + o["nbytes"], hi)
                     buf[end:s0] = 0  # alignment padding
-                    buf[s0:s1] = src[s0 - o["offset"]:s1 - o["offset"]]
+                    buf[s0:s1] = src[s0 - o["offset"] : s1 - o["offset"]]
                     end = max(end, s1)
                     if o["offset"] + o["nbytes"] > hi:
                         break  # the object continues in the next shard
@@ -771,9 +867,9 @@ class DiskTier:
                 buf[end:hi] = 0
                 writes.append(arr[lo:hi].write(buf[lo:hi]))
             for o, _ in parts:
-                o["crc32"] = zlib.crc32(buf[o["offset"]:o["offset"] + o["nbytes"]])
+                o["crc32"] = zlib.crc32(buf[o["offset"] : o["offset"] + o["nbytes"]])
                 if self._key is not None:
-                    o["sha256"] = hashlib.sha256(buf[o["offset"]:o["offset"] + o["nbytes"]]).hexdigest()
+                    o["sha256"] = hashlib.sha256(buf[o["offset"] : o["offset"] + o["nbytes"]]).hexdigest()
             raw = mf.seal(doc, key=self._key)
             for w in writes:  # tensorstore holds its own copy of every shard: the buffer is free again
                 w.copy.result()
@@ -800,8 +896,9 @@ class DiskTier:
                 self.counters["segments_written"] += 1
                 self.counters["blocks_written"] += staged.blocks
                 self.counters["bytes_written"] += doc["stored_bytes"] + len(raw)
-            self._say(f"disk tier: wrote {staged.blocks} blocks ({doc['stored_bytes']:,} bytes) as segment "
-                      f"{doc['segment']}")
+            self._say(
+                f"disk tier: wrote {staged.blocks} blocks ({doc['stored_bytes']:,} bytes) as segment {doc['segment']}"
+            )
             self.enforce_budget()
         except BaseException as e:  # noqa: BLE001 — the callers' futures carry it
             for r in reqs:
@@ -821,8 +918,12 @@ class DiskTier:
         self._save_hits_advisory()
 
     # -------------------------------------------------------------------------------- read
-    def read(self, refs: list[BlockRef], expect: Callable[[dict], dict[str, tuple[np.dtype, tuple]]] | None = None,
-             count: bool = True) -> ReadResult:
+    def read(
+        self,
+        refs: list[BlockRef],
+        expect: Callable[[dict], dict[str, tuple[np.dtype, tuple]]] | None = None,
+        count: bool = True,
+    ) -> ReadResult:
         """Read and verify the blocks `refs` (in order; reads issued concurrently). Returns the
         leading blocks that passed every check and the reason the first failing one did not:
         `disk_missing` (manifest or data gone or unreadable), `disk_checksum` (manifest or bytes
@@ -848,8 +949,11 @@ class DiskTier:
                 name = f"manifests/{r.abi}/{r.segment}.json"
                 # a manifest is immutable: re-read exactly the bytes it was indexed at (one that grew
                 # fails its checksum, one that shrank is unreadable); never more than the cap
-                manifests[sid] = self.kv.read(name, byte_range=slice(0, seg.manifest_bytes)) if seg is not None \
+                manifests[sid] = (
+                    self.kv.read(name, byte_range=slice(0, seg.manifest_bytes))
+                    if seg is not None
                     else self._read_bounded([name], mf.MAX_MANIFEST_BYTES)[name]
+                )
         checked: dict[tuple[str, str], tuple[str | None, str, dict | None]] = {}
         arrays: dict[tuple[str, str], object] = {}
         for sid, fut in manifests.items():
@@ -859,8 +963,12 @@ class DiskTier:
                 continue
             lay = _Layout.of(doc)
             try:
-                arrays[sid] = ts.open(_array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", lay.padded, lay.chunk,
-                                                  lay.shard), open=True, assume_metadata=True, context=self.context)
+                arrays[sid] = ts.open(
+                    _array_spec(self.kv / f"data/{sid[0]}/{sid[1]}/", lay.padded, lay.chunk, lay.shard),
+                    open=True,
+                    assume_metadata=True,
+                    context=self.context,
+                )
             except Exception:  # noqa: BLE001 — classified per block (`_probe`)
                 arrays[sid] = None
         # every object read issued at once (tensorstore decodes concurrent reads in parallel, which
@@ -875,7 +983,7 @@ class DiskTier:
                 continue
             try:
                 arr = arrays[sid].result()
-                reads.append([arr[o["offset"]:o["offset"] + o["nbytes"]].read() for o in entry["objects"]])
+                reads.append([arr[o["offset"] : o["offset"] + o["nbytes"]].read() for o in entry["objects"]])
             except Exception:  # noqa: BLE001 — checked (and classified) per block below
                 reads.append(None)
         out: list[BlockPayload] = []
@@ -918,11 +1026,17 @@ class DiskTier:
             return None, "", seg.doc  # the very bytes that passed `parse` when it was indexed
         for second in (False, True):
             if raw is None:
-                return (MISSING, f"manifest of segment {sid[1]} is gone", None) if why is None else \
-                    (MALFORMED, f"manifest of segment {sid[1]}: {why}", None)
+                return (
+                    (MISSING, f"manifest of segment {sid[1]} is gone", None)
+                    if why is None
+                    else (MALFORMED, f"manifest of segment {sid[1]}: {why}", None)
+                )
             try:
-                return None, "", mf.parse(raw, key=self._key, abi=sid[0], segment=sid[1],
-                                          max_data_bytes=self.budget_bytes)
+                return (
+                    None,
+                    "",
+                    mf.parse(raw, key=self._key, abi=sid[0], segment=sid[1], max_data_bytes=self.budget_bytes),
+                )
             except mf.ManifestError as e:
                 err = e
             if second:
@@ -940,8 +1054,14 @@ class DiskTier:
             return CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None
         want = expect(entry) if expect is not None else None
         if want is not None and set(want) != {o["name"] for o in entry["objects"]}:
-            return CHECKSUM, (f"block {entry['index']} holds objects {sorted(o['name'] for o in entry['objects'])}, "
-                              f"the engine needs {sorted(want)}"), None
+            return (
+                CHECKSUM,
+                (
+                    f"block {entry['index']} holds objects {sorted(o['name'] for o in entry['objects'])}, "
+                    f"the engine needs {sorted(want)}"
+                ),
+                None,
+            )
         if objs is None:
             return self._probe(sid, doc, "data array unreadable", 0, doc["data_bytes"])
         objects = {}
@@ -949,21 +1069,38 @@ class DiskTier:
             dt = dtype_of(o["dtype"])
             n = int(np.prod(o["shape"], dtype=np.int64)) * dt.itemsize
             if o["offset"] % mf.ALIGN or n != o["nbytes"]:
-                return CHECKSUM, f"object {o['name']}: offset {o['offset']} / {o['nbytes']} bytes disagree with " \
-                                 f"{o['dtype']}{o['shape']} at alignment {mf.ALIGN}", None
-            if want is not None and (np.dtype(want[o["name"]][0]) != dt or tuple(want[o["name"]][1]) != tuple(o["shape"])):
-                return CHECKSUM, (f"object {o['name']} is {o['dtype']}{o['shape']}, the engine needs "
-                                  f"{np.dtype(want[o['name']][0]).name}{list(want[o['name']][1])}"), None
+                return (
+                    CHECKSUM,
+                    f"object {o['name']}: offset {o['offset']} / {o['nbytes']} bytes disagree with "
+                    f"{o['dtype']}{o['shape']} at alignment {mf.ALIGN}",
+                    None,
+                )
+            if want is not None and (
+                np.dtype(want[o["name"]][0]) != dt or tuple(want[o["name"]][1]) != tuple(o["shape"])
+            ):
+                return (
+                    CHECKSUM,
+                    (
+                        f"object {o['name']} is {o['dtype']}{o['shape']}, the engine needs "
+                        f"{np.dtype(want[o['name']][0]).name}{list(want[o['name']][1])}"
+                    ),
+                    None,
+                )
             try:
                 raw = fut.result()
             except Exception as e:  # noqa: BLE001 — zarr's crc32c, a short or a missing chunk
                 return self._probe(sid, doc, str(e), o["offset"], o["nbytes"])
             if zlib.crc32(raw) != o["crc32"]:
-                return self._probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"],
-                                   o["nbytes"])
+                return self._probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"], o["nbytes"])
             if self._key is not None and hashlib.sha256(raw).hexdigest() != o["sha256"]:
-                return AUTH, (f"segment {sid[1]} object {o['name']} of block {entry['index']} fails its sha256 "
-                              f"(its bytes were replaced by someone without the key)"), None
+                return (
+                    AUTH,
+                    (
+                        f"segment {sid[1]} object {o['name']} of block {entry['index']} fails its sha256 "
+                        f"(its bytes were replaced by someone without the key)"
+                    ),
+                    None,
+                )
             objects[o["name"]] = (raw.view(dt).reshape(o["shape"]), o["row_start"])
         if self._key is None:
             key = bytes.fromhex(entry["key"])
@@ -972,8 +1109,20 @@ class DiskTier:
         else:  # the manifest holds keyed hashes: the raw values are what find_chain was asked for
             key = ref.raw_key if ref.raw_key is not None else bytes.fromhex(entry["key"])
             parent, tokens = ref.raw_parent, list(ref.raw_tokens or ())
-        return None, "", BlockPayload(key, parent, entry["index"], entry["length"], tokens, entry["indexer_version"],
-                                      entry["snapshot"], objects)
+        return (
+            None,
+            "",
+            BlockPayload(
+                key,
+                parent,
+                entry["index"],
+                entry["length"],
+                tokens,
+                entry["indexer_version"],
+                entry["snapshot"],
+                objects,
+            ),
+        )
 
     def _probe(self, sid: tuple[str, str], doc: dict, detail: str, offset: int, nbytes: int):
         """Classify a data failure of bytes [offset, offset + nbytes) by the raw shard files holding
@@ -990,8 +1139,11 @@ class DiskTier:
             if raw.state != "value":
                 return MISSING, f"segment {sid[1]}'s data shard {i} is gone ({detail})", None
             if len(raw.value) < lay.file_bytes(i):
-                return TRUNCATED, (f"segment {sid[1]}'s data shard {i} has {len(raw.value)} of {lay.file_bytes(i)} "
-                                   f"bytes"), None
+                return (
+                    TRUNCATED,
+                    (f"segment {sid[1]}'s data shard {i} has {len(raw.value)} of {lay.file_bytes(i)} bytes"),
+                    None,
+                )
         return CHECKSUM, f"segment {sid[1]}: {detail}", None
 
     # ------------------------------------------------------------------------------ budget
@@ -1023,8 +1175,7 @@ class DiskTier:
                         covered[(s.abi, k)] = covered.get((s.abi, k), 0) + 1
 
                 def rank(s: _Segment):
-                    inner = any(extended.get((s.abi, k), set()) - {s.name} and covered[(s.abi, k)] == 1
-                                for k in s.keys)
+                    inner = any(extended.get((s.abi, k), set()) - {s.name} and covered[(s.abi, k)] == 1 for k in s.keys)
                     return (inner, max(s.last_hit, s.created))
 
                 victim = min(self._segments.values(), key=rank)
@@ -1079,8 +1230,13 @@ class DiskTier:
         self._check_open("verify")
         self.refresh(force=True)
         self._saved_hits()
-        report = {"segments": 0, "blocks_ok": 0, **dict.fromkeys(DISK_REASONS, 0), "orphaned_segments": 0,
-                  "problems": []}
+        report = {
+            "segments": 0,
+            "blocks_ok": 0,
+            **dict.fromkeys(DISK_REASONS, 0),
+            "orphaned_segments": 0,
+            "problems": [],
+        }
         for key, (reason, why) in sorted({**self._bad, **self._bad_hits}.items()):
             report[reason] += 1
             report["problems"].append(f"{key}: {reason}: {why}")
@@ -1088,8 +1244,12 @@ class DiskTier:
             segs = list(self._segments.values())
         for s in segs:
             report["segments"] += 1
-            refs = [BlockRef(s.abi, s.name, r.entry) for k in dict.fromkeys(s.keys)
-                    for r in self._blocks.get(k, []) if (r.abi, r.segment) == (s.abi, s.name)]
+            refs = [
+                BlockRef(s.abi, s.name, r.entry)
+                for k in dict.fromkeys(s.keys)
+                for r in self._blocks.get(k, [])
+                if (r.abi, r.segment) == (s.abi, s.name)
+            ]
             while refs:
                 try:
                     res = self.read(refs, count=False)
@@ -1099,13 +1259,16 @@ class DiskTier:
                 if res.reason is None:
                     break
                 report[res.reason] += 1
-                report["problems"].append(f"{s.manifest_key} block {refs[len(res.payloads)].entry['index']}: "
-                                          f"{res.reason}: {res.detail}")
-                refs = refs[len(res.payloads) + 1:]
+                report["problems"].append(
+                    f"{s.manifest_key} block {refs[len(res.payloads)].entry['index']}: {res.reason}: {res.detail}"
+                )
+                refs = refs[len(res.payloads) + 1 :]
         published = {(s.abi, s.name) for s in segs}
         published |= {w for w in map(_manifest_where, list(self._bad)) if w}  # rejected above, not orphans
-        data = {tuple(k.decode(errors="replace").split("/")[1:3])
-                for k in self.kv.list(ts.KvStore.KeyRange("data/", "data0")).result()}
+        data = {
+            tuple(k.decode(errors="replace").split("/")[1:3])
+            for k in self.kv.list(ts.KvStore.KeyRange("data/", "data0")).result()
+        }
         orphans = sorted(d for d in data if len(d) == 2 and d not in published)
         report["orphaned_segments"] = len(orphans)
         report["problems"] += [f"data/{a}/{s}/: no manifest (an interrupted write; ignored)" for a, s in orphans]
@@ -1142,8 +1305,9 @@ class DiskTier:
             segs = list(self._segments.values())
             per_abi: dict[str, dict] = {}
             for s in segs:
-                d = per_abi.setdefault(s.abi, {"segments": 0, "blocks": 0, "snapshots": 0, "stored_bytes": 0,
-                                               "hits": 0})
+                d = per_abi.setdefault(
+                    s.abi, {"segments": 0, "blocks": 0, "snapshots": 0, "stored_bytes": 0, "hits": 0}
+                )
                 d["segments"] += 1
                 d["stored_bytes"] += s.stored_bytes
             for k, refs in self._blocks.items():
@@ -1160,10 +1324,15 @@ class DiskTier:
         for abi, h in local.items():
             if abi in per_abi:
                 per_abi[abi]["hits"] = sum(h.values())
-        return {"store": self.spec if isinstance(self.spec, str) else json.dumps(self.spec),
-                "segments": len(segs), "stored_bytes": sum(s.stored_bytes for s in segs),
-                "budget_bytes": self.budget_bytes, "abis": per_abi, "counters": dict(self.counters),
-                "bad_files": dict(collections.Counter(r for r, _ in [*self._bad.values(), *self._bad_hits.values()]))}
+        return {
+            "store": self.spec if isinstance(self.spec, str) else json.dumps(self.spec),
+            "segments": len(segs),
+            "stored_bytes": sum(s.stored_bytes for s in segs),
+            "budget_bytes": self.budget_bytes,
+            "abis": per_abi,
+            "counters": dict(self.counters),
+            "bad_files": dict(collections.Counter(r for r, _ in [*self._bad.values(), *self._bad_hits.values()])),
+        }
 
     def close(self) -> None:
         """Wait for pending writes, persist hit counts and stop the writer thread. Afterwards
@@ -1181,6 +1350,22 @@ class DiskTier:
             self.progress(msg)
 
 
-__all__ = ["ABI", "AUTH", "BlockPayload", "BlockRef", "CHECKSUM", "ChainLookup", "DISK_REASONS", "DiskBacklogError",
-           "DiskTier", "DiskTierClosedError", "ENV_KEY", "MALFORMED", "MISSING", "ReadResult", "TRUNCATED", "dtype_of",
-           "resolve_key"]
+__all__ = [
+    "ABI",
+    "AUTH",
+    "BlockPayload",
+    "BlockRef",
+    "CHECKSUM",
+    "ChainLookup",
+    "DISK_REASONS",
+    "DiskBacklogError",
+    "DiskTier",
+    "DiskTierClosedError",
+    "ENV_KEY",
+    "MALFORMED",
+    "MISSING",
+    "ReadResult",
+    "TRUNCATED",
+    "dtype_of",
+    "resolve_key",
+]

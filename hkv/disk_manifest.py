@@ -80,8 +80,22 @@ MAX_CHUNKS_PER_SHARD = 1 << 20  # inner chunks of one shard (its index holds 16 
 INT64 = (1 << 63) - 1
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a segment or writer name: one safe path component
 
-_TOP = {"format", "version", "abi", "segment", "writer", "created", "data_bytes", "stored_bytes", "chunk_bytes",
-        "shard_bytes", "blocks", "checksum", "auth", "hmac"}
+_TOP = {
+    "format",
+    "version",
+    "abi",
+    "segment",
+    "writer",
+    "created",
+    "data_bytes",
+    "stored_bytes",
+    "chunk_bytes",
+    "shard_bytes",
+    "blocks",
+    "checksum",
+    "auth",
+    "hmac",
+}
 _BLOCK = {"key", "parent", "index", "length", "tokens", "indexer_version", "snapshot", "objects"}
 _OBJECT = {"name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sha256"}
 
@@ -135,8 +149,9 @@ class StoreKey:
 
 
 def _canonical(doc: dict) -> bytes:
-    return json.dumps({k: v for k, v in doc.items() if k not in ("checksum", "hmac")}, sort_keys=True,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {k: v for k, v in doc.items() if k not in ("checksum", "hmac")}, sort_keys=True, separators=(",", ":")
+    ).encode()
 
 
 def seal(doc: dict, key: StoreKey | None = None) -> bytes:
@@ -213,8 +228,9 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def load_json(raw: bytes, what: str = "manifest", max_bytes: int = MAX_MANIFEST_BYTES,
-              max_depth: int = MAX_DEPTH) -> Any:
+def load_json(
+    raw: bytes, what: str = "manifest", max_bytes: int = MAX_MANIFEST_BYTES, max_depth: int = MAX_DEPTH
+) -> Any:
     """Decode bounded JSON: at most `max_bytes` bytes and `max_depth` levels (checked before
     `json.loads`, so no RecursionError or huge allocation can happen), no NaN / Infinity, no integer
     of more than 4300 digits.
@@ -242,8 +258,14 @@ def load_json(raw: bytes, what: str = "manifest", max_bytes: int = MAX_MANIFEST_
         raise ManifestError(f"not JSON: {e}", CHECKSUM) from None
 
 
-def parse(raw: bytes, *, key: StoreKey | None = None, abi: str | None = None, segment: str | None = None,
-          max_data_bytes: int | None = None) -> dict:
+def parse(
+    raw: bytes,
+    *,
+    key: StoreKey | None = None,
+    abi: str | None = None,
+    segment: str | None = None,
+    max_data_bytes: int | None = None,
+) -> dict:
     """Parse and check a manifest; raises `ManifestError` naming the first bad field.
 
     Args:
@@ -260,25 +282,42 @@ def parse(raw: bytes, *, key: StoreKey | None = None, abi: str | None = None, se
     doc = load_json(raw)
     _need(isinstance(doc, dict), f"manifest must be a JSON object, not {type(doc).__name__}")
     _need(doc.get("format") == FORMAT, f"format={_short(doc.get('format'))} must be {FORMAT!r}")
-    _need(doc.get("version") in READS and not isinstance(doc.get("version"), bool),
-          f"version={_short(doc.get('version'))}: this hkv reads versions {READS}")
-    _need(isinstance(doc.get("checksum"), int) and doc["checksum"] == zlib.crc32(_canonical(doc)),
-          "checksum does not match the manifest's contents (corrupted or edited)", CHECKSUM)
+    _need(
+        doc.get("version") in READS and not isinstance(doc.get("version"), bool),
+        f"version={_short(doc.get('version'))}: this hkv reads versions {READS}",
+    )
+    _need(
+        isinstance(doc.get("checksum"), int) and doc["checksum"] == zlib.crc32(_canonical(doc)),
+        "checksum does not match the manifest's contents (corrupted or edited)",
+        CHECKSUM,
+    )
     where_abi = abi if abi is not None else doc.get("abi")
     where_seg = segment if segment is not None else doc.get("segment")
     if key is None:
-        _need("hmac" not in doc and "auth" not in doc,
-              "manifest is authenticated (HMAC) but this tier has no key (pass key= or set HKV_STORE_KEY)", AUTH)
+        _need(
+            "hmac" not in doc and "auth" not in doc,
+            "manifest is authenticated (HMAC) but this tier has no key (pass key= or set HKV_STORE_KEY)",
+            AUTH,
+        )
     else:
-        _need(doc.get("auth") == AUTH_SCHEME and isinstance(doc.get("hmac"), str),
-              f"manifest is not authenticated (no {AUTH_SCHEME} HMAC) but this tier has a key", AUTH)
-        _need(isinstance(where_abi, str) and isinstance(where_seg, str)
-              and hmac.compare_digest(doc["hmac"], key.manifest_mac(where_abi, where_seg, _canonical(doc))),
-              "HMAC does not match: written with another key, or edited or moved by someone without the key", AUTH)
+        _need(
+            doc.get("auth") == AUTH_SCHEME and isinstance(doc.get("hmac"), str),
+            f"manifest is not authenticated (no {AUTH_SCHEME} HMAC) but this tier has a key",
+            AUTH,
+        )
+        _need(
+            isinstance(where_abi, str)
+            and isinstance(where_seg, str)
+            and hmac.compare_digest(doc["hmac"], key.manifest_mac(where_abi, where_seg, _canonical(doc))),
+            "HMAC does not match: written with another key, or edited or moved by someone without the key",
+            AUTH,
+        )
     check(doc, keyed=key is not None, max_data_bytes=max_data_bytes)
     _need(abi is None or doc["abi"] == abi, f"manifest under ABI {abi} claims ABI {doc['abi']}", ABI)
-    _need(segment is None or doc["segment"] == segment,
-          f"manifest stored as segment {segment} names segment {doc['segment']} (overwritten or moved)")
+    _need(
+        segment is None or doc["segment"] == segment,
+        f"manifest stored as segment {segment} names segment {doc['segment']} (overwritten or moved)",
+    )
     return doc
 
 
@@ -302,11 +341,15 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     _hex(doc.get("abi"), 32, "abi")
     for f in ("segment", "writer"):
         v = doc.get(f)
-        _need(isinstance(v, str) and 0 < len(v) <= MAX_NAME and NAME.match(v) is not None,
-              f"{f}={_short(v)} must be 1 to {MAX_NAME} characters of [A-Za-z0-9_.-], not starting with '.' or '-'")
+        _need(
+            isinstance(v, str) and 0 < len(v) <= MAX_NAME and NAME.match(v) is not None,
+            f"{f}={_short(v)} must be 1 to {MAX_NAME} characters of [A-Za-z0-9_.-], not starting with '.' or '-'",
+        )
     c = doc.get("created", 0.0)
-    _need(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= 2 ** 40,
-          f"created={_short(c)} must be unix seconds in [0, {2 ** 40}]")
+    _need(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= 2**40,
+        f"created={_short(c)} must be unix seconds in [0, {2**40}]",
+    )
     cap = MAX_DATA_BYTES if max_data_bytes is None else min(MAX_DATA_BYTES, max_data_bytes)
     data_bytes = _int(doc.get("data_bytes"), "data_bytes", 0, cap)
     _int(doc.get("stored_bytes"), "stored_bytes", 0, 1 << 62)
@@ -314,20 +357,27 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     padded = -(-max(data_bytes, 1) // chunk) * chunk
     if doc.get("version", VERSION) >= 2 or "shard_bytes" in doc:
         s = doc.get("shard_bytes")
-        _need(isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_CHUNKS_PER_SHARD * chunk
-              and s % chunk == 0,
-              f"shard_bytes={_short(s)} must be a positive multiple of chunk_bytes={chunk} of at most "
-              f"{MAX_CHUNKS_PER_SHARD} chunks")
+        _need(
+            isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_CHUNKS_PER_SHARD * chunk and s % chunk == 0,
+            f"shard_bytes={_short(s)} must be a positive multiple of chunk_bytes={chunk} of at most "
+            f"{MAX_CHUNKS_PER_SHARD} chunks",
+        )
     else:
         s = padded
-        _need(s // chunk <= MAX_CHUNKS_PER_SHARD, f"data_bytes={data_bytes} is {s // chunk} chunks of {chunk} "
-                                                  f"bytes in one shard, more than {MAX_CHUNKS_PER_SHARD}")
+        _need(
+            s // chunk <= MAX_CHUNKS_PER_SHARD,
+            f"data_bytes={data_bytes} is {s // chunk} chunks of {chunk} "
+            f"bytes in one shard, more than {MAX_CHUNKS_PER_SHARD}",
+        )
     shards = -(-padded // s)
-    _need(shards <= MAX_SHARDS, f"data_bytes={data_bytes} in shards of {s} bytes is {shards} shards, "
-                                f"more than {MAX_SHARDS}")
+    _need(
+        shards <= MAX_SHARDS,
+        f"data_bytes={data_bytes} in shards of {s} bytes is {shards} shards, more than {MAX_SHARDS}",
+    )
     blocks = doc.get("blocks")
-    _need(isinstance(blocks, list) and 0 < len(blocks) <= MAX_BLOCKS,
-          f"blocks must be a list of 1 to {MAX_BLOCKS} blocks")
+    _need(
+        isinstance(blocks, list) and 0 < len(blocks) <= MAX_BLOCKS, f"blocks must be a list of 1 to {MAX_BLOCKS} blocks"
+    )
     spans = []
     for b in blocks:
         _need(isinstance(b, dict), "each block must be an object")
@@ -342,39 +392,53 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
         if keyed:
             _hex(t, 64, "block tokens (a keyed digest)")
         else:
-            _need(isinstance(t, list) and len(t) <= MAX_TOKENS,
-                  lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers")
-            _need(all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # noqa: E721 — not bool
-                  "block tokens must be int64 integers")
+            _need(
+                isinstance(t, list) and len(t) <= MAX_TOKENS,
+                lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers",
+            )
+            _need(
+                all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # noqa: E721 — not bool
+                "block tokens must be int64 integers",
+            )
         _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
         objs = b.get("objects")
-        _need(isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
-              lambda: f"block objects must be a list of at most {MAX_OBJECTS}")
+        _need(
+            isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
+            lambda: f"block objects must be a list of at most {MAX_OBJECTS}",
+        )
         names = set()
         for o in objs:
-            _need(isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
-                  f"object name must be a string of 1 to {MAX_NAME} characters")
+            _need(
+                isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
+                f"object name must be a string of 1 to {MAX_NAME} characters",
+            )
             _need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")
             names.add(o["name"])
             extra = set(o) - _OBJECT
             _need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
             _need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
             shape = o.get("shape")
-            _need(isinstance(shape, list) and len(shape) <= MAX_DIMS,
-                  lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers")
+            _need(
+                isinstance(shape, list) and len(shape) <= MAX_DIMS,
+                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",
+            )
             n = ITEMSIZE[o["dtype"]]
             for d in shape:
                 n *= _int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
-                _need(n <= MAX_DATA_BYTES, lambda: f"object {o['name']} shape={_short(shape)} holds more than "
-                                           f"{MAX_DATA_BYTES} bytes")
+                _need(
+                    n <= MAX_DATA_BYTES,
+                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",
+                )
             _int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
             off = _int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
             nb = _int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
             _int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
             _need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
             _need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
-            _need(off + nb <= data_bytes,
-                  lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}")
+            _need(
+                off + nb <= data_bytes,
+                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",
+            )
             if keyed:
                 _hex(o.get("sha256"), 64, f"object {o['name']} sha256")
             else:
@@ -387,6 +451,24 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     return doc
 
 
-__all__ = ["ABI", "ALIGN", "AUTH", "CHECKSUM", "FORMAT", "MALFORMED", "MAX_DATA_BYTES", "MAX_DEPTH",
-           "MAX_MANIFEST_BYTES", "MAX_SHARDS", "ManifestError", "READS", "StoreKey", "VERSION", "check", "depth",
-           "load_json", "parse", "seal"]
+__all__ = [
+    "ABI",
+    "ALIGN",
+    "AUTH",
+    "CHECKSUM",
+    "FORMAT",
+    "MALFORMED",
+    "MAX_DATA_BYTES",
+    "MAX_DEPTH",
+    "MAX_MANIFEST_BYTES",
+    "MAX_SHARDS",
+    "ManifestError",
+    "READS",
+    "StoreKey",
+    "VERSION",
+    "check",
+    "depth",
+    "load_json",
+    "parse",
+    "seal",
+]

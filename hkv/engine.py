@@ -64,8 +64,10 @@ class _DeferredInterrupt:
         self._previous = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 
@@ -137,33 +139,56 @@ class Engine:
     verification (needs the prefix cache).
     """
 
-    def __init__(self, model, config: CacheConfig, *, block_tokens: int = 16, prefill_chunk: int = 32,
-                 model_id: str = "unknown", progress: Callable[[str], None] | None = None,
-                 kernel_options: dict | None = None, retention: RetentionPolicy | None = None,
-                 cache_salt: bytes = b"", disk: DiskTier | None = None):
+    def __init__(
+        self,
+        model,
+        config: CacheConfig,
+        *,
+        block_tokens: int = 16,
+        prefill_chunk: int = 32,
+        model_id: str = "unknown",
+        progress: Callable[[str], None] | None = None,
+        kernel_options: dict | None = None,
+        retention: RetentionPolicy | None = None,
+        cache_salt: bytes = b"",
+        disk: DiskTier | None = None,
+    ):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"{prefill_chunk=} must be a positive integer")
         if config.prefix_records and prefill_chunk % block_tokens:
-            raise ValueError(f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
-                             f"(chunks end on block boundaries, where records are taken)")
+            raise ValueError(
+                f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
+                f"(chunks end on block boundaries, where records are taken)"
+            )
         if disk is not None and not config.prefix_records:
-            raise ValueError("the disk tier holds prefix blocks: it needs the prefix cache "
-                             f"(CacheConfig.prefix_records={config.prefix_records} must be > 0)")
+            raise ValueError(
+                "the disk tier holds prefix blocks: it needs the prefix cache "
+                f"(CacheConfig.prefix_records={config.prefix_records} must be > 0)"
+            )
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
         self.model = model
         self.disk = disk
         self._graphdef, weights = nnx.split(model)
         self._weights = jax.tree.map(lambda x: x, weights)  # a snapshot: later changes to `model` cannot alter it
-        self.spec = dataclasses.replace(model.cache_spec(block_tokens=block_tokens, model_id=model_id),
-                                        weights_digest=weights_digest(self._weights))  # the ABI covers the weights
+        self.spec = dataclasses.replace(
+            model.cache_spec(block_tokens=block_tokens, model_id=model_id), weights_digest=weights_digest(self._weights)
+        )  # the ABI covers the weights
         self.layout = CacheLayout(self.spec, config)
         self.cache = init_cache(self.layout)
         self.prefill_chunk = prefill_chunk
         self.progress = progress
         self.compilations = {"prefill": 0, "decode": 0}
-        self._stats = {"prompts": 0, "prefill_tokens": 0, "prefill_steps": 0, "decode_steps": 0,
-                       "generated_tokens": 0, "preemptions": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+        self._stats = {
+            "prompts": 0,
+            "prefill_tokens": 0,
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "prefill_seconds": 0.0,
+            "decode_seconds": 0.0,
+        }
         graphdef = self._graphdef
         kernels = dict(kernel_options or {})
 
@@ -198,16 +223,18 @@ class Engine:
             model = nnx.merge(graphdef, weights)
 
             def run(c):
-                c, _, st = model.cached_step(layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False,
-                                             **kernels)
+                c, _, st = model.cached_step(
+                    layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **kernels
+                )
                 return c, st
 
             cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
             return cache, plan, st
 
         self._restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
-        self._stats.update(ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0,
-                           disk_blocks_offloaded=0)
+        self._stats.update(
+            ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0, disk_blocks_offloaded=0
+        )
         self._swap_in = jax.jit(swap.swap_in, static_argnums=0, donate_argnums=1)
         self._mark_on_disk = jax.jit(swap.mark_on_disk, static_argnums=0, donate_argnums=1)
         self._disk_futures: list = []
@@ -240,8 +267,10 @@ class Engine:
         """
         prompts, max_new_tokens = self._validate(prompts, max_new_tokens)
         if self.disk is not None and self.disk.closed:
-            raise DiskTierClosedError(f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
-                                      "with an open hkv.DiskTier (or disk=None) to generate")
+            raise DiskTierClosedError(
+                f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
+                "with an open hkv.DiskTier (or disk=None) to generate"
+            )
         with self._guard():
             return self._generate(prompts, max_new_tokens)
 
@@ -266,7 +295,8 @@ class Engine:
                         raise CacheCapacityError(
                             f"prompt {seq.index} ({len(seq.prompt) + len(seq.tokens)} tokens) does not fit in the "
                             f"cache's pools even alone, with every cached prefix evicted; raise "
-                            f"CacheConfig.pool_pages or lower max_context. Pools now: {self._pool_report()}")
+                            f"CacheConfig.pool_pages or lower max_context. Pools now: {self._pool_report()}"
+                        )
                     break
                 running[seq.slot] = seq
                 if seq.done:
@@ -274,10 +304,14 @@ class Engine:
             if running:
                 self._decode_all(running, queue, done)
         self._running = {}
-        return [Generation(tokens=d.tokens, logits=np.stack(d.logits) if d.logits
-                           else np.zeros((0, self.model.cfg.vocab_size), np.float32),
-                           plan=d.plan or RestorePlan.cold(len(d.prompt))) for d in
-                [done[i] for i in range(len(prompts))]]
+        return [
+            Generation(
+                tokens=d.tokens,
+                logits=np.stack(d.logits) if d.logits else np.zeros((0, self.model.cfg.vocab_size), np.float32),
+                plan=d.plan or RestorePlan.cold(len(d.prompt)),
+            )
+            for d in [done[i] for i in range(len(prompts))]
+        ]
 
     def write_through(self) -> int:
         """Copy every cached block that ends in an SWA + TAIL snapshot (and the blocks of its chain
@@ -317,6 +351,7 @@ class Engine:
         written atomically; pending disk-tier writes are finished first so the saved prefix index's
         `on_disk` bits match the store. Only between `generate` calls. See `hkv.checkpoint`."""
         from .checkpoint import save_engine
+
         self.flush_disk()
         save_engine(self, path, overwrite=overwrite)
 
@@ -326,6 +361,7 @@ class Engine:
         ABI fingerprint, `check_invariants`) before use. engine_kwargs override the saved settings or
         add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
         from .checkpoint import restore_engine
+
         return restore_engine(path, model, **engine_kwargs)
 
     def close(self) -> None:
@@ -335,10 +371,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Engine counters, the cache's transition counters and the prefix metrics (a host snapshot)."""
         counters = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
-        return {**self._stats, "compilations": dict(self.compilations), "cache": counters,
-                "prefix": self.prefix_stats() if self.prefix_enabled else None,
-                "active_slots": int(np.asarray(self.cache.active).sum()),
-                "abi_fingerprint": self.spec.fingerprint()}
+        return {
+            **self._stats,
+            "compilations": dict(self.compilations),
+            "cache": counters,
+            "prefix": self.prefix_stats() if self.prefix_enabled else None,
+            "active_slots": int(np.asarray(self.cache.active).sum()),
+            "abi_fingerprint": self.spec.fingerprint(),
+        }
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes allocated and live per object kind; see `hkv.memory.memory_report`."""
@@ -351,8 +391,11 @@ class Engine:
     def _validate(self, prompts, max_new_tokens) -> tuple[list[list[int]], int]:
         """(prompts as lists of Python ints, max_new_tokens as an int), or `ValueError` naming the bad
         value and the allowed range."""
-        if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 0:
+        if (
+            isinstance(max_new_tokens, (bool, np.bool_))
+            or not isinstance(max_new_tokens, (int, np.integer))
+            or max_new_tokens < 0
+        ):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0 (Python or numpy, not a bool)")
         max_new = int(max_new_tokens)
         if isinstance(prompts, (np.ndarray, jax.Array)):
@@ -360,8 +403,10 @@ class Engine:
                 raise ValueError(f"prompts given as an array must be 2-D [batch, tokens]; got shape {prompts.shape}")
             prompts = list(np.asarray(prompts))
         elif not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a non-empty list of token-id sequences or a 2-D integer array; got "
-                             f"{type(prompts).__name__}")
+            raise ValueError(
+                f"prompts must be a non-empty list of token-id sequences or a 2-D integer array; got "
+                f"{type(prompts).__name__}"
+            )
         if not prompts:
             raise ValueError("prompts must be a non-empty list of token-id sequences")
         cap = self.layout.config.max_context
@@ -377,14 +422,18 @@ class Engine:
             if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
             if arr.ndim != 1 or arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, "
-                                 f"dtype {arr.dtype}")
+                raise ValueError(
+                    f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, dtype {arr.dtype}"
+                )
             if arr.size + max_new > cap:
-                raise ValueError(f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} = {arr.size + max_new} "
-                                 f"exceeds max_context={cap}")
+                raise ValueError(
+                    f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} = {arr.size + max_new} "
+                    f"exceeds max_context={cap}"
+                )
             if arr.min() < 0 or arr.max() >= vocab:
-                raise ValueError(f"prompt {i}: token ids range [{arr.min()}, {arr.max()}] must lie in "
-                                 f"[0, vocab_size={vocab})")
+                raise ValueError(
+                    f"prompt {i}: token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={vocab})"
+                )
             out.append(arr.tolist())
         return out, max_new
 
@@ -437,8 +486,12 @@ class Engine:
             pass
         self.cache = init_cache(self.layout)
         self._record_stamps = {}
-        warnings.warn("hkv.Engine: the device cache was lost to an interrupted transition and has been "
-                      "re-initialised; cached prefixes on device were dropped", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            "hkv.Engine: the device cache was lost to an interrupted transition and has been "
+            "re-initialised; cached prefixes on device were dropped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _pool_report(self) -> str:
         """Per pool: capacity, free pages, pages mapped by running slots, pages held only by cached prefix
@@ -448,16 +501,20 @@ class Engine:
         alive = np.asarray(state) == px.RecordState.ALIVE
         parts = []
         for gi, grp in enumerate(self.layout.groups):
-            refc, table, held = (np.asarray(a) for a in jax.device_get(
-                (c.groups[gi].refcount, c.groups[gi].page_table, c.prefix.pages[gi])))
+            refc, table, held = (
+                np.asarray(a)
+                for a in jax.device_get((c.groups[gi].refcount, c.groups[gi].page_table, c.prefix.pages[gi]))
+            )
             slot_pages = np.unique(table[np.asarray(active)])
             slot_pages = slot_pages[slot_pages >= 0]
             rec_pages = np.unique(held[alive]) if self.prefix_enabled else np.zeros(0, int)
             rec_only = np.setdiff1d(rec_pages[rec_pages >= 0], slot_pages)
-            parts.append(f"pool {gi} ({grp.kind.name}, layers {list(grp.layers)}): {refc.shape[0]} pages, "
-                         f"{int((refc == 0).sum())} free, {len(slot_pages)} mapped by running sequences, "
-                         f"{len(rec_only)} held only by cached prefix records; one sequence maps up to "
-                         f"{self.layout.logical_pages(gi)}")
+            parts.append(
+                f"pool {gi} ({grp.kind.name}, layers {list(grp.layers)}): {refc.shape[0]} pages, "
+                f"{int((refc == 0).sum())} free, {len(slot_pages)} mapped by running sequences, "
+                f"{len(rec_only)} held only by cached prefix records; one sequence maps up to "
+                f"{self.layout.logical_pages(gi)}"
+            )
         return "; ".join(parts)
 
     def _say(self, msg: str) -> None:
@@ -486,13 +543,18 @@ class Engine:
         slot = seq.slot  # a window rebuild may have re-claimed the slot
         last = None
         for start in range(start0, len(ids), c):
-            chunk = ids[start:start + c]
+            chunk = ids[start : start + c]
             buf = np.zeros((1, c), np.int32)
-            buf[0, :len(chunk)] = chunk
+            buf[0, : len(chunk)] = chunk
             while True:
                 t1, compiled = time.perf_counter(), self.compilations["prefill"]
-                logits, status = self._tx(self._prefill, self._weights, jnp.asarray(buf),
-                                          jnp.array([slot], jnp.int32), jnp.array([len(chunk)], jnp.int32))
+                logits, status = self._tx(
+                    self._prefill,
+                    self._weights,
+                    jnp.asarray(buf),
+                    jnp.array([slot], jnp.int32),
+                    jnp.array([len(chunk)], jnp.int32),
+                )
                 st = int(status)
                 if compiled == self.compilations["prefill"]:
                     self._measure("chunk", time.perf_counter() - t1)
@@ -536,8 +598,9 @@ class Engine:
             tokens[slot, 0] = seq.tokens[-1]
             n_valid[slot] = 1
         t0 = time.perf_counter()
-        logits, status = self._tx(self._decode, self._weights, jnp.asarray(tokens), jnp.arange(s, dtype=jnp.int32),
-                                  jnp.asarray(n_valid))
+        logits, status = self._tx(
+            self._decode, self._weights, jnp.asarray(tokens), jnp.arange(s, dtype=jnp.int32), jnp.asarray(n_valid)
+        )
         st = int(status)
         if st == Status.NO_PAGES and self._make_room():
             return  # cached prefixes gave way; the same step is retried
@@ -597,23 +660,26 @@ class Engine:
         parent = ROOT
         usable = (len(ids) - 1) // bt  # leave >= 1 token to compute the next logits from
         for i in range(len(ids) // bt):
-            parent = next_key(parent, ids[i * bt:(i + 1) * bt], self.cache_salt)
+            parent = next_key(parent, ids[i * bt : (i + 1) * bt], self.cache_salt)
             if i < nb:
-                keys[i], toks[i] = key_words(parent), ids[i * bt:(i + 1) * bt]
+                keys[i], toks[i] = key_words(parent), ids[i * bt : (i + 1) * bt]
         while True:
-            vec, = self._tx(self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks),
-                            jnp.int32(usable))
+            (vec,) = self._tx(
+                self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable)
+            )
             plan = RestorePlan.from_vector(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
         vec = np.asarray(vec)
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_recompute_tokens
-        window_ok = (plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok
-                     and abi_ok - plan.restored_tokens > r)
+        window_ok = (
+            plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok and abi_ok - plan.restored_tokens > r
+        )
         probe = self._disk_probe(seq, keys, ids, usable, plan.restored_tokens) if self.disk is not None else None
-        costs = self._restore_costs(len(ids), plan.restored_tokens, abi_ok if window_ok else None,
-                                    probe["reach"] if probe else 0)
+        costs = self._restore_costs(
+            len(ids), plan.restored_tokens, abi_ok if window_ok else None, probe["reach"] if probe else 0
+        )
         choice = min(costs, key=costs.get)
         if probe is not None and (choice == "disk" or "disk" not in costs):
             plan, vec = self._disk_extend(seq, ids, probe, plan, vec)  # also names disk failures
@@ -621,19 +687,29 @@ class Engine:
             # Cheaper to rebuild the missing window (R tokens) than to recompute the gap: restart the
             # slot and restore the entries at the longer boundary, then recompute its window.
             padded = np.zeros((self.layout.config.max_context,), np.int32)
-            padded[:len(ids)] = ids
+            padded[: len(ids)] = ids
             while True:
                 self._restart_slot(seq)
-                vec, st = self._tx(self._restore_window, self._weights, jnp.int32(seq.slot), jnp.asarray(keys),
-                                   jnp.asarray(toks), jnp.int32(usable), jnp.asarray(padded))
-                no_pages = int(st) == Status.NO_PAGES or int(np.asarray(vec)[px.PLAN_FIELDS.index("status")]) \
-                    == Status.NO_PAGES
+                vec, st = self._tx(
+                    self._restore_window,
+                    self._weights,
+                    jnp.int32(seq.slot),
+                    jnp.asarray(keys),
+                    jnp.asarray(toks),
+                    jnp.int32(usable),
+                    jnp.asarray(padded),
+                )
+                no_pages = (
+                    int(st) == Status.NO_PAGES
+                    or int(np.asarray(vec)[px.PLAN_FIELDS.index("status")]) == Status.NO_PAGES
+                )
                 if not no_pages or not self._make_room():  # pools full: cached objects give way, then retry
                     break
             window_plan = RestorePlan.from_vector(vec, bt, len(ids))
             if int(st) == Status.OK and window_plan.status == "OK" and window_plan.restored_tokens:
-                plan = dataclasses.replace(window_plan, window_recomputed=(window_plan.restored_tokens - r,
-                                                                         window_plan.restored_tokens))
+                plan = dataclasses.replace(
+                    window_plan, window_recomputed=(window_plan.restored_tokens - r, window_plan.restored_tokens)
+                )
                 vec = np.asarray(vec)
                 self._stats["window_recomputes"] += 1
             else:  # could not map the window: start this sequence cold
@@ -648,11 +724,13 @@ class Engine:
         on_device = plan.disk_tokens[0] if plan.disk_tokens else restored
         seq.fed = restored
         seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if on_device else -1
-        seq.keys = [key_bytes(k) for k in keys[:on_device // bt]]
+        seq.keys = [key_bytes(k) for k in keys[: on_device // bt]]
         if plan.disk_tokens:
             self._after_step(seq)  # the blocks that came from disk are cached on device again
-        self._say(f"prompt {seq.index}: hash hit {plan.hash_hit_tokens} tokens, restored {restored}"
-                  + (f" (stopped at stage {plan.first_failed_stage}: {plan.reason})" if plan.reason else ""))
+        self._say(
+            f"prompt {seq.index}: hash hit {plan.hash_hit_tokens} tokens, restored {restored}"
+            + (f" (stopped at stage {plan.first_failed_stage}: {plan.reason})" if plan.reason else "")
+        )
         return restored
 
     def _restart_slot(self, seq: _Seq) -> None:
@@ -680,12 +758,21 @@ class Engine:
             seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
         todo = []  # (block number n, retain) of every boundary this step crossed
         for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
-            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt:n * bt], self.cache_salt))
+            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt : n * bt], self.cache_salt))
             at_end = n * bt == seq.fed
-            todo.append((n, at_end and self.retention.retain(
-                n, request_end=(n == final // bt),
-                branch_point=seq.plan is not None and seq.plan.hash_hit_tokens == seq.fed
-                and seq.plan.restored_tokens < seq.fed)))
+            todo.append(
+                (
+                    n,
+                    at_end
+                    and self.retention.retain(
+                        n,
+                        request_end=(n == final // bt),
+                        branch_point=seq.plan is not None
+                        and seq.plan.hash_hit_tokens == seq.fed
+                        and seq.plan.restored_tokens < seq.fed,
+                    ),
+                )
+            )
         if seq.record_stopped or not todo:
             return
         if todo[-1][1] and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
@@ -693,7 +780,7 @@ class Engine:
         i = 0
         while i < len(todo):
             # one transition for up to RECORD_BATCH boundaries (padded to 1, 16 or RECORD_BATCH: 3 compiles)
-            batch = todo[i:i + RECORD_BATCH]
+            batch = todo[i : i + RECORD_BATCH]
             k = 1 if len(batch) == 1 else 16 if len(batch) <= 16 else RECORD_BATCH
             keys = np.zeros((k, 4), np.uint32)
             toks = np.zeros((k, bt), np.int32)
@@ -701,13 +788,20 @@ class Engine:
             retain = np.zeros((k,), bool)
             for j, (n, ret) in enumerate(batch):
                 keys[j] = key_words(seq.keys[n - 1])
-                toks[j] = ids[(n - 1) * bt:n * bt]
+                toks[j] = ids[(n - 1) * bt : n * bt]
                 lengths[j], retain[j] = n * bt, ret
             recs, _, done = self._tx(
-                self._record_many, jnp.int32(seq.slot), jnp.asarray(keys), jnp.int32(seq.parent_record),
-                jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.arange(k) < len(batch))
+                self._record_many,
+                jnp.int32(seq.slot),
+                jnp.asarray(keys),
+                jnp.int32(seq.parent_record),
+                jnp.asarray(toks),
+                jnp.asarray(retain),
+                jnp.asarray(lengths),
+                jnp.arange(k) < len(batch),
+            )
             recs, done, last_used = jax.device_get((recs, done, self.cache.prefix.last_used))
-            for r in recs[:int(done)]:
+            for r in recs[: int(done)]:
                 seq.parent_record = int(r)
                 if r >= 0:
                     stamps[int(r)] = int(last_used[r])
@@ -715,28 +809,46 @@ class Engine:
             if int(done) < len(batch):  # block todo[i] got NO_PAGES: no free record slot
                 # admission control: for a record slot evict only chains last used before this
                 # sequence's own previous use, shorter than what it restored, or never reused
-                if not self._make_room(kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len,
-                                       never_hit=True):
+                if not self._make_room(
+                    kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len, never_hit=True
+                ):
                     seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
                     return
 
-    def _make_room(self, kinds=("snapshot", "record"), used_before: int | None = None,
-                   shorter_than: int | None = None, never_hit: bool = False) -> bool:
+    def _make_room(
+        self,
+        kinds=("snapshot", "record"),
+        used_before: int | None = None,
+        shorter_than: int | None = None,
+        never_hit: bool = False,
+    ) -> bool:
         """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was.
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
         before this prefix clock, shorter than this many tokens, or never reused (hkv.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
         p = jax.device_get(self.cache.prefix)
-        meta = {k: np.asarray(getattr(p, k)) for k in ("state", "parent", "length", "last_used", "swa_held",
-                                                        "tail_slot", "hits")}
+        meta = {
+            k: np.asarray(getattr(p, k))
+            for k in ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
+        }
         live = list(self._running.values()) + ([self._admitting] if self._admitting is not None else [])
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
-        order = [(k, r) for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than,
-                                                     never_hit) if k in kinds]
+        order = [
+            (k, r)
+            for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than, never_hit)
+            if k in kinds
+        ]
         unpinned = False
-        if not order and pinned and not self._running and "record" in kinds and used_before is None \
-                and shorter_than is None and not never_hit:
+        if (
+            not order
+            and pinned
+            and not self._running
+            and "record" in kinds
+            and used_before is None
+            and shorter_than is None
+            and not never_hit
+        ):
             # Idle but for the request being admitted, whose own pinned chain holds the pages it needs
             # (e.g. it re-records blocks it hashed to but could not restore, so its slot shares none of
             # their pages): cached chains give way, pinned or not; it stops caching if its parent goes.
@@ -744,7 +856,7 @@ class Engine:
             unpinned = True
         if not order:
             return False
-        batch = order[:max(1, len(order) // 8)]
+        batch = order[: max(1, len(order) // 8)]
         nr = meta["state"].shape[0]
         snap, whole = np.zeros(nr, bool), np.zeros(nr, bool)
         for kind, r in batch:
@@ -818,7 +930,7 @@ class Engine:
         if keys:
             k = swap.bucket(len(keys))
             arr = np.zeros((k, 4), np.uint32)
-            arr[:len(keys)] = [key_words(x) for x in keys]
+            arr[: len(keys)] = [key_words(x) for x in keys]
             self._tx(self._mark_on_disk, jnp.asarray(arr), jnp.arange(k) < len(keys))
 
     def _disk_probe(self, seq: _Seq, keys: np.ndarray, ids: list[int], usable: int, l0: int) -> dict:
@@ -827,21 +939,28 @@ class Engine:
         snapshot. A store that fails to answer is an empty chain with `error` set."""
         bt = self.spec.block_tokens
         kb = [key_bytes(k) for k in keys[:usable]]
-        toks = [ids[i * bt:(i + 1) * bt] for i in range(usable)]
+        toks = [ids[i * bt : (i + 1) * bt] for i in range(usable)]
         try:
             chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=l0 // bt)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
             self._disk_unavailable(seq, e)
             return {"kb": kb, "refs": [], "stop": None, "snaps": [], "reach": l0, "error": True}
         snaps = [j for j, r in enumerate(chain.refs) if r.snapshot]
-        return {"kb": kb, "refs": chain.refs, "stop": chain.stop, "snaps": snaps, "error": False,
-                "reach": l0 + (snaps[-1] + 1) * bt if snaps else l0}
+        return {
+            "kb": kb,
+            "refs": chain.refs,
+            "stop": chain.stop,
+            "snaps": snaps,
+            "error": False,
+            "reach": l0 + (snaps[-1] + 1) * bt if snaps else l0,
+        }
 
     def _disk_unavailable(self, seq: _Seq, e: Exception) -> None:
         self._say(f"prompt {seq.index}: disk tier unavailable ({type(e).__name__}: {e}); computing instead")
 
-    def _disk_extend(self, seq: _Seq, ids: list[int], probe: dict, plan: RestorePlan,
-                     vec: np.ndarray) -> tuple[RestorePlan, np.ndarray]:
+    def _disk_extend(
+        self, seq: _Seq, ids: list[int], probe: dict, plan: RestorePlan, vec: np.ndarray
+    ) -> tuple[RestorePlan, np.ndarray]:
         """Extend the device-restored prefix [0, L0) with verified blocks from the disk tier, up to
         the longest boundary where a stored snapshot lies and every block before it passes stages 2
         and 4; install them with one `swap_in` transition. A bad or missing block shortens the plan
@@ -862,7 +981,7 @@ class Engine:
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
             while True:
-                st, = self._tx(self._swap_in, jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
+                (st,) = self._tx(self._swap_in, jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
                 if int(st) != Status.NO_PAGES or not self._make_room():
                     break
             if int(st) != Status.OK:
@@ -883,8 +1002,12 @@ class Engine:
         if l1 == l0 and reason is None:
             return plan, vec
         after = dict(plan.tokens_after_stage)
-        disk_stage = {"lifecycle": found, "abi": found, "intersection": (i0 + snaps[-1] + 1) * bt if snaps else l0,
-                      "byte": l1}
+        disk_stage = {
+            "lifecycle": found,
+            "abi": found,
+            "intersection": (i0 + snaps[-1] + 1) * bt if snaps else l0,
+            "byte": l1,
+        }
         after = {k: max(v, disk_stage[k]) for k, v in after.items()}
         if l1 >= hash_hit:
             stage, why = None, None
@@ -903,17 +1026,25 @@ class Engine:
         if l1 > l0:
             self._stats["disk_restores"] += 1
             self._stats["disk_restored_tokens"] += l1 - l0
-        plan = dataclasses.replace(plan, hash_hit_tokens=hash_hit, tokens_after_stage=after, restored_tokens=l1,
-                                   first_failed_stage=stage, reason=why, recompute=(l1, len(ids)),
-                                   disk_tokens=(l0, l1) if l1 > l0 else None)
+        plan = dataclasses.replace(
+            plan,
+            hash_hit_tokens=hash_hit,
+            tokens_after_stage=after,
+            restored_tokens=l1,
+            first_failed_stage=stage,
+            reason=why,
+            recompute=(l1, len(ids)),
+            disk_tokens=(l0, l1) if l1 > l0 else None,
+        )
         return plan, vec
 
     def _disk_read(self, refs: list, snaps: list[int]) -> tuple[str | None, list]:
         """(why verification stopped, the verified payloads up to the last usable snapshot)."""
         if not snaps:
             return None, []
-        res = self.disk.read(refs[:snaps[-1] + 1],
-                             expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"]))
+        res = self.disk.read(
+            refs[: snaps[-1] + 1], expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"])
+        )
         got, reason = res.payloads, res.reason
         if swap.has_indexer(self.layout):
             iver = int(self.cache.indexer_version)
@@ -922,7 +1053,7 @@ class Engine:
                     got, reason = got[:j], reason or "indexer_version"
                     break
         ok = [j for j in snaps if j < len(got)]
-        return reason, got[:ok[-1] + 1] if ok else []
+        return reason, got[: ok[-1] + 1] if ok else []
 
     def prefix_stats(self) -> dict[str, Any]:
         """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""
@@ -941,19 +1072,27 @@ class Engine:
             held[grp.kind.name] = held.get(grp.kind.name, 0) + int(len(np.unique(rows[rows >= 0])))
         hh, rt = c["prefix_hash_hit_tokens"], c["prefix_restored_tokens"]
         return {
-            "lookups": c["prefix_lookups"], "hash_hit_tokens": hh, "restored_tokens": rt,
+            "lookups": c["prefix_lookups"],
+            "hash_hit_tokens": hh,
+            "restored_tokens": rt,
             "disk_restored_tokens": c["prefix_disk_restored_tokens"],
             "lookups_ending_in_hash_miss": c["prefix_rejected_no_hash_match"],
-            "complete_restoration_ratio": rt / hh if hh else None, "rejections": rejections,
-            "occupancy": {"records": int((state == px.RecordState.ALIVE).sum()),
-                          "tombstones": int((state == px.RecordState.TOMBSTONE).sum()),
-                          "record_capacity": int(state.shape[0]),
-                          "snapshots": int(np.asarray(p.snap_used).sum()),
-                          "snapshot_capacity": int(np.asarray(p.snap_used).shape[0]),
-                          "records_on_disk": int(np.asarray(p.on_disk)[state != px.RecordState.EMPTY].sum()),
-                          "pages_held_by_records": held},
-            "evictions": {"swa_snapshots": c["evicted_swa_snapshots"], "tail_snapshots": c["evicted_tail_snapshots"],
-                          "records": c["evicted_records"]},
+            "complete_restoration_ratio": rt / hh if hh else None,
+            "rejections": rejections,
+            "occupancy": {
+                "records": int((state == px.RecordState.ALIVE).sum()),
+                "tombstones": int((state == px.RecordState.TOMBSTONE).sum()),
+                "record_capacity": int(state.shape[0]),
+                "snapshots": int(np.asarray(p.snap_used).sum()),
+                "snapshot_capacity": int(np.asarray(p.snap_used).shape[0]),
+                "records_on_disk": int(np.asarray(p.on_disk)[state != px.RecordState.EMPTY].sum()),
+                "pages_held_by_records": held,
+            },
+            "evictions": {
+                "swa_snapshots": c["evicted_swa_snapshots"],
+                "tail_snapshots": c["evicted_tail_snapshots"],
+                "records": c["evicted_records"],
+            },
         }
 
     def metrics_text(self) -> str:
@@ -970,42 +1109,92 @@ class Engine:
                 lines.append(f"{name}{lab} {value}")
 
         metric("hkv_prefix_lookups_total", "counter", "Prefix lookups.", [({}, ps["lookups"])])
-        metric("hkv_prefix_hash_hit_tokens_total", "counter", "Tokens matched by the chained block hash.",
-               [({}, ps["hash_hit_tokens"])])
-        metric("hkv_prefix_restored_tokens_total", "counter", "Tokens restored after all four validation stages.",
-               [({}, ps["restored_tokens"])])
-        metric("hkv_prefix_disk_restored_tokens_total", "counter", "Tokens installed from the disk tier after "
-               "verification.", [({}, ps["disk_restored_tokens"])])
-        metric("hkv_prefix_rejections_total", "counter", "Plans shrunk, by validation stage and reason.",
-               [({"stage": st, "reason": r}, n) for st, rs in ps["rejections"].items() for r, n in rs.items()])
-        metric("hkv_prefix_records", "gauge", "Cached block records by state.",
-               [({"state": "alive"}, ps["occupancy"]["records"]), ({"state": "tombstone"}, ps["occupancy"]["tombstones"])])
+        metric(
+            "hkv_prefix_hash_hit_tokens_total",
+            "counter",
+            "Tokens matched by the chained block hash.",
+            [({}, ps["hash_hit_tokens"])],
+        )
+        metric(
+            "hkv_prefix_restored_tokens_total",
+            "counter",
+            "Tokens restored after all four validation stages.",
+            [({}, ps["restored_tokens"])],
+        )
+        metric(
+            "hkv_prefix_disk_restored_tokens_total",
+            "counter",
+            "Tokens installed from the disk tier after verification.",
+            [({}, ps["disk_restored_tokens"])],
+        )
+        metric(
+            "hkv_prefix_rejections_total",
+            "counter",
+            "Plans shrunk, by validation stage and reason.",
+            [({"stage": st, "reason": r}, n) for st, rs in ps["rejections"].items() for r, n in rs.items()],
+        )
+        metric(
+            "hkv_prefix_records",
+            "gauge",
+            "Cached block records by state.",
+            [({"state": "alive"}, ps["occupancy"]["records"]), ({"state": "tombstone"}, ps["occupancy"]["tombstones"])],
+        )
         metric("hkv_prefix_snapshots", "gauge", "SWA+TAIL snapshots held.", [({}, ps["occupancy"]["snapshots"])])
-        metric("hkv_evictions_total", "counter", "Evictions by object kind.",
-               [({"kind": k}, v) for k, v in ps["evictions"].items()])
+        metric(
+            "hkv_evictions_total",
+            "counter",
+            "Evictions by object kind.",
+            [({"kind": k}, v) for k, v in ps["evictions"].items()],
+        )
         used = {}
         for gi, grp in enumerate(self.layout.groups):
             rc = np.asarray(jax.device_get(self.cache.groups[gi].refcount))
             used.setdefault(grp.kind.name, [0, 0])
             used[grp.kind.name][0] += int((rc > 0).sum())
             used[grp.kind.name][1] += int(rc.shape[0])
-        metric("hkv_pages", "gauge", "Pool pages by object kind and state.",
-               [({"kind": k, "state": "used"}, u) for k, (u, _) in used.items()]
-               + [({"kind": k, "state": "capacity"}, t) for k, (_, t) in used.items()])
+        metric(
+            "hkv_pages",
+            "gauge",
+            "Pool pages by object kind and state.",
+            [({"kind": k, "state": "used"}, u) for k, (u, _) in used.items()]
+            + [({"kind": k, "state": "capacity"}, t) for k, (_, t) in used.items()],
+        )
         metric("hkv_transitions_total", "counter", "Cache transitions.", [({}, c["transitions"])])
-        metric("hkv_failed_transitions_total", "counter", "Transitions that returned the cache unchanged.",
-               [({"reason": r}, c[f"failed_{r}"]) for r in ("no_pages", "slot_cap", "context_cap")])
+        metric(
+            "hkv_failed_transitions_total",
+            "counter",
+            "Transitions that returned the cache unchanged.",
+            [({"reason": r}, c[f"failed_{r}"]) for r in ("no_pages", "slot_cap", "context_cap")],
+        )
         if self.disk is not None:
             d = self.disk.counters
-            metric("hkv_disk_bytes_total", "counter", "Disk tier bytes by direction.",
-                   [({"op": "written"}, d["bytes_written"]), ({"op": "read"}, d["bytes_read"]),
-                    ({"op": "evicted"}, d["bytes_evicted"])])
-            metric("hkv_disk_blocks_total", "counter", "Disk tier blocks by operation.",
-                   [({"op": "written"}, d["blocks_written"]), ({"op": "read"}, d["blocks_read"])])
-            metric("hkv_disk_write_failures_total", "counter", "Disk tier writes that published nothing.",
-                   [({}, d["write_failures"])])
-            metric("hkv_disk_writes_dropped_total", "counter",
-                   "Disk tier writes refused because the writer's queue was full (max_queued_bytes).",
-                   [({}, d["writes_dropped"])])
+            metric(
+                "hkv_disk_bytes_total",
+                "counter",
+                "Disk tier bytes by direction.",
+                [
+                    ({"op": "written"}, d["bytes_written"]),
+                    ({"op": "read"}, d["bytes_read"]),
+                    ({"op": "evicted"}, d["bytes_evicted"]),
+                ],
+            )
+            metric(
+                "hkv_disk_blocks_total",
+                "counter",
+                "Disk tier blocks by operation.",
+                [({"op": "written"}, d["blocks_written"]), ({"op": "read"}, d["blocks_read"])],
+            )
+            metric(
+                "hkv_disk_write_failures_total",
+                "counter",
+                "Disk tier writes that published nothing.",
+                [({}, d["write_failures"])],
+            )
+            metric(
+                "hkv_disk_writes_dropped_total",
+                "counter",
+                "Disk tier writes refused because the writer's queue was full (max_queued_bytes).",
+                [({}, d["writes_dropped"])],
+            )
             metric("hkv_disk_stored_bytes", "gauge", "Bytes the disk tier holds.", [({}, self.disk.stored_bytes())])
         return "\n".join(lines) + "\n"

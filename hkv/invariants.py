@@ -78,8 +78,9 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
         s_idx, l_idx = np.nonzero(pt >= 0)
         stale = pg[s_idx, l_idx] != gen[pt[s_idx, l_idx]]
         if stale.any():
-            _fail(f"group {gi}: slot {s_idx[stale][0]} logical page {l_idx[stale][0]} maps a page of an "
-                  f"older generation")
+            _fail(
+                f"group {gi}: slot {s_idx[stale][0]} logical page {l_idx[stale][0]} maps a page of an older generation"
+            )
         for s in range(layout.slots):
             row = pt[s]
             if not active[s]:
@@ -90,7 +91,7 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
             hi = n // grp.unit
             lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
             need = np.zeros(row.shape, bool)
-            need[lo // ps: (hi + ps - 1) // ps] = True
+            need[lo // ps : (hi + ps - 1) // ps] = True
             if not (row[need] >= 0).all():
                 _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} misses pages for rows [{lo}, {hi})")
             if (row[~need] >= 0).any():
@@ -101,8 +102,10 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
     want_start = np.maximum(lengths - min(keep), 0) if keep else np.zeros_like(lengths)
     act_start, act_end = np.asarray(tb.swa_start), np.asarray(tb.swa_end)
     if not (act_end[active] == lengths[active]).all() or not (act_start[active] == want_start[active]).all():
-        _fail(f"SWA window bounds {list(zip(act_start.tolist(), act_end.tolist()))} do not match lengths "
-              f"{lengths.tolist()} (want starts {want_start.tolist()})")
+        _fail(
+            f"SWA window bounds {list(zip(act_start.tolist(), act_end.tolist()))} do not match lengths "
+            f"{lengths.tolist()} (want starts {want_start.tolist()})"
+        )
     form = np.asarray(block_forms(layout, lengths))
     if not (np.asarray(tb.form) == form).all():
         s, b = np.argwhere(np.asarray(tb.form) != form)[0]
@@ -127,8 +130,10 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
                 closed = n >= spec.ratio
                 empty = np.all(np.isneginf(np.asarray(t.overlap_gate[s])))
                 if closed == empty:
-                    _fail(f"layer {layer} {name} slot {s}: overlap slice {'missing' if closed else 'present'} "
-                          f"with {n} tokens (ratio {spec.ratio})")
+                    _fail(
+                        f"layer {layer} {name} slot {s}: overlap slice {'missing' if closed else 'present'} "
+                        f"with {n} tokens (ratio {spec.ratio})"
+                    )
 
 
 def _check_prefix(layout: CacheLayout, c: HybridCache) -> None:
@@ -151,7 +156,7 @@ def _check_prefix(layout: CacheLayout, c: HybridCache) -> None:
             hi = int(length[r]) // grp.unit
             lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
             need = np.zeros(row.shape, bool)
-            need[lo // ps: (hi + ps - 1) // ps] = True
+            need[lo // ps : (hi + ps - 1) // ps] = True
             if grp.kind == ObjectKind.SWA and not bool(px.swa_held[r]):
                 need[:] = False
             if not (row[need] >= 0).all() or (row[~need] >= 0).any():

@@ -70,8 +70,9 @@ def allocated_bytes(layout: CacheLayout) -> dict[str, int]:
         pool = shapes.groups[gi].pool
         out[grp.kind.name] += int(np.prod(pool.shape)) * pool.dtype.itemsize
     for t in shapes.tails:
-        out["TAIL"] += sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                           for a in (t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate))
+        out["TAIL"] += sum(
+            int(np.prod(a.shape)) * a.dtype.itemsize for a in (t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate)
+        )
     out["total"] = sum(out[k] for k in KINDS)
     return out
 

@@ -45,13 +45,26 @@ class RestorePlan:
         stage = None if v["first_failed_stage"] < 0 else STAGES[v["first_failed_stage"]]
         reason = None if v["reason"] == Reason.NONE else Reason(v["reason"]).name.lower()
         restored = v["byte_blocks"] * block_tokens
-        return cls(prompt_tokens=prompt_tokens, hash_hit_tokens=v["hash_blocks"] * block_tokens,
-                   tokens_after_stage=after, restored_tokens=restored, first_failed_stage=stage, reason=reason,
-                   recompute=(restored, prompt_tokens), status=Status(v["status"]).name)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            hash_hit_tokens=v["hash_blocks"] * block_tokens,
+            tokens_after_stage=after,
+            restored_tokens=restored,
+            first_failed_stage=stage,
+            reason=reason,
+            recompute=(restored, prompt_tokens),
+            status=Status(v["status"]).name,
+        )
 
     @classmethod
     def cold(cls, prompt_tokens: int) -> "RestorePlan":
         """No prefix cache: nothing looked up, everything computed."""
-        return cls(prompt_tokens=prompt_tokens, hash_hit_tokens=0,
-                   tokens_after_stage=dict.fromkeys(STAGES[1:], 0), restored_tokens=0, first_failed_stage=None,
-                   reason=None, recompute=(0, prompt_tokens))
+        return cls(
+            prompt_tokens=prompt_tokens,
+            hash_hit_tokens=0,
+            tokens_after_stage=dict.fromkeys(STAGES[1:], 0),
+            restored_tokens=0,
+            first_failed_stage=None,
+            reason=None,
+            recompute=(0, prompt_tokens),
+        )

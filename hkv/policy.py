@@ -72,8 +72,15 @@ def record_bytes(spec: CacheSpec) -> int:
     """Bytes of COMPRESSED + INDEXER rows one block of `block_tokens` tokens adds."""
     item = spec.storage_dtype.itemsize
     bt = spec.block_tokens
-    return sum(max(bt // c.ratio, 1) * c.entry_dim * item
-               for l in spec.layers for c in (l.compressor, l.indexer) if c is not None) or 1
+    return (
+        sum(
+            max(bt // c.ratio, 1) * c.entry_dim * item
+            for l in spec.layers
+            for c in (l.compressor, l.indexer)
+            if c is not None
+        )
+        or 1
+    )
 
 
 def receptive_field(spec: CacheSpec) -> int:
@@ -129,9 +136,14 @@ def chain_hits(meta: dict[str, np.ndarray]) -> np.ndarray:
     return np.maximum(up, _subtree_max(meta, meta["hits"]))  # the most hits on the path / below
 
 
-def eviction_order(spec: CacheSpec, meta: dict[str, np.ndarray], pinned: set[int] = frozenset(),
-                   used_before: int | None = None, shorter_than: int | None = None,
-                   never_hit: bool = False) -> list[tuple[str, int]]:
+def eviction_order(
+    spec: CacheSpec,
+    meta: dict[str, np.ndarray],
+    pinned: set[int] = frozenset(),
+    used_before: int | None = None,
+    shorter_than: int | None = None,
+    never_hit: bool = False,
+) -> list[tuple[str, int]]:
     """[("snapshot" | "record", record index), ...] lowest reconstruction cost per byte first.
 
     meta: host snapshot of the prefix index — state, parent, length, last_used, swa_held, tail_slot.

@@ -64,10 +64,22 @@ class Reason(enum.IntEnum):
 
 STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
 assert tuple(r.name.lower() for r in Reason if r != Reason.NONE) == PREFIX_REJECTIONS
-REASON_STAGE = {Reason.COLLISION: 1, Reason.FREED: 1, Reason.PAGE_REUSED: 1, Reason.ABI_MISMATCH: 2,
-                Reason.SWA_MISSING: 3, Reason.TAIL_MISSING: 3, Reason.INDEXER_VERSION: 3, Reason.CHECKSUM: 4,
-                Reason.DISK_CHECKSUM: 4, Reason.DISK_MISSING: 4, Reason.DISK_ABI: 2, Reason.DISK_TRUNCATED: 4,
-                Reason.DISK_AUTH: 4, Reason.DISK_MALFORMED: 4}
+REASON_STAGE = {
+    Reason.COLLISION: 1,
+    Reason.FREED: 1,
+    Reason.PAGE_REUSED: 1,
+    Reason.ABI_MISMATCH: 2,
+    Reason.SWA_MISSING: 3,
+    Reason.TAIL_MISSING: 3,
+    Reason.INDEXER_VERSION: 3,
+    Reason.CHECKSUM: 4,
+    Reason.DISK_CHECKSUM: 4,
+    Reason.DISK_MISSING: 4,
+    Reason.DISK_ABI: 2,
+    Reason.DISK_TRUNCATED: 4,
+    Reason.DISK_AUTH: 4,
+    Reason.DISK_MALFORMED: 4,
+}
 
 
 @struct.dataclass
@@ -101,25 +113,49 @@ def init_prefix(layout: CacheLayout) -> PrefixIndex:
     snaps = []
     for _, _, c in layout.spec.compressors():
         ov = c.ratio if c.overlap else 0
-        snaps.append(TailState(
-            tail_kv=jnp.zeros((nt, c.ratio, c.proj_width), dt), tail_gate=jnp.zeros((nt, c.ratio, c.proj_width), dt),
-            overlap_kv=jnp.zeros((nt, ov, c.entry_dim), dt),
-            overlap_gate=jnp.full((nt, ov, c.entry_dim), -jnp.inf, jnp.float32)))
+        snaps.append(
+            TailState(
+                tail_kv=jnp.zeros((nt, c.ratio, c.proj_width), dt),
+                tail_gate=jnp.zeros((nt, c.ratio, c.proj_width), dt),
+                overlap_kv=jnp.zeros((nt, ov, c.entry_dim), dt),
+                overlap_gate=jnp.full((nt, ov, c.entry_dim), -jnp.inf, jnp.float32),
+            )
+        )
     m = [layout.logical_pages(g) for g in range(len(layout.groups))]
     return PrefixIndex(
-        key=jnp.zeros((nr, 4), jnp.uint32), parent=jnp.full((nr,), -1, jnp.int32),
-        tokens=jnp.zeros((nr, bt), jnp.int32), length=jnp.zeros((nr,), jnp.int32),
-        abi=jnp.zeros((nr, 4), jnp.uint32), iver=jnp.zeros((nr,), jnp.int32),
-        state=jnp.zeros((nr,), jnp.int8), last_used=jnp.zeros((nr,), jnp.int32), hits=jnp.zeros((nr,), jnp.int32),
+        key=jnp.zeros((nr, 4), jnp.uint32),
+        parent=jnp.full((nr,), -1, jnp.int32),
+        tokens=jnp.zeros((nr, bt), jnp.int32),
+        length=jnp.zeros((nr,), jnp.int32),
+        abi=jnp.zeros((nr, 4), jnp.uint32),
+        iver=jnp.zeros((nr,), jnp.int32),
+        state=jnp.zeros((nr,), jnp.int8),
+        last_used=jnp.zeros((nr,), jnp.int32),
+        hits=jnp.zeros((nr,), jnp.int32),
         pages=tuple(jnp.full((nr, mg), -1, jnp.int32) for mg in m),
         gens=tuple(jnp.zeros((nr, mg), jnp.int32) for mg in m),
-        swa_held=jnp.zeros((nr,), bool), tail_slot=jnp.full((nr,), -1, jnp.int32),
-        checksum=jnp.zeros((nr,), jnp.uint32), on_disk=jnp.zeros((nr,), bool), snaps=tuple(snaps), snap_used=jnp.zeros((nt,), bool),
-        clock=jnp.zeros((), jnp.int32))
+        swa_held=jnp.zeros((nr,), bool),
+        tail_slot=jnp.full((nr,), -1, jnp.int32),
+        checksum=jnp.zeros((nr,), jnp.uint32),
+        on_disk=jnp.zeros((nr,), bool),
+        snaps=tuple(snaps),
+        snap_used=jnp.zeros((nt,), bool),
+        clock=jnp.zeros((), jnp.int32),
+    )
 
 
-PLAN_FIELDS = ("hash_blocks", "lifecycle_blocks", "abi_blocks", "intersection_blocks", "byte_blocks",
-               "first_failed_stage", "reason", "status", "record", "disk_blocks")
+PLAN_FIELDS = (
+    "hash_blocks",
+    "lifecycle_blocks",
+    "abi_blocks",
+    "intersection_blocks",
+    "byte_blocks",
+    "first_failed_stage",
+    "reason",
+    "status",
+    "record",
+    "disk_blocks",
+)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -171,9 +207,17 @@ def _count(counters: dict, name: str, n) -> dict:
 
 
 # ------------------------------------------------------------------------------------- record
-def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Array, parent: jax.Array,
-           tokens: jax.Array, retain: jax.Array, length: jax.Array | None = None, enabled: jax.Array | None = None
-           ) -> tuple[HybridCache, jax.Array, jax.Array]:
+def record(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    key: jax.Array,
+    parent: jax.Array,
+    tokens: jax.Array,
+    retain: jax.Array,
+    length: jax.Array | None = None,
+    enabled: jax.Array | None = None,
+) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
     multiple of block_tokens, at most the current length). A boundary inside the last step (below the
     current length) gets COMPRESSED/INDEXER references only: its window and TAIL are gone already.
@@ -192,8 +236,12 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
     retain = retain & (length == current)  # a snapshot exists only at the current length
-    same = ((px.state == RecordState.ALIVE) & jnp.all(px.key == key[None, :], axis=1) & (px.parent == parent)
-            & jnp.all(px.tokens == tokens[None, :], axis=1))
+    same = (
+        (px.state == RecordState.ALIVE)
+        & jnp.all(px.key == key[None, :], axis=1)
+        & (px.parent == parent)
+        & jnp.all(px.tokens == tokens[None, :], axis=1)
+    )
     exists = jnp.any(same) & on
     free = px.state != RecordState.ALIVE
     empty = px.state == RecordState.EMPTY
@@ -204,8 +252,9 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     ok_slot = cache.active[slot] & (length > 0) & (length % layout.spec.block_tokens == 0) & (length <= current)
     bt = layout.spec.block_tokens
     safe_parent = jnp.maximum(parent, 0)
-    parent_ok = jnp.where(parent < 0, length == bt,
-                          (px.state[safe_parent] == RecordState.ALIVE) & (px.length[safe_parent] == length - bt))
+    parent_ok = jnp.where(
+        parent < 0, length == bt, (px.state[safe_parent] == RecordState.ALIVE) & (px.length[safe_parent] == length - bt)
+    )
     ok_slot = ok_slot & parent_ok & on  # a chain whose parent was evicted is not extended (no orphans)
     do = can & ~exists & ok_slot
     snap_free = ~px.snap_used
@@ -245,11 +294,17 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         def cp(dst, a):
             return dst.at[tt].set(jnp.where(put, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
 
-        snaps.append(TailState(tail_kv=cp(s.tail_kv, src.tail_kv), tail_gate=cp(s.tail_gate, src.tail_gate),
-                               overlap_kv=cp(s.overlap_kv, src.overlap_kv),
-                               overlap_gate=cp(s.overlap_gate, src.overlap_gate)))
-    snap_used = px.snap_used.at[tt].set(jnp.where(snap_now, True, px.snap_used[tt])) if px.snap_used.shape[0] \
-        else px.snap_used
+        snaps.append(
+            TailState(
+                tail_kv=cp(s.tail_kv, src.tail_kv),
+                tail_gate=cp(s.tail_gate, src.tail_gate),
+                overlap_kv=cp(s.overlap_kv, src.overlap_kv),
+                overlap_gate=cp(s.overlap_gate, src.overlap_gate),
+            )
+        )
+    snap_used = (
+        px.snap_used.at[tt].set(jnp.where(snap_now, True, px.snap_used[tt])) if px.snap_used.shape[0] else px.snap_used
+    )
     clock = px.clock + ok.astype(jnp.int32)
     new_px = px.replace(
         key=px.key.at[r].set(jnp.where(do, key, px.key[r])),
@@ -262,10 +317,14 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
         last_used=px.last_used.at[r].set(jnp.where(do | exists, clock, px.last_used[r])),
         hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
         on_disk=px.on_disk.at[r].set(jnp.where(do, False, px.on_disk[r])),
-        pages=tuple(pages), gens=tuple(gens),
+        pages=tuple(pages),
+        gens=tuple(gens),
         swa_held=px.swa_held.at[r].set(jnp.where(do | upgrade, snap_now, px.swa_held[r])),
         tail_slot=px.tail_slot.at[r].set(jnp.where(snap_now, t, jnp.where(do, -1, px.tail_slot[r]))),
-        snaps=tuple(snaps), snap_used=snap_used, clock=clock)
+        snaps=tuple(snaps),
+        snap_used=snap_used,
+        clock=clock,
+    )
     new = cache.replace(groups=tuple(groups), prefix=new_px)
     csum = _snapshot_checksum(layout, new, tuple(p[r] for p in new_px.pages), length, t)
     new_px = new_px.replace(checksum=new_px.checksum.at[r].set(jnp.where(snap_now, csum, new_px.checksum[r])))
@@ -273,14 +332,25 @@ def record(layout: CacheLayout, cache: HybridCache, slot: jax.Array, key: jax.Ar
     counters = _count(counters, "snapshots_taken", snap_now.astype(jnp.int32))
     counters = _count(counters, "snapshots_skipped_full", (do & retain & ~has_snap).astype(jnp.int32))
     out = new.replace(prefix=new_px, counters=counters)
-    status = jnp.where(ok, Status.OK, jnp.where(ok_slot, Status.NO_PAGES, jnp.where(
-        cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)))
+    status = jnp.where(
+        ok,
+        Status.OK,
+        jnp.where(ok_slot, Status.NO_PAGES, jnp.where(cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)),
+    )
     return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
 
 
-def record_many(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, parent: jax.Array,
-                tokens: jax.Array, retain: jax.Array, lengths: jax.Array, valid: jax.Array
-                ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
+def record_many(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    keys: jax.Array,
+    parent: jax.Array,
+    tokens: jax.Array,
+    retain: jax.Array,
+    lengths: jax.Array,
+    valid: jax.Array,
+) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
     """`record` of K consecutive blocks of one slot's chain in one transition (one dispatch instead
     of K: a prefill chunk or a restore from disk crosses many boundaries at once).
 
@@ -292,14 +362,17 @@ def record_many(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: 
     int32[K], done): records/statuses as `record` returned them (-1 for blocks not processed), done
     = the number of leading blocks processed (everything valid, or up to the NO_PAGES block).
     """
+
     def body(carry, x):
         c, par, stop = carry
         key, tok, ret, length, v = x
         go = v & ~stop
         c, r, st = record(layout, c, slot, key, par, tok, ret, length, enabled=go)
         no_pages = go & (st == Status.NO_PAGES)
-        return (c, jnp.where(go & ~no_pages, r, par), stop | no_pages | ~v), \
-            (jnp.where(go, r, -1).astype(jnp.int32), jnp.where(go, st, -1).astype(jnp.int32))
+        return (c, jnp.where(go & ~no_pages, r, par), stop | no_pages | ~v), (
+            jnp.where(go, r, -1).astype(jnp.int32),
+            jnp.where(go, st, -1).astype(jnp.int32),
+        )
 
     carry = (cache, jnp.asarray(parent, jnp.int32), jnp.bool_(False))
     (cache, _, _), (records, statuses) = jax.lax.scan(body, carry, (keys, tokens, retain, lengths, valid))
@@ -329,8 +402,16 @@ def _leading(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
 
 
-def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.Array, tokens: jax.Array,
-            n_blocks: jax.Array, recompute: int = 0, count: bool = True) -> tuple[HybridCache, jax.Array]:
+def restore(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    keys: jax.Array,
+    tokens: jax.Array,
+    n_blocks: jax.Array,
+    recompute: int = 0,
+    count: bool = True,
+) -> tuple[HybridCache, jax.Array]:
     """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
 
     keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
@@ -348,9 +429,11 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     only with a snapshot, so no rebuild restores it (`hkv.policy.window_rebuild_tokens` is 0 there).
     """
     if recompute and any(grp.kind == ObjectKind.SWA and grp.keep is None for grp in layout.groups):
-        raise ValueError(f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
-                         f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
-                         f"hkv.policy.window_rebuild_tokens")
+        raise ValueError(
+            f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
+            f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
+            f"hkv.policy.window_rebuild_tokens"
+        )
     px = cache.prefix
     bt = layout.spec.block_tokens
     nb = keys.shape[0]
@@ -394,13 +477,19 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     n4 = j + 1
     # reason: the first stage that shrank the plan, and why
     last = jnp.maximum(n2 - 1, 0)
-    stage3_reason = jnp.where(~px.swa_held[rec[last]], Reason.SWA_MISSING,
-                              jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING, Reason.INDEXER_VERSION))
+    stage3_reason = jnp.where(
+        ~px.swa_held[rec[last]],
+        Reason.SWA_MISSING,
+        jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING, Reason.INDEXER_VERSION),
+    )
     r1 = jnp.where(collision[n1], Reason.COLLISION, jnp.where(reused[n1], Reason.PAGE_REUSED, Reason.FREED))
     fail_stage = jnp.where(h < n_blocks, 0, 5)
     fail_stage = jnp.where(n1 < h, 1, jnp.where(n2 < n1, 2, jnp.where(n3 < n2, 3, jnp.where(n4 < n3, 4, fail_stage))))
-    reason = jnp.select([fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],
-                        [r1, Reason.ABI_MISMATCH, stage3_reason, Reason.CHECKSUM, Reason.NO_HASH_MATCH], Reason.NONE)
+    reason = jnp.select(
+        [fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],
+        [r1, Reason.ABI_MISMATCH, stage3_reason, Reason.CHECKSUM, Reason.NO_HASH_MATCH],
+        Reason.NONE,
+    )
     fail_stage = jnp.where(fail_stage == 5, -1, fail_stage)
 
     if recompute:  # window-recompute mode: entries only, at the longest lifecycle+ABI boundary
@@ -432,8 +521,10 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         g = g.replace(pool=g.pool.at[:, dst].set(g.pool[:, jnp.maximum(src, 0)], mode="drop"))
         g, _ = add_refs(g, jnp.where(partial, new_page, -1)[None], +1)
         mapped = jnp.where(partial & (logical == last_l), new_page, shared)
-        g = g.replace(page_table=g.page_table.at[slot].set(mapped),
-                      page_gen=g.page_gen.at[slot].set(jnp.where(mapped >= 0, g.generation[jnp.maximum(mapped, 0)], 0)))
+        g = g.replace(
+            page_table=g.page_table.at[slot].set(mapped),
+            page_gen=g.page_gen.at[slot].set(jnp.where(mapped >= 0, g.generation[jnp.maximum(mapped, 0)], 0)),
+        )
         groups[gi] = g
     tails = []
     ts = jnp.maximum(px.tail_slot[r], 0)
@@ -443,13 +534,20 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
         def cp(dst, a):
             return dst.at[slot].set(jnp.where(do, a[ts].astype(dst.dtype), dst[slot])) if a.shape[0] else dst
 
-        tails.append(TailState(tail_kv=cp(t.tail_kv, s.tail_kv), tail_gate=cp(t.tail_gate, s.tail_gate),
-                               overlap_kv=cp(t.overlap_kv, s.overlap_kv), overlap_gate=cp(t.overlap_gate, s.overlap_gate)))
+        tails.append(
+            TailState(
+                tail_kv=cp(t.tail_kv, s.tail_kv),
+                tail_gate=cp(t.tail_gate, s.tail_gate),
+                overlap_kv=cp(t.overlap_kv, s.overlap_kv),
+                overlap_gate=cp(t.overlap_gate, s.overlap_gate),
+            )
+        )
     clock = px.clock + 1
-    on_path = (i < n4)
+    on_path = i < n4
     used = jnp.zeros_like(px.last_used, bool).at[jnp.where(on_path, rec, px.last_used.shape[0])].set(True, mode="drop")
-    new_px = px.replace(last_used=jnp.where(used, clock, px.last_used), hits=px.hits + used.astype(jnp.int32),
-                        clock=clock)
+    new_px = px.replace(
+        last_used=jnp.where(used, clock, px.last_used), hits=px.hits + used.astype(jnp.int32), clock=clock
+    )
     from .transitions import advance, slide
 
     claimed = cache.replace(groups=tuple(groups), tails=tuple(tails) if not recompute else cache.tails, prefix=new_px)
@@ -460,11 +558,15 @@ def restore(layout: CacheLayout, cache: HybridCache, slot: jax.Array, keys: jax.
     valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
     status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
-    plan = jnp.stack([h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status,
-                      jnp.where(ok & do, r, -1), 0]).astype(jnp.int32)
+    plan = jnp.stack(
+        [h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status, jnp.where(ok & do, r, -1), 0]
+    ).astype(jnp.int32)
     counters = count_plan(layout, cache, plan).counters if count else cache.counters
-    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), claimed.replace(counters=counters),
-                       cache.replace(counters=counters))
+    out = jax.tree.map(
+        lambda a, b: a if a is b else jnp.where(ok, a, b),
+        claimed.replace(counters=counters),
+        cache.replace(counters=counters),
+    )
     return out, plan
 
 
@@ -480,14 +582,16 @@ def count_plan(layout: CacheLayout, cache: HybridCache, plan: jax.Array) -> Hybr
     counters = _count(counters, "prefix_disk_restored_tokens", f["disk_blocks"] * bt)
     for reason_ in Reason:
         if reason_ != Reason.NONE:
-            counters = _count(counters, f"prefix_rejected_{reason_.name.lower()}",
-                              (f["reason"] == reason_).astype(jnp.int32))
+            counters = _count(
+                counters, f"prefix_rejected_{reason_.name.lower()}", (f["reason"] == reason_).astype(jnp.int32)
+            )
     return cache.replace(counters=counters)
 
 
 # -------------------------------------------------------------------------------------- evict
-def evict(layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mask: jax.Array,
-          record_mask: jax.Array) -> HybridCache:
+def evict(
+    layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mask: jax.Array, record_mask: jax.Array
+) -> HybridCache:
     """Evict, per record (bool[NR] masks): its SWA window (`swa_mask`), its TAIL snapshot (`tail_mask`),
     or the whole record (`record_mask`: also its COMPRESSED/INDEXER references). A whole record
     becomes a tombstone: still found by a lookup, which then reports `freed` (or `page_reused` once
@@ -512,9 +616,13 @@ def evict(layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mas
             pages[gi] = jnp.where((swa & ~whole)[:, None], -1, px.pages[gi])
     nt = px.snap_used.shape[0]
     snap_used = px.snap_used.at[jnp.where(tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
-    new_px = px.replace(pages=tuple(pages), swa_held=px.swa_held & ~swa,
-                        tail_slot=jnp.where(tail, -1, px.tail_slot), snap_used=snap_used,
-                        state=jnp.where(whole, jnp.int8(RecordState.TOMBSTONE), px.state))
+    new_px = px.replace(
+        pages=tuple(pages),
+        swa_held=px.swa_held & ~swa,
+        tail_slot=jnp.where(tail, -1, px.tail_slot),
+        snap_used=snap_used,
+        state=jnp.where(whole, jnp.int8(RecordState.TOMBSTONE), px.state),
+    )
     c = _count(cache.counters, "evicted_swa_snapshots", jnp.sum(swa))
     c = _count(c, "evicted_tail_snapshots", jnp.sum(tail))
     c = _count(c, "evicted_records", jnp.sum(whole))
@@ -528,5 +636,18 @@ def bump_indexer_version(cache: HybridCache) -> HybridCache:
     return cache.replace(indexer_version=cache.indexer_version + 1)
 
 
-__all__ = ["PLAN_FIELDS", "PrefixIndex", "Reason", "RecordState", "STAGES", "abi_words", "bump_indexer_version",
-           "count_plan", "evict", "init_prefix", "record", "record_many", "restore"]
+__all__ = [
+    "PLAN_FIELDS",
+    "PrefixIndex",
+    "Reason",
+    "RecordState",
+    "STAGES",
+    "abi_words",
+    "bump_indexer_version",
+    "count_plan",
+    "evict",
+    "init_prefix",
+    "record",
+    "record_many",
+    "restore",
+]

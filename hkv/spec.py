@@ -114,8 +114,9 @@ class CacheSpec:
         jnp.dtype(self.dtype)  # raises for an unknown dtype
         d = self.weights_digest
         if d is not None and not (isinstance(d, str) and len(d) == 32 and all(c in "0123456789abcdef" for c in d)):
-            raise ValueError(f"weights_digest={d!r} must be None or 32 lowercase hex characters "
-                             f"(hkv.weights.weights_digest)")
+            raise ValueError(
+                f"weights_digest={d!r} must be None or 32 lowercase hex characters (hkv.weights.weights_digest)"
+            )
 
     @property
     def storage_dtype(self):
@@ -139,8 +140,7 @@ class CacheSpec:
                 found.setdefault((ObjectKind.INDEXER, c.ratio, c.entry_dim, None), []).append(i)
         keep = lambda kind, window: (window - 1) if (kind == ObjectKind.SWA and window is not None) else None
         return tuple(
-            Group(kind=k[0], layers=tuple(v), unit=k[1], dim=k[2], keep=keep(k[0], k[3]))
-            for k, v in found.items()
+            Group(kind=k[0], layers=tuple(v), unit=k[1], dim=k[2], keep=keep(k[0], k[3])) for k, v in found.items()
         )
 
     def group_of(self, kind: ObjectKind, layer: int) -> int:

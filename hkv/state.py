@@ -187,20 +187,49 @@ class HybridCache:
     counters: dict
 
 
-PREFIX_REJECTIONS = ("no_hash_match", "collision", "freed", "page_reused", "abi_mismatch", "swa_missing",
-                     "tail_missing", "indexer_version", "checksum", "disk_checksum", "disk_missing", "disk_abi",
-                     "disk_truncated", "disk_auth", "disk_malformed")
-COUNTERS = ("transitions", "failed_no_pages", "failed_slot_cap", "failed_context_cap",
-            "pages_allocated", "pages_released", "tokens_written", "entries_sealed",
-            "records_created", "snapshots_taken", "snapshots_skipped_full",
-            "prefix_lookups", "prefix_hash_hit_tokens", "prefix_restored_tokens", "prefix_disk_restored_tokens",
-            "evicted_swa_snapshots", "evicted_tail_snapshots", "evicted_records") + tuple(
-    f"prefix_rejected_{r}" for r in PREFIX_REJECTIONS)
+PREFIX_REJECTIONS = (
+    "no_hash_match",
+    "collision",
+    "freed",
+    "page_reused",
+    "abi_mismatch",
+    "swa_missing",
+    "tail_missing",
+    "indexer_version",
+    "checksum",
+    "disk_checksum",
+    "disk_missing",
+    "disk_abi",
+    "disk_truncated",
+    "disk_auth",
+    "disk_malformed",
+)
+COUNTERS = (
+    "transitions",
+    "failed_no_pages",
+    "failed_slot_cap",
+    "failed_context_cap",
+    "pages_allocated",
+    "pages_released",
+    "tokens_written",
+    "entries_sealed",
+    "records_created",
+    "snapshots_taken",
+    "snapshots_skipped_full",
+    "prefix_lookups",
+    "prefix_hash_hit_tokens",
+    "prefix_restored_tokens",
+    "prefix_disk_restored_tokens",
+    "evicted_swa_snapshots",
+    "evicted_tail_snapshots",
+    "evicted_records",
+) + tuple(f"prefix_rejected_{r}" for r in PREFIX_REJECTIONS)
 
 
 def init_cache(layout: CacheLayout) -> HybridCache:
     """An empty cache: no slot active, every page free, tails empty (overlap gates -inf)."""
     from .prefix import init_prefix
+
     spec, s = layout.spec, layout.slots
     dt = spec.storage_dtype
     groups = []
@@ -256,16 +285,22 @@ def check_layout(layout: CacheLayout, cache: HybridCache) -> None:
     got_leaves = jax.tree_util.tree_leaves_with_path(cache)
     want_leaves = jax.tree_util.tree_leaves_with_path(want)
     if len(got_leaves) != len(want_leaves):
-        raise ValueError(f"cache has {len(got_leaves)} arrays; the layout's spec needs {len(want_leaves)} "
-                         f"(a cache built for another spec?)")
+        raise ValueError(
+            f"cache has {len(got_leaves)} arrays; the layout's spec needs {len(want_leaves)} "
+            f"(a cache built for another spec?)"
+        )
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
         if g.shape != w.shape or g.dtype != w.dtype:
-            raise ValueError(f"cache{jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the layout needs "
-                             f"{w.dtype}{list(w.shape)} (a cache built for another spec or config?)")
+            raise ValueError(
+                f"cache{jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the layout needs "
+                f"{w.dtype}{list(w.shape)} (a cache built for another spec or config?)"
+            )
     if not isinstance(cache.abi, jax.core.Tracer):
         if list(np.asarray(cache.abi)) != list(abi_words(layout.spec)):
-            raise ValueError(f"cache ABI fingerprint differs from the layout's {layout.spec.fingerprint()} "
-                             f"(same shapes, different weights/dtypes/ratios/kernel layout)")
+            raise ValueError(
+                f"cache ABI fingerprint differs from the layout's {layout.spec.fingerprint()} "
+                f"(same shapes, different weights/dtypes/ratios/kernel layout)"
+            )
 
 
 def abi_words(spec: CacheSpec) -> np.ndarray:

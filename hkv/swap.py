@@ -84,16 +84,17 @@ def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndar
         return np.zeros((len(grp.layers), 0, grp.dim), np.dtype(pool.dtype))
     p0, p1 = lo // ps, -(-hi // ps)
     ids = np.zeros((bucket(p1 - p0),), np.int32)
-    ids[:p1 - p0] = page_row[p0:p1]
-    if np.any(ids[:p1 - p0] < 0):
+    ids[: p1 - p0] = page_row[p0:p1]
+    if np.any(ids[: p1 - p0] < 0):
         raise RuntimeError(f"record maps no page for rows [{lo}, {hi}) of group {gi}")  # an invariant, not input
     got = np.asarray(jax.device_get(_gather(pool, jnp.asarray(ids))))  # [L_g, n, ps, dim]
     got = got.reshape(got.shape[0], -1, got.shape[-1])
-    return got[:, lo - p0 * ps:hi - p0 * ps]
+    return got[:, lo - p0 * ps : hi - p0 * ps]
 
 
-def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks: list[int],
-             chain: dict[int, int]) -> list[BlockPayload]:
+def swap_out(
+    layout: CacheLayout, cache: HybridCache, meta, record: int, blocks: list[int], chain: dict[int, int]
+) -> list[BlockPayload]:
     """Host payloads for `blocks` (block indices along `record`'s chain, ascending) of alive record
     `record`. meta: a host snapshot (jax.device_get) of `cache.prefix`; chain: block index -> the
     record of that block on `record`'s parent chain (every block from 0). The block ending at the
@@ -115,7 +116,7 @@ def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks:
         rows = _rows_of(layout, cache, gi, row, r_lo, r_hi)
         for b in blocks:
             a, z = b * bt // grp.unit, (b + 1) * bt // grp.unit
-            out_rows[b][f"g{gi}.rows"] = (np.ascontiguousarray(rows[:, a - r_lo:z - r_lo]), a)
+            out_rows[b][f"g{gi}.rows"] = (np.ascontiguousarray(rows[:, a - r_lo : z - r_lo]), a)
     if snap and last in out_rows:
         t = int(meta.tail_slot[record])
         for ci, s in enumerate(meta.snaps):
@@ -124,16 +125,24 @@ def swap_out(layout: CacheLayout, cache: HybridCache, meta, record: int, blocks:
     payloads = []
     for b in blocks:
         q = chain[b]
-        payloads.append(BlockPayload(
-            key=key_bytes(meta.key[q]), parent=key_bytes(meta.key[chain[b - 1]]) if b > 0 else None, index=b,
-            length=(b + 1) * bt,
-            tokens=[int(x) for x in np.asarray(meta.tokens[q])], indexer_version=int(meta.iver[q]),
-            snapshot=snap and b == last, objects=out_rows[b]))
+        payloads.append(
+            BlockPayload(
+                key=key_bytes(meta.key[q]),
+                parent=key_bytes(meta.key[chain[b - 1]]) if b > 0 else None,
+                index=b,
+                length=(b + 1) * bt,
+                tokens=[int(x) for x in np.asarray(meta.tokens[q])],
+                indexer_version=int(meta.iver[q]),
+                snapshot=snap and b == last,
+                objects=out_rows[b],
+            )
+        )
     return payloads
 
 
-def swap_in(layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Array, l1: jax.Array,
-            rows: tuple, tails: tuple) -> tuple[HybridCache, jax.Array]:
+def swap_in(
+    layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Array, l1: jax.Array, rows: tuple, tails: tuple
+) -> tuple[HybridCache, jax.Array]:
     """Extend `slot` (active, holding exactly l0 tokens) to l1 tokens from host rows.
 
     rows[g]: for a COMPRESSED / INDEXER group, [L_g, R, dim] rows starting at l0 // unit (the first
@@ -145,8 +154,16 @@ def swap_in(layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Ar
     bt = layout.spec.block_tokens
     slot = jnp.asarray(slot, jnp.int32)
     s = jnp.clip(slot, 0, layout.slots - 1)
-    good = ((slot >= 0) & (slot < layout.slots) & cache.active[s] & (cache.lengths[s] == l0) & (l0 < l1)
-            & (l0 % bt == 0) & (l1 % bt == 0) & (l1 <= layout.config.max_context))
+    good = (
+        (slot >= 0)
+        & (slot < layout.slots)
+        & cache.active[s]
+        & (cache.lengths[s] == l0)
+        & (l0 < l1)
+        & (l0 % bt == 0)
+        & (l1 % bt == 0)
+        & (l1 <= layout.config.max_context)
+    )
     c, st = reserve(layout, cache, s[None], l1[None], good[None])
     ok = good & (st == Status.OK)
     groups = list(c.groups)
@@ -163,12 +180,18 @@ def swap_in(layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Ar
         groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
     new_tails = []
     for t, src in zip(c.tails, tails):
+
         def put(arr, new):
             return arr.at[s].set(jnp.where(ok, new.astype(arr.dtype), arr[s])) if arr.shape[1] else arr
 
-        new_tails.append(TailState(tail_kv=put(t.tail_kv, src.tail_kv), tail_gate=put(t.tail_gate, src.tail_gate),
-                                   overlap_kv=put(t.overlap_kv, src.overlap_kv),
-                                   overlap_gate=put(t.overlap_gate, src.overlap_gate)))
+        new_tails.append(
+            TailState(
+                tail_kv=put(t.tail_kv, src.tail_kv),
+                tail_gate=put(t.tail_gate, src.tail_gate),
+                overlap_kv=put(t.overlap_kv, src.overlap_kv),
+                overlap_gate=put(t.overlap_gate, src.overlap_gate),
+            )
+        )
     c = c.replace(groups=tuple(groups), tails=tuple(new_tails))
     c = advance(layout, c, s[None], l1[None], ok[None])
     c = slide(layout, c, s[None], ok[None])
@@ -188,10 +211,12 @@ def swap_in_inputs(layout: CacheLayout, payloads: list[BlockPayload], l0: int) -
         else:
             a = np.concatenate([p.objects[f"g{gi}.rows"][0] for p in payloads], axis=1)
         buf = np.zeros((a.shape[0], bucket(a.shape[1]), a.shape[2]), a.dtype)
-        buf[:, :a.shape[1]] = a
+        buf[:, : a.shape[1]] = a
         rows.append(buf)
-    tails = tuple(TailState(**{f: last.objects[f"t{ci}.{f}"][0] for f in TAIL_FIELDS})
-                  for ci in range(len(layout.spec.compressors())))
+    tails = tuple(
+        TailState(**{f: last.objects[f"t{ci}.{f}"][0] for f in TAIL_FIELDS})
+        for ci in range(len(layout.spec.compressors()))
+    )
     return tuple(rows), tails
 
 
@@ -204,5 +229,13 @@ def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid
     return cache.replace(prefix=px.replace(on_disk=px.on_disk | hit))
 
 
-__all__ = ["bucket", "has_indexer", "expected_objects", "mark_on_disk", "swap_in", "swap_in_inputs", "swap_out",
-           "window_rows"]
+__all__ = [
+    "bucket",
+    "has_indexer",
+    "expected_objects",
+    "mark_on_disk",
+    "swap_in",
+    "swap_in_inputs",
+    "swap_out",
+    "window_rows",
+]

@@ -52,8 +52,11 @@ def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, ja
     free = ~cache.active
     ok = jnp.any(free)
     slot = jnp.argmax(free).astype(jnp.int32)
-    new = cache.replace(active=cache.active.at[slot].set(True), lengths=cache.lengths.at[slot].set(0),
-                        counters=_count(cache, "transitions", 1))
+    new = cache.replace(
+        active=cache.active.at[slot].set(True),
+        lengths=cache.lengths.at[slot].set(0),
+        counters=_count(cache, "transitions", 1),
+    )
     failed = cache.replace(counters=_count(cache, "failed_slot_cap", 1))
     out = _keep_if(ok, new, failed)
     return out, jnp.where(ok, slot, -1), jnp.where(ok, Status.OK, Status.SLOT_CAP).astype(jnp.int32)
@@ -70,26 +73,41 @@ def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tu
     for g in cache.groups:
         g, n = add_refs(g, g.page_table[slot], -1)
         released = released + n
-        groups.append(g.replace(
-            page_table=g.page_table.at[slot].set(-1),
-            page_gen=g.page_gen.at[slot].set(0),
-        ))
+        groups.append(
+            g.replace(
+                page_table=g.page_table.at[slot].set(-1),
+                page_gen=g.page_gen.at[slot].set(0),
+            )
+        )
     tails = tuple(
-        t.replace(tail_kv=t.tail_kv.at[slot].set(0), tail_gate=t.tail_gate.at[slot].set(0),
-                  overlap_kv=t.overlap_kv.at[slot].set(0), overlap_gate=t.overlap_gate.at[slot].set(-jnp.inf))
+        t.replace(
+            tail_kv=t.tail_kv.at[slot].set(0),
+            tail_gate=t.tail_gate.at[slot].set(0),
+            overlap_kv=t.overlap_kv.at[slot].set(0),
+            overlap_gate=t.overlap_gate.at[slot].set(-jnp.inf),
+        )
         for t in cache.tails
     )
     tb = cache.table
     table = tb.replace(
-        form=tb.form.at[slot].set(0), indexer_version=tb.indexer_version.at[slot].set(0),
-        residency=tb.residency.at[slot].set(Residency.ABSENT), checksum=tb.checksum.at[slot].set(0),
-        location=tb.location.at[slot].set(-1), swa_start=tb.swa_start.at[slot].set(0),
+        form=tb.form.at[slot].set(0),
+        indexer_version=tb.indexer_version.at[slot].set(0),
+        residency=tb.residency.at[slot].set(Residency.ABSENT),
+        checksum=tb.checksum.at[slot].set(0),
+        location=tb.location.at[slot].set(-1),
+        swa_start=tb.swa_start.at[slot].set(0),
         swa_end=tb.swa_end.at[slot].set(0),
     )
     counters = _count(cache, "pages_released", released)
     counters["transitions"] = counters["transitions"] + 1
-    new = cache.replace(lengths=cache.lengths.at[slot].set(0), active=cache.active.at[slot].set(False),
-                        groups=tuple(groups), tails=tails, table=table, counters=counters)
+    new = cache.replace(
+        lengths=cache.lengths.at[slot].set(0),
+        active=cache.active.at[slot].set(False),
+        groups=tuple(groups),
+        tails=tails,
+        table=table,
+        counters=counters,
+    )
     status = jnp.where(ok, Status.OK, jnp.where(known, Status.SLOT_INACTIVE, Status.UNKNOWN_SLOT))
     return _keep_if(ok, new, cache), status.astype(jnp.int32)
 
@@ -135,16 +153,31 @@ def reserve(
         new_rows = jnp.where(need, pages, rows)
         new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
         tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
-        groups.append((g.replace(
-            page_table=_set_rows(g.page_table, slots, mask, new_rows),
-            page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
-            refcount=g.refcount.at[tgt].add(1, mode="drop"),
-        ), tgt))
+        groups.append(
+            (
+                g.replace(
+                    page_table=_set_rows(g.page_table, slots, mask, new_rows),
+                    page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
+                    refcount=g.refcount.at[tgt].add(1, mode="drop"),
+                ),
+                tgt,
+            )
+        )
         allocated = allocated + n_need
     ok = ~unknown & ~bad & ~over & ~inactive & enough
-    status = jnp.where(unknown, Status.UNKNOWN_SLOT, jnp.where(bad, Status.BAD_REQUEST, jnp.where(
-        over, Status.CONTEXT_CAP, jnp.where(inactive, Status.SLOT_INACTIVE,
-                                            jnp.where(enough, Status.OK, Status.NO_PAGES)))))
+    status = jnp.where(
+        unknown,
+        Status.UNKNOWN_SLOT,
+        jnp.where(
+            bad,
+            Status.BAD_REQUEST,
+            jnp.where(
+                over,
+                Status.CONTEXT_CAP,
+                jnp.where(inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)),
+            ),
+        ),
+    )
     # Newly mapped pages are cleared, so a freed page never shows its previous occupant's rows. The
     # scatter is gated on `ok` (dropped otherwise), so the same pool value serves both outcomes and
     # no select over the whole pool is needed.
@@ -179,8 +212,7 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
             page_table=_set_rows(g.page_table, slots, mask, jnp.where(drop, -1, rows)),
             page_gen=_set_rows(g.page_gen, slots, mask, jnp.where(drop, 0, g.page_gen[slots])),
         )
-    keep = min((grp.keep for grp in layout.groups if grp.kind == ObjectKind.SWA and grp.keep is not None),
-               default=None)
+    keep = min((grp.keep for grp in layout.groups if grp.kind == ObjectKind.SWA and grp.keep is not None), default=None)
     start = jnp.zeros_like(lengths) if keep is None else jnp.maximum(lengths - keep, 0)
     tb = cache.table
     table = tb.replace(
@@ -228,8 +260,9 @@ def write_swa(layout, cache, layer: int, slots, positions, kv, valid) -> HybridC
 def seal_compressed(layout, cache, layer: int, slots, first_entry, entries, count) -> HybridCache:
     """COMPRESSED write path: entries[B, W, D] become entries first_entry[b] + w for w < count[b]."""
     w = jnp.arange(entries.shape[1])[None, :]
-    c = _write_rows(layout, cache, ObjectKind.COMPRESSED, layer, slots, first_entry[:, None] + w, entries,
-                    w < count[:, None])
+    c = _write_rows(
+        layout, cache, ObjectKind.COMPRESSED, layer, slots, first_entry[:, None] + w, entries, w < count[:, None]
+    )
     return c.replace(counters=_count(c, "entries_sealed", jnp.sum(count)))
 
 
@@ -237,8 +270,9 @@ def write_indexer(layout, cache, layer: int, slots, first_entry, keys, count) ->
     """INDEXER write path: keys[B, W, Di] at entries first_entry[b] + w (w < count[b]). `advance`
     stamps the blocks they cover with the cache's current indexer version."""
     w = jnp.arange(keys.shape[1])[None, :]
-    return _write_rows(layout, cache, ObjectKind.INDEXER, layer, slots, first_entry[:, None] + w, keys,
-                       w < count[:, None])
+    return _write_rows(
+        layout, cache, ObjectKind.INDEXER, layer, slots, first_entry[:, None] + w, keys, w < count[:, None]
+    )
 
 
 def append_tail(layout, cache, tail_index: int, slots, tail_kv, tail_gate, overlap_kv, overlap_gate, mask):
@@ -250,7 +284,8 @@ def append_tail(layout, cache, tail_index: int, slots, tail_kv, tail_gate, overl
         return _set_rows(arr, slots, mask, new)
 
     new = TailState(
-        tail_kv=put(t.tail_kv, tail_kv), tail_gate=put(t.tail_gate, tail_gate),
+        tail_kv=put(t.tail_kv, tail_kv),
+        tail_gate=put(t.tail_gate, tail_gate),
         overlap_kv=put(t.overlap_kv, overlap_kv) if t.overlap_kv.shape[1] else t.overlap_kv,
         overlap_gate=put(t.overlap_gate, overlap_gate) if t.overlap_gate.shape[1] else t.overlap_gate,
     )
@@ -282,8 +317,9 @@ def advance(layout: CacheLayout, cache: HybridCache, slots, new_lengths, mask) -
     table = tb.replace(
         form=form,
         residency=jnp.where(form > 0, jnp.int8(Residency.DEVICE), jnp.int8(Residency.ABSENT)),
-        indexer_version=jnp.where(written, jnp.where(tb.indexer_version > 0, tb.indexer_version,
-                                                     cache.indexer_version), 0),
+        indexer_version=jnp.where(
+            written, jnp.where(tb.indexer_version > 0, tb.indexer_version, cache.indexer_version), 0
+        ),
     )
     written_tokens = jnp.sum(jnp.where(mask, new_lengths - cache.lengths[slots], 0))
     counters = _count(cache, "tokens_written", written_tokens)

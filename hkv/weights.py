@@ -139,7 +139,7 @@ def _leaf_lanes(x) -> list[jax.Array]:
     if n <= step:
         return [_lanes(x, jnp.uint32(0))]  # flattened inside the program (a sharded array stays in place)
     flat = x.reshape(-1)
-    return [_lanes(flat[s:s + step], jnp.uint32(k)) for k, s in enumerate(range(0, n, step))]
+    return [_lanes(flat[s : s + step], jnp.uint32(k)) for k, s in enumerate(range(0, n, step))]
 
 
 def _leaves(state) -> list[tuple[str, Any]]:
@@ -158,8 +158,10 @@ def _digest(leaves: list[tuple[str, Any]]) -> str:
             h.update(f"{path}\0scalar\0{type(x).__name__}\0{x!r}\0".encode())
             continue
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-            raise WeightsDigestError(f"weights leaf {path} is a {type(x).__name__}, not an array or a plain "
-                                     f"scalar: it cannot be part of the weights digest")
+            raise WeightsDigestError(
+                f"weights leaf {path} is a {type(x).__name__}, not an array or a plain "
+                f"scalar: it cannot be part of the weights digest"
+            )
         pending.append((path, str(x.dtype), tuple(int(d) for d in x.shape), _as_device(x)))
     small = [p for p in pending if p[3].size <= SMALL]
     big = [p for p in pending if p[3].size > SMALL]

@@ -24,24 +24,24 @@ BACKENDS = ("gpu", "tpu", "reference")
 
 
 def resolve_backend(backend: str | None, interpret: bool) -> str:
-  """Returns one of `BACKENDS` for the requested `backend` (None = pick from `jax.default_backend()`)."""
-  if backend is None:
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-      return "gpu"
-    if platform == "tpu":
-      return "tpu"
-    return "gpu" if interpret else "reference"
-  if backend not in BACKENDS:
-    raise ValueError(f"{backend=} must be one of {BACKENDS} or None (auto)")
-  return backend
+    """Returns one of `BACKENDS` for the requested `backend` (None = pick from `jax.default_backend()`)."""
+    if backend is None:
+        platform = jax.default_backend()
+        if platform in ("gpu", "cuda", "rocm"):
+            return "gpu"
+        if platform == "tpu":
+            return "tpu"
+        return "gpu" if interpret else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS} or None (auto)")
+    return backend
 
 
 def pallas_interpret_arg(backend: str, interpret: bool) -> Any:
-  """The value to pass as `pl.pallas_call(..., interpret=...)` for a kernel backend."""
-  if not interpret:
-    return False
-  if backend == "tpu":
-    # The TPU interpreter; out-of-bounds reads raise, uninitialized VMEM reads as NaN.
-    return pltpu.InterpretParams()
-  return True
+    """The value to pass as `pl.pallas_call(..., interpret=...)` for a kernel backend."""
+    if not interpret:
+        return False
+    if backend == "tpu":
+        # The TPU interpreter; out-of-bounds reads raise, uninitialized VMEM reads as NaN.
+        return pltpu.InterpretParams()
+    return True

@@ -17,71 +17,68 @@ INT32 = (jnp.dtype(jnp.int32),)
 POOL_RANKS = (3, 4)  # one layer's pool, or pools stacked over layers (see `stacked_pools`)
 
 
-def check_array(name: str, x, *, rank: int | tuple[int, ...], dtypes: Sequence,
-                layout: str) -> None:
-  """`x` must be an array of rank `rank` (or one of them) with a dtype in `dtypes`; `layout`
-  names the axes."""
-  shape = getattr(x, "shape", None)
-  if shape is None:
-    raise ValueError(f"{name}={type(x).__name__} must be an array {layout}")
-  ranks = (rank,) if isinstance(rank, int) else tuple(rank)
-  if len(shape) not in ranks:
-    allowed = " or ".join(map(str, ranks))
-    raise ValueError(f"{name}.shape={tuple(shape)} must have rank {allowed}: {layout}")
-  dtype = jnp.dtype(x.dtype)
-  if dtype not in tuple(jnp.dtype(d) for d in dtypes):
-    allowed = ", ".join(str(jnp.dtype(d)) for d in dtypes)
-    raise ValueError(f"{name}.dtype={dtype} must be one of ({allowed})")
+def check_array(name: str, x, *, rank: int | tuple[int, ...], dtypes: Sequence, layout: str) -> None:
+    """`x` must be an array of rank `rank` (or one of them) with a dtype in `dtypes`; `layout`
+    names the axes."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise ValueError(f"{name}={type(x).__name__} must be an array {layout}")
+    ranks = (rank,) if isinstance(rank, int) else tuple(rank)
+    if len(shape) not in ranks:
+        allowed = " or ".join(map(str, ranks))
+        raise ValueError(f"{name}.shape={tuple(shape)} must have rank {allowed}: {layout}")
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in tuple(jnp.dtype(d) for d in dtypes):
+        allowed = ", ".join(str(jnp.dtype(d)) for d in dtypes)
+        raise ValueError(f"{name}.dtype={dtype} must be one of ({allowed})")
 
 
 def check_dim(name: str, x, axis: int, expected: int, meaning: str) -> None:
-  """`x.shape[axis]` must equal `expected` (`meaning` says where that number comes from)."""
-  got = x.shape[axis]
-  if got != expected:
-    raise ValueError(
-        f"{name}.shape={tuple(x.shape)}: axis {axis} is {got}, must be {expected} ({meaning})")
+    """`x.shape[axis]` must equal `expected` (`meaning` says where that number comes from)."""
+    got = x.shape[axis]
+    if got != expected:
+        raise ValueError(f"{name}.shape={tuple(x.shape)}: axis {axis} is {got}, must be {expected} ({meaning})")
 
 
 def check_same_dtype(name: str, x, other_name: str, other) -> None:
-  if jnp.dtype(x.dtype) != jnp.dtype(other.dtype):
-    raise ValueError(
-        f"{name}.dtype={jnp.dtype(x.dtype)} must equal {other_name}.dtype={jnp.dtype(other.dtype)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(other.dtype):
+        raise ValueError(f"{name}.dtype={jnp.dtype(x.dtype)} must equal {other_name}.dtype={jnp.dtype(other.dtype)}")
 
 
 def check_static_int(name: str, value, *, lo: int, hi: int | None = None) -> None:
-  """`value` must be a Python int in [lo, hi] (hi=None: no upper bound)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name}={value!r} must be a static Python int in [{lo}, {hi or 'inf'}]")
-  if value < lo or (hi is not None and value > hi):
-    raise ValueError(f"{name}={value} must be in [{lo}, {hi if hi is not None else 'inf'}]")
+    """`value` must be a Python int in [lo, hi] (hi=None: no upper bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be a static Python int in [{lo}, {hi or 'inf'}]")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value} must be in [{lo}, {hi if hi is not None else 'inf'}]")
 
 
 def check_scale(scale) -> None:
-  if scale is None:
-    return
-  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not scale > 0:
-    raise ValueError(f"{scale=} must be None (head_dim**-0.5) or a positive Python float")
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not scale > 0:
+        raise ValueError(f"{scale=} must be None (head_dim**-0.5) or a positive Python float")
 
 
 def check_power_of_two(name: str, value: int, why: str) -> None:
-  if value < 1 or value & (value - 1):
-    raise ValueError(f"{name}={value} must be a power of two ({why})")
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two ({why})")
 
 
 def check_sinks(sinks, num_heads: int) -> None:
-  if sinks is None:
-    return
-  check_array("sinks", sinks, rank=1, dtypes=(jnp.float32,), layout="float32[num_heads]")
-  check_dim("sinks", sinks, 0, num_heads, "q.shape[1], one sink logit per query head")
+    if sinks is None:
+        return
+    check_array("sinks", sinks, rank=1, dtypes=(jnp.float32,), layout="float32[num_heads]")
+    check_dim("sinks", sinks, 0, num_heads, "q.shape[1], one sink logit per query head")
 
 
 def check_page_table(name: str, page_table, batch: int) -> None:
-  check_array(name, page_table, rank=2, dtypes=INT32, layout="int32[batch, pages_per_seq]")
-  check_dim(name, page_table, 0, batch, "batch")
-  if page_table.shape[1] < 1:
-    raise ValueError(f"{name}.shape={tuple(page_table.shape)} must have pages_per_seq >= 1")
+    check_array(name, page_table, rank=2, dtypes=INT32, layout="int32[batch, pages_per_seq]")
+    check_dim(name, page_table, 0, batch, "batch")
+    if page_table.shape[1] < 1:
+        raise ValueError(f"{name}.shape={tuple(page_table.shape)} must have pages_per_seq >= 1")
 
 
 def check_counts(name: str, counts, batch: int) -> None:
-  check_array(name, counts, rank=1, dtypes=INT32, layout="int32[batch]")
-  check_dim(name, counts, 0, batch, "batch")
+    check_array(name, counts, rank=1, dtypes=INT32, layout="int32[batch]")
+    check_dim(name, counts, 0, batch, "batch")

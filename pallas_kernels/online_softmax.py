@@ -28,22 +28,22 @@ import jax.numpy as jnp
 
 
 class SoftmaxState(NamedTuple):
-  o: jax.Array  # [heads, D] f32
-  m: jax.Array  # [heads, 1] f32
-  l: jax.Array  # [heads, 1] f32
+    o: jax.Array  # [heads, D] f32
+    m: jax.Array  # [heads, 1] f32
+    l: jax.Array  # [heads, 1] f32
 
 
 def init_state(sinks: jax.Array, head_dim: int) -> SoftmaxState:
-  """The state after seeing only the sink logits `sinks` ([heads, 1] f32, -inf = no sink)."""
-  sinks = sinks.astype(jnp.float32)
-  l = jnp.where(sinks == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
-  o = jnp.zeros((sinks.shape[0], head_dim), jnp.float32)
-  return SoftmaxState(o=o, m=sinks, l=l)
+    """The state after seeing only the sink logits `sinks` ([heads, 1] f32, -inf = no sink)."""
+    sinks = sinks.astype(jnp.float32)
+    l = jnp.where(sinks == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
+    o = jnp.zeros((sinks.shape[0], head_dim), jnp.float32)
+    return SoftmaxState(o=o, m=sinks, l=l)
 
 
 def dot_precision(dtype) -> lax.Precision:
-  # f32 pools get true f32 products (not TF32); bf16 uses the native bf16 x bf16 -> f32 path.
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+    # f32 pools get true f32 products (not TF32); bf16 uses the native bf16 x bf16 -> f32 path.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def fold_block(
@@ -53,28 +53,29 @@ def fold_block(
     valid: jax.Array,  # [1, block] bool; False columns are not part of the softmax
     scale: float,
 ) -> SoftmaxState:
-  """Folds one block of K=V rows into the running softmax state."""
-  precision = dot_precision(kv.dtype)
-  logits = lax.dot_general(
-      q, kv, (((1,), (1,)), ((), ())), precision=precision,
-      preferred_element_type=jnp.float32) * scale  # [heads, block]
-  logits = jnp.where(valid, logits, -jnp.inf)
-  m_next = jnp.maximum(state.m, jnp.max(logits, axis=1, keepdims=True))  # [heads, 1]
-  # All -inf so far (no sink, nothing valid yet): shift by 0 so exp() gives 0, not NaN.
-  m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-  alpha = jnp.exp(state.m - m_shift)  # [heads, 1]
-  p = jnp.exp(logits - m_shift)  # [heads, block]
-  l_next = alpha * state.l + jnp.sum(p, axis=1, keepdims=True)
-  pv = lax.dot_general(
-      p.astype(kv.dtype), kv, (((1,), (0,)), ((), ())), precision=precision,
-      preferred_element_type=jnp.float32)  # [heads, D]
-  return SoftmaxState(o=alpha * state.o + pv, m=m_next, l=l_next)
+    """Folds one block of K=V rows into the running softmax state."""
+    precision = dot_precision(kv.dtype)
+    logits = (
+        lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+        * scale
+    )  # [heads, block]
+    logits = jnp.where(valid, logits, -jnp.inf)
+    m_next = jnp.maximum(state.m, jnp.max(logits, axis=1, keepdims=True))  # [heads, 1]
+    # All -inf so far (no sink, nothing valid yet): shift by 0 so exp() gives 0, not NaN.
+    m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp(state.m - m_shift)  # [heads, 1]
+    p = jnp.exp(logits - m_shift)  # [heads, block]
+    l_next = alpha * state.l + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(
+        p.astype(kv.dtype), kv, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # [heads, D]
+    return SoftmaxState(o=alpha * state.o + pv, m=m_next, l=l_next)
 
 
 def finalize(state: SoftmaxState, dtype) -> jax.Array:
-  """o / l in `dtype`; a head that saw nothing (no sink, no valid row) gets zeros."""
-  l = jnp.where(state.l == 0.0, 1.0, state.l)
-  return (state.o / l).astype(dtype)
+    """o / l in `dtype`; a head that saw nothing (no sink, no valid row) gets zeros."""
+    l = jnp.where(state.l == 0.0, 1.0, state.l)
+    return (state.o / l).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,23 +88,21 @@ def attend_rows_reference(
     sinks: jax.Array | None,  # f32[heads] or None (no sink)
     scale: float,
 ) -> jax.Array:
-  """softmax([q.k_j * scale for valid j] ++ [sink_h]) @ [v_j] ++ [0], all in f32; q.dtype out."""
-  batch, heads, _ = q.shape
-  precision = dot_precision(rows.dtype)
-  rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
-  logits = jnp.einsum("bhd,bnd->bhn", q, rows, precision=precision,
-                      preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
-  if sinks is None:
-    sink = jnp.full((batch, heads, 1), -jnp.inf, jnp.float32)
-  else:
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (batch, heads, 1))
-  all_logits = jnp.concatenate([logits, sink], axis=-1)  # [batch, heads, n + 1]
-  m = jnp.max(all_logits, axis=-1, keepdims=True)
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  e = jnp.exp(all_logits - m)
-  denom = jnp.sum(e, axis=-1, keepdims=True)
-  probs = e[..., :-1] / jnp.where(denom == 0.0, 1.0, denom)  # the sink's value is zero
-  out = jnp.einsum("bhn,bnd->bhd", probs, rows.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)
-  return out.astype(q.dtype)
+    """softmax([q.k_j * scale for valid j] ++ [sink_h]) @ [v_j] ++ [0], all in f32; q.dtype out."""
+    batch, heads, _ = q.shape
+    precision = dot_precision(rows.dtype)
+    rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
+    logits = jnp.einsum("bhd,bnd->bhn", q, rows, precision=precision, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
+    if sinks is None:
+        sink = jnp.full((batch, heads, 1), -jnp.inf, jnp.float32)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (batch, heads, 1))
+    all_logits = jnp.concatenate([logits, sink], axis=-1)  # [batch, heads, n + 1]
+    m = jnp.max(all_logits, axis=-1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    e = jnp.exp(all_logits - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e[..., :-1] / jnp.where(denom == 0.0, 1.0, denom)  # the sink's value is zero
+    out = jnp.einsum("bhn,bnd->bhd", probs, rows.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return out.astype(q.dtype)

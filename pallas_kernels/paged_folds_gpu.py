@@ -30,14 +30,14 @@ def gather_rows(
     *,
     page_size: int,
 ) -> jax.Array:
-  """[block, D] rows of `entries`; rows where `valid` is False are 0 and are not read."""
-  pages_per_seq = page_table_ref.shape[1]
-  head_dim = pool_ref.shape[1]
-  logical_page = jnp.where(valid, lax.rem(entries // page_size, pages_per_seq), 0)
-  physical_page = page_table_ref[b, logical_page]  # [block]
-  rows = jnp.where(valid, physical_page * page_size + lax.rem(entries, page_size), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (entries.shape[0], head_dim), 1)
-  return pltr.load(pool_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
+    """[block, D] rows of `entries`; rows where `valid` is False are 0 and are not read."""
+    pages_per_seq = page_table_ref.shape[1]
+    head_dim = pool_ref.shape[1]
+    logical_page = jnp.where(valid, lax.rem(entries // page_size, pages_per_seq), 0)
+    physical_page = page_table_ref[b, logical_page]  # [block]
+    rows = jnp.where(valid, physical_page * page_size + lax.rem(entries, page_size), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (entries.shape[0], head_dim), 1)
+    return pltr.load(pool_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
 
 
 def fold_range(
@@ -53,16 +53,16 @@ def fold_range(
     block_k: int,
     scale: float,
 ) -> online_softmax.SoftmaxState:
-  """Folds entries [lo, hi) of sequence b; the loop runs cdiv(hi - lo, block_k) times."""
-  num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
+    """Folds entries [lo, hi) of sequence b; the loop runs cdiv(hi - lo, block_k) times."""
+    num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
-  def body(j, carry):
-    entries = lo + j * block_k + lax.iota(jnp.int32, block_k)
-    valid = entries < hi
-    kv = gather_rows(pool_ref, page_table_ref, b, entries, valid, page_size=page_size)
-    return online_softmax.fold_block(carry, q, kv, valid[None, :], scale)
+    def body(j, carry):
+        entries = lo + j * block_k + lax.iota(jnp.int32, block_k)
+        valid = entries < hi
+        kv = gather_rows(pool_ref, page_table_ref, b, entries, valid, page_size=page_size)
+        return online_softmax.fold_block(carry, q, kv, valid[None, :], scale)
 
-  return lax.fori_loop(0, num_blocks, body, state)
+    return lax.fori_loop(0, num_blocks, body, state)
 
 
 def fold_selected(
@@ -78,13 +78,13 @@ def fold_selected(
     block_k: int,
     scale: float,
 ) -> online_softmax.SoftmaxState:
-  """Folds the selected entries of sequence b, skipping -1 and out-of-range indices."""
-  num_blocks = indices_ref.shape[0] // block_k
+    """Folds the selected entries of sequence b, skipping -1 and out-of-range indices."""
+    num_blocks = indices_ref.shape[0] // block_k
 
-  def body(j, carry):
-    entries = indices_ref[pl.ds(j * block_k, block_k)]
-    valid = (entries >= 0) & (entries < num_visible)
-    kv = gather_rows(pool_ref, page_table_ref, b, entries, valid, page_size=page_size)
-    return online_softmax.fold_block(carry, q, kv, valid[None, :], scale)
+    def body(j, carry):
+        entries = indices_ref[pl.ds(j * block_k, block_k)]
+        valid = (entries >= 0) & (entries < num_visible)
+        kv = gather_rows(pool_ref, page_table_ref, b, entries, valid, page_size=page_size)
+        return online_softmax.fold_block(carry, q, kv, valid[None, :], scale)
 
-  return lax.fori_loop(0, num_blocks, body, state)
+    return lax.fori_loop(0, num_blocks, body, state)

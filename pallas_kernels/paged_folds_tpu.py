@@ -29,35 +29,35 @@ def scan_pages(
     *,
     pages_per_seq: int,
 ):
-  """Runs `fn` on every page overlapping entries [lo, hi), DMA-ing page j+1 while `fn` runs on j.
+    """Runs `fn` on every page overlapping entries [lo, hi), DMA-ing page j+1 while `fn` runs on j.
 
-  `j` counts pages from the one holding `lo`; `base` is the entry index of the page's first row.
-  Rows of a page outside [lo, hi) are whatever the page holds (possibly never written): `fn`
-  masks them. Pages that do not overlap [lo, hi) are never copied.
-  """
-  page_size = page_buf.shape[1]
-  first_page = lax.div(lo, page_size)  # lo >= 0; lax.div, not //, which needs sign()
-  num_pages = jnp.maximum(pl.cdiv(hi, page_size) - first_page, 0)
+    `j` counts pages from the one holding `lo`; `base` is the entry index of the page's first row.
+    Rows of a page outside [lo, hi) are whatever the page holds (possibly never written): `fn`
+    masks them. Pages that do not overlap [lo, hi) are never copied.
+    """
+    page_size = page_buf.shape[1]
+    first_page = lax.div(lo, page_size)  # lo >= 0; lax.div, not //, which needs sign()
+    num_pages = jnp.maximum(pl.cdiv(hi, page_size) - first_page, 0)
 
-  def page_copy(j, slot):
-    page = page_table_ref[table_offset + lax.rem(first_page + j, pages_per_seq)]
-    return pltpu.make_async_copy(pool_hbm_ref.at[page], page_buf.at[slot], sems.at[slot])
+    def page_copy(j, slot):
+        page = page_table_ref[table_offset + lax.rem(first_page + j, pages_per_seq)]
+        return pltpu.make_async_copy(pool_hbm_ref.at[page], page_buf.at[slot], sems.at[slot])
 
-  @pl.when(num_pages > 0)
-  def _prefetch_first():
-    page_copy(0, 0).start()
+    @pl.when(num_pages > 0)
+    def _prefetch_first():
+        page_copy(0, 0).start()
 
-  def body(j, carry):
-    slot = lax.rem(j, 2)
+    def body(j, carry):
+        slot = lax.rem(j, 2)
 
-    @pl.when(j + 1 < num_pages)
-    def _prefetch_next():
-      page_copy(j + 1, 1 - slot).start()
+        @pl.when(j + 1 < num_pages)
+        def _prefetch_next():
+            page_copy(j + 1, 1 - slot).start()
 
-    page_copy(j, slot).wait()
-    return fn(j, (first_page + j) * page_size, page_buf[slot], carry)
+        page_copy(j, slot).wait()
+        return fn(j, (first_page + j) * page_size, page_buf[slot], carry)
 
-  return lax.fori_loop(0, num_pages, body, init)
+    return lax.fori_loop(0, num_pages, body, init)
 
 
 def fold_page_range(
@@ -74,20 +74,30 @@ def fold_page_range(
     pages_per_seq: int,
     scale: float,
 ) -> online_softmax.SoftmaxState:
-  """Folds entries [lo, hi) of one sequence into the softmax state, page by page."""
-  page_size = page_buf.shape[1]
+    """Folds entries [lo, hi) of one sequence into the softmax state, page by page."""
+    page_size = page_buf.shape[1]
 
-  def fold_page(j, base, kv, carry):
-    del j
-    row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
-    col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
-    # Rows of the page outside [lo, hi) may be unwritten slots: zero them so they cannot be NaN.
-    kv = jnp.where((row_pos >= lo) & (row_pos < hi), kv, jnp.zeros_like(kv))
-    valid = (col_pos >= lo) & (col_pos < hi)
-    return online_softmax.fold_block(carry, q, kv, valid, scale)
+    def fold_page(j, base, kv, carry):
+        del j
+        row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
+        col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
+        # Rows of the page outside [lo, hi) may be unwritten slots: zero them so they cannot be NaN.
+        kv = jnp.where((row_pos >= lo) & (row_pos < hi), kv, jnp.zeros_like(kv))
+        valid = (col_pos >= lo) & (col_pos < hi)
+        return online_softmax.fold_block(carry, q, kv, valid, scale)
 
-  return scan_pages(pool_hbm_ref, page_table_ref, table_offset, lo, hi, page_buf, sems,
-                    fold_page, state, pages_per_seq=pages_per_seq)
+    return scan_pages(
+        pool_hbm_ref,
+        page_table_ref,
+        table_offset,
+        lo,
+        hi,
+        page_buf,
+        sems,
+        fold_page,
+        state,
+        pages_per_seq=pages_per_seq,
+    )
 
 
 def fold_selected_rows(
@@ -105,26 +115,27 @@ def fold_selected_rows(
     pages_per_seq: int,
     scale: float,
 ) -> online_softmax.SoftmaxState:
-  """Folds selected entries, block_k at a time: one row DMA per valid index, none for -1."""
-  block_k = row_buf.shape[0]
-  page_size = pool_hbm_ref.shape[1]
-  num_chunks = indices_vmem_ref.shape[0]
+    """Folds selected entries, block_k at a time: one row DMA per valid index, none for -1."""
+    block_k = row_buf.shape[0]
+    page_size = pool_hbm_ref.shape[1]
+    num_chunks = indices_vmem_ref.shape[0]
 
-  def row_copy(entry, r):
-    page = page_table_ref[table_offset + lax.rem(lax.div(entry, page_size), pages_per_seq)]
-    return pltpu.make_async_copy(
-        pool_hbm_ref.at[page, pl.ds(lax.rem(entry, page_size), 1)], row_buf.at[pl.ds(r, 1)], sem)
+    def row_copy(entry, r):
+        page = page_table_ref[table_offset + lax.rem(lax.div(entry, page_size), pages_per_seq)]
+        return pltpu.make_async_copy(
+            pool_hbm_ref.at[page, pl.ds(lax.rem(entry, page_size), 1)], row_buf.at[pl.ds(r, 1)], sem
+        )
 
-  def body(c, carry):
-    entries = [indices_smem_ref[0, c * block_k + r] for r in range(block_k)]
-    oks = [(e >= 0) & (e < num_visible) for e in entries]
-    for r in range(block_k):
-      pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).start())
-    for r in range(block_k):
-      pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).wait())
-    # Rows of skipped indices still hold zeros or rows of an earlier chunk: finite, and masked.
-    chunk = indices_vmem_ref[pl.ds(c, 1), :]  # [1, block_k]
-    valid = (chunk >= 0) & (chunk < num_visible)
-    return online_softmax.fold_block(carry, q, row_buf[...], valid, scale)
+    def body(c, carry):
+        entries = [indices_smem_ref[0, c * block_k + r] for r in range(block_k)]
+        oks = [(e >= 0) & (e < num_visible) for e in entries]
+        for r in range(block_k):
+            pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).start())
+        for r in range(block_k):
+            pl.when(oks[r])(lambda r=r: row_copy(entries[r], r).wait())
+        # Rows of skipped indices still hold zeros or rows of an earlier chunk: finite, and masked.
+        chunk = indices_vmem_ref[pl.ds(c, 1), :]  # [1, block_k]
+        valid = (chunk >= 0) & (chunk < num_visible)
+        return online_softmax.fold_block(carry, q, row_buf[...], valid, scale)
 
-  return lax.fori_loop(0, num_chunks, body, state)
+    return lax.fori_loop(0, num_chunks, body, state)

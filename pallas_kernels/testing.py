@@ -30,72 +30,69 @@ def page_rows(
     poison: float = np.nan,
     unallocated: int = -1,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Scatters `dense[b, :counts[b]]` into a pool of randomly chosen physical pages.
+    """Scatters `dense[b, :counts[b]]` into a pool of randomly chosen physical pages.
 
-  Args:
-    dense: [batch, rows, dim] logical rows of each sequence (row p = position / entry p).
-    counts: int[batch] rows that exist per sequence.
-    page_size, pages_per_seq, num_pages: pool geometry.
-    rng: source of the random physical page assignment.
-    keep: keep(b, logical_page) -> whether that page is allocated (default: every page that holds
-      a row below counts[b]). Logical pages not kept get `unallocated` in the page table.
-    poison: value of every pool row that holds no kept row (free pages, the tail of a last page).
-    unallocated: page-table value of pages that are not allocated.
+    Args:
+      dense: [batch, rows, dim] logical rows of each sequence (row p = position / entry p).
+      counts: int[batch] rows that exist per sequence.
+      page_size, pages_per_seq, num_pages: pool geometry.
+      rng: source of the random physical page assignment.
+      keep: keep(b, logical_page) -> whether that page is allocated (default: every page that holds
+        a row below counts[b]). Logical pages not kept get `unallocated` in the page table.
+      poison: value of every pool row that holds no kept row (free pages, the tail of a last page).
+      unallocated: page-table value of pages that are not allocated.
 
-  Returns:
-    (pool [num_pages, page_size, dim] in dense.dtype, page_table int32[batch, pages_per_seq]).
-  """
-  batch, _, dim = dense.shape
-  pool = np.full((num_pages, page_size, dim), poison, dtype=dense.dtype)
-  page_table = np.full((batch, pages_per_seq), unallocated, dtype=np.int32)
-  free = list(rng.permutation(num_pages))
-  for b in range(batch):
-    count = int(counts[b])
-    for lp in range(min(-(-count // page_size), pages_per_seq)):
-      if keep is not None and not keep(b, lp):
-        continue
-      if not free:
-        raise ValueError(f"{num_pages=} is too small for this layout")
-      page = int(free.pop())
-      page_table[b, lp] = page
-      lo, hi = lp * page_size, min((lp + 1) * page_size, count)
-      pool[page, : hi - lo] = dense[b, lo:hi]
-  return pool, page_table
-
-
-def ring_page_table(page_table: np.ndarray, lengths: np.ndarray, *, page_size: int,
-                    ring: int) -> np.ndarray:
-  """The ring form of a window page table: logical page i of sequence b at entry i % ring.
-
-  Keeps, per sequence, the last `ring` logical pages up to the page of position lengths[b] - 1,
-  which is what a cache that recycles its window pages holds; other entries are -1.
-  """
-  batch, _ = page_table.shape
-  ring_table = np.full((batch, ring), -1, dtype=np.int32)
-  for b in range(batch):
-    if lengths[b] <= 0:
-      continue
-    last = (int(lengths[b]) - 1) // page_size
-    for i in range(max(0, last - ring + 1), last + 1):
-      ring_table[b, i % ring] = page_table[b, i]
-  return ring_table
+    Returns:
+      (pool [num_pages, page_size, dim] in dense.dtype, page_table int32[batch, pages_per_seq]).
+    """
+    batch, _, dim = dense.shape
+    pool = np.full((num_pages, page_size, dim), poison, dtype=dense.dtype)
+    page_table = np.full((batch, pages_per_seq), unallocated, dtype=np.int32)
+    free = list(rng.permutation(num_pages))
+    for b in range(batch):
+        count = int(counts[b])
+        for lp in range(min(-(-count // page_size), pages_per_seq)):
+            if keep is not None and not keep(b, lp):
+                continue
+            if not free:
+                raise ValueError(f"{num_pages=} is too small for this layout")
+            page = int(free.pop())
+            page_table[b, lp] = page
+            lo, hi = lp * page_size, min((lp + 1) * page_size, count)
+            pool[page, : hi - lo] = dense[b, lo:hi]
+    return pool, page_table
 
 
-def softmax_with_sinks_np(q: np.ndarray, rows: np.ndarray, sinks: np.ndarray | None,
-                          scale: float) -> np.ndarray:
-  """float64 oracle: q [heads, D] over rows [n, D] (K = V) and per-head sink logits."""
-  q = q.astype(np.float64)
-  rows = rows.astype(np.float64)
-  logits = q @ rows.T * scale  # [heads, n]
-  sink = (np.full((q.shape[0], 1), -np.inf) if sinks is None
-          else sinks.astype(np.float64)[:, None])
-  all_logits = np.concatenate([logits, sink], axis=1)
-  m = np.max(all_logits, axis=1, keepdims=True)
-  m = np.where(np.isneginf(m), 0.0, m)
-  e = np.exp(all_logits - m)
-  denom = e.sum(axis=1, keepdims=True)
-  denom = np.where(denom == 0.0, 1.0, denom)
-  return (e[:, :-1] / denom) @ rows
+def ring_page_table(page_table: np.ndarray, lengths: np.ndarray, *, page_size: int, ring: int) -> np.ndarray:
+    """The ring form of a window page table: logical page i of sequence b at entry i % ring.
+
+    Keeps, per sequence, the last `ring` logical pages up to the page of position lengths[b] - 1,
+    which is what a cache that recycles its window pages holds; other entries are -1.
+    """
+    batch, _ = page_table.shape
+    ring_table = np.full((batch, ring), -1, dtype=np.int32)
+    for b in range(batch):
+        if lengths[b] <= 0:
+            continue
+        last = (int(lengths[b]) - 1) // page_size
+        for i in range(max(0, last - ring + 1), last + 1):
+            ring_table[b, i % ring] = page_table[b, i]
+    return ring_table
+
+
+def softmax_with_sinks_np(q: np.ndarray, rows: np.ndarray, sinks: np.ndarray | None, scale: float) -> np.ndarray:
+    """float64 oracle: q [heads, D] over rows [n, D] (K = V) and per-head sink logits."""
+    q = q.astype(np.float64)
+    rows = rows.astype(np.float64)
+    logits = q @ rows.T * scale  # [heads, n]
+    sink = np.full((q.shape[0], 1), -np.inf) if sinks is None else sinks.astype(np.float64)[:, None]
+    all_logits = np.concatenate([logits, sink], axis=1)
+    m = np.max(all_logits, axis=1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(all_logits - m)
+    denom = e.sum(axis=1, keepdims=True)
+    denom = np.where(denom == 0.0, 1.0, denom)
+    return (e[:, :-1] / denom) @ rows
 
 
 # Tolerances of a kernel against its reference, and of a reference against the float64 oracle.
@@ -108,50 +105,80 @@ TOLERANCES = {
 }
 
 
-def window_case(rng: np.random.Generator, dtype, lengths: np.ndarray, *, heads: int, head_dim: int,
-                page_size: int, window: int, pages_per_seq: int, num_pages: int,
-                poison_outside_window: bool = True, with_sinks: bool = True) -> dict:
-  """Random decode inputs for a sliding-window layer.
+def window_case(
+    rng: np.random.Generator,
+    dtype,
+    lengths: np.ndarray,
+    *,
+    heads: int,
+    head_dim: int,
+    page_size: int,
+    window: int,
+    pages_per_seq: int,
+    num_pages: int,
+    poison_outside_window: bool = True,
+    with_sinks: bool = True,
+) -> dict:
+    """Random decode inputs for a sliding-window layer.
 
-  Rows before each window are NaN and pages wholly before it unallocated (-1) when
-  `poison_outside_window`, so a kernel that reads outside the window produces NaN (or, in the TPU
-  interpreter, an out-of-bounds error). Returns numpy arrays: q, window_pool, window_page_table,
-  lengths, sinks (None without sinks) and window_rows (per-sequence list of attended rows).
-  """
-  batch = len(lengths)
-  dense = rng.standard_normal((batch, pages_per_seq * page_size, head_dim)).astype(dtype)
-  starts = np.maximum(lengths - window, 0)
-  window_rows = [dense[b, starts[b]:lengths[b]].copy() for b in range(batch)]
-  keep = None
-  if poison_outside_window:
+    Rows before each window are NaN and pages wholly before it unallocated (-1) when
+    `poison_outside_window`, so a kernel that reads outside the window produces NaN (or, in the TPU
+    interpreter, an out-of-bounds error). Returns numpy arrays: q, window_pool, window_page_table,
+    lengths, sinks (None without sinks) and window_rows (per-sequence list of attended rows).
+    """
+    batch = len(lengths)
+    dense = rng.standard_normal((batch, pages_per_seq * page_size, head_dim)).astype(dtype)
+    starts = np.maximum(lengths - window, 0)
+    window_rows = [dense[b, starts[b] : lengths[b]].copy() for b in range(batch)]
+    keep = None
+    if poison_outside_window:
+        for b in range(batch):
+            dense[b, : starts[b]] = np.nan
+        keep = lambda b, lp: (lp + 1) * page_size > starts[b]
+    pool, page_table = page_rows(
+        dense, lengths, page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages, rng=rng, keep=keep
+    )
+    return dict(
+        q=rng.standard_normal((batch, heads, head_dim)).astype(dtype),
+        window_pool=pool,
+        window_page_table=page_table,
+        lengths=np.asarray(lengths, np.int32),
+        sinks=(rng.standard_normal(heads) * 2).astype(np.float32) if with_sinks else None,
+        window_rows=window_rows,
+    )
+
+
+def entry_case(
+    rng: np.random.Generator,
+    dtype,
+    used: list[np.ndarray],
+    n_written: np.ndarray,
+    *,
+    dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    num_pages: int,
+) -> dict:
+    """A randomly paged pool of per-sequence entries (compressed K=V rows or index keys).
+
+    Only the entries listed in `used[b]` hold finite values: every other written entry is NaN, and
+    pages holding no used entry are unallocated (-1), so reading anything else shows up. Returns
+    numpy arrays pool, page_table, n_written and dense ([batch, capacity, dim], entry values).
+    """
+    batch = len(used)
+    capacity = pages_per_seq * page_size
+    values = rng.standard_normal((batch, capacity, dim)).astype(dtype)
+    dense = np.full_like(values, np.nan)
     for b in range(batch):
-      dense[b, : starts[b]] = np.nan
-    keep = lambda b, lp: (lp + 1) * page_size > starts[b]
-  pool, page_table = page_rows(dense, lengths, page_size=page_size, pages_per_seq=pages_per_seq,
-                               num_pages=num_pages, rng=rng, keep=keep)
-  return dict(
-      q=rng.standard_normal((batch, heads, head_dim)).astype(dtype),
-      window_pool=pool, window_page_table=page_table, lengths=np.asarray(lengths, np.int32),
-      sinks=(rng.standard_normal(heads) * 2).astype(np.float32) if with_sinks else None,
-      window_rows=window_rows)
-
-
-def entry_case(rng: np.random.Generator, dtype, used: list[np.ndarray], n_written: np.ndarray, *,
-               dim: int, page_size: int, pages_per_seq: int, num_pages: int) -> dict:
-  """A randomly paged pool of per-sequence entries (compressed K=V rows or index keys).
-
-  Only the entries listed in `used[b]` hold finite values: every other written entry is NaN, and
-  pages holding no used entry are unallocated (-1), so reading anything else shows up. Returns
-  numpy arrays pool, page_table, n_written and dense ([batch, capacity, dim], entry values).
-  """
-  batch = len(used)
-  capacity = pages_per_seq * page_size
-  values = rng.standard_normal((batch, capacity, dim)).astype(dtype)
-  dense = np.full_like(values, np.nan)
-  for b in range(batch):
-    dense[b, used[b]] = values[b, used[b]]
-  used_pages = [set(int(e) // page_size for e in used[b]) for b in range(batch)]
-  pool, page_table = page_rows(dense, n_written, page_size=page_size, pages_per_seq=pages_per_seq,
-                               num_pages=num_pages, rng=rng, keep=lambda b, lp: lp in used_pages[b])
-  return dict(pool=pool, page_table=page_table, n_written=np.asarray(n_written, np.int32),
-              dense=dense)
+        dense[b, used[b]] = values[b, used[b]]
+    used_pages = [set(int(e) // page_size for e in used[b]) for b in range(batch)]
+    pool, page_table = page_rows(
+        dense,
+        n_written,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        num_pages=num_pages,
+        rng=rng,
+        keep=lambda b, lp: lp in used_pages[b],
+    )
+    return dict(pool=pool, page_table=page_table, n_written=np.asarray(n_written, np.int32), dense=dense)

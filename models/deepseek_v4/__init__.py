@@ -1,9 +1,9 @@
 """DeepSeek-V4 in Flax NNX: config, checkpoint loading, random init and the stateless forward.
 
-    from models import deepseek_v4
-    model = deepseek_v4.load("/path/to/DeepSeek-V4-Flash", dtype=jnp.bfloat16)
-    logits = deepseek_v4.forward_fn(model)(tokens)          # int32[B, T] -> float32[B, T, vocab]
-    tiny = deepseek_v4.init(deepseek_v4.tiny_config(), seed=0)
+from models import deepseek_v4
+model = deepseek_v4.load("/path/to/DeepSeek-V4-Flash", dtype=jnp.bfloat16)
+logits = deepseek_v4.forward_fn(model)(tokens)          # int32[B, T] -> float32[B, T, vocab]
+tiny = deepseek_v4.init(deepseek_v4.tiny_config(), seed=0)
 """
 
 from .config import ConfigError, DeepseekV4Config, RopeSpec, tiny_config

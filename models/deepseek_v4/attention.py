@@ -85,13 +85,23 @@ class Attention(nnx.Module):
         if self.layer_type in (CSA, HCA):
             self.ratio = cfg.compress_rate(layer)
             compressor = compressor_from_tensors(
-                tensors, p + "compressor.", cfg, ratio=self.ratio, head_dim=cfg.head_dim,
-                overlap=self.layer_type == CSA, dtype=dtype,
+                tensors,
+                p + "compressor.",
+                cfg,
+                ratio=self.ratio,
+                head_dim=cfg.head_dim,
+                overlap=self.layer_type == CSA,
+                dtype=dtype,
             )
         if self.layer_type == CSA:
             index_compressor = compressor_from_tensors(
-                tensors, p + "indexer.compressor.", cfg, ratio=self.ratio, head_dim=cfg.index_head_dim,
-                overlap=True, dtype=dtype,
+                tensors,
+                p + "indexer.compressor.",
+                cfg,
+                ratio=self.ratio,
+                head_dim=cfg.index_head_dim,
+                overlap=True,
+                dtype=dtype,
             )
             indexer = Indexer(
                 index_compressor,
@@ -129,9 +139,7 @@ class Attention(nnx.Module):
         return linear(mixed, self.wo_b.value)
 
     # --------------------------------------------------------------- stateless
-    def __call__(
-        self, x: jnp.ndarray, positions: jnp.ndarray, rope: dict, freqs: dict[str, np.ndarray]
-    ) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, positions: jnp.ndarray, rope: dict, freqs: dict[str, np.ndarray]) -> jnp.ndarray:
         """Stateless attention over the whole sequence. x [B, T, hidden] (already normed),
         positions int32[B, T] (0..T-1), rope[family] = (cos, sin) float32[B, T, rope_dim // 2]."""
         cos, sin = rope[self.rope_family]

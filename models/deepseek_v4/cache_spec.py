@@ -12,8 +12,9 @@ from hkv.spec import CacheSpec, CompressorSpec, LayerSpec
 from .config import CSA, HCA, DeepseekV4Config
 
 
-def cache_spec(cfg: DeepseekV4Config, dtype: str = "float32", block_tokens: int = 16,
-               model_id: str = "unknown") -> CacheSpec:
+def cache_spec(
+    cfg: DeepseekV4Config, dtype: str = "float32", block_tokens: int = 16, model_id: str = "unknown"
+) -> CacheSpec:
     """The `CacheSpec` of a DeepSeek-V4 config; `model_id` is a display label (the engine adds the
     weights digest, which the ABI fingerprint covers)."""
     layers = []
@@ -22,8 +23,7 @@ def cache_spec(cfg: DeepseekV4Config, dtype: str = "float32", block_tokens: int 
         if t == CSA:
             m = cfg.compress_rate_csa
             comp = CompressorSpec(ratio=m, entry_dim=cfg.head_dim, proj_width=2 * cfg.head_dim, overlap=True)
-            idx = CompressorSpec(ratio=m, entry_dim=cfg.index_head_dim, proj_width=2 * cfg.index_head_dim,
-                                 overlap=True)
+            idx = CompressorSpec(ratio=m, entry_dim=cfg.index_head_dim, proj_width=2 * cfg.index_head_dim, overlap=True)
         elif t == HCA:
             m = cfg.compress_rate_hca
             comp = CompressorSpec(ratio=m, entry_dim=cfg.head_dim, proj_width=cfg.head_dim, overlap=False)

@@ -33,8 +33,19 @@ from .model import DeepseekV4
 from .norms import rms_norm
 
 
-def _compress_step(layout: CacheLayout, cache: HybridCache, tail_index: int, comp: Compressor, slots, x, old_len,
-                   n_valid, mask, freqs: np.ndarray, eps: float):
+def _compress_step(
+    layout: CacheLayout,
+    cache: HybridCache,
+    tail_index: int,
+    comp: Compressor,
+    slots,
+    x,
+    old_len,
+    n_valid,
+    mask,
+    freqs: np.ndarray,
+    eps: float,
+):
     """Feed this step's rows to a compressor: close every window the step completes.
 
     Returns (cache with the new TAIL, entries [B, NW, D], count int32[B] of closed windows,
@@ -62,9 +73,20 @@ def _compress_step(layout: CacheLayout, cache: HybridCache, tail_index: int, com
     prior_kv = prior_gate = None
     if comp.overlap:
         prior_kv, prior_gate = t.overlap_kv[slots], t.overlap_gate[slots]
-    entries = compress_windows(buf_kv, buf_gate, comp.ape.value, comp.norm.value, first_entry * m, ratio=m,
-                               head_dim=d, overlap=comp.overlap, freqs=freqs, eps=eps,
-                               prior_kv=prior_kv, prior_gate=prior_gate)
+    entries = compress_windows(
+        buf_kv,
+        buf_gate,
+        comp.ape.value,
+        comp.norm.value,
+        first_entry * m,
+        ratio=m,
+        head_dim=d,
+        overlap=comp.overlap,
+        freqs=freqs,
+        eps=eps,
+        prior_kv=prior_kv,
+        prior_gate=prior_gate,
+    )
     # new TAIL: rows of the still-open window, moved to the front; everything after them empty
     i = jnp.arange(m)[None, :]
     src = jnp.clip(count[:, None] * m + i, 0, lb - 1)
@@ -79,14 +101,38 @@ def _compress_step(layout: CacheLayout, cache: HybridCache, tail_index: int, com
         closed = (count > 0)[:, None, None]
         ov_kv = jnp.where(closed, ca_kv, prior_kv.astype(ca_kv.dtype))
         ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate)
-    cache = tr.append_tail(layout, cache, tail_index, slots, new_tail_kv, new_tail_gate,
-                           ov_kv if ov_kv is not None else jnp.zeros((b, 0, d)),
-                           ov_gate if ov_gate is not None else jnp.zeros((b, 0, d)), mask)
+    cache = tr.append_tail(
+        layout,
+        cache,
+        tail_index,
+        slots,
+        new_tail_kv,
+        new_tail_gate,
+        ov_kv if ov_kv is not None else jnp.zeros((b, 0, d)),
+        ov_gate if ov_gate is not None else jnp.zeros((b, 0, d)),
+        mask,
+    )
     return cache, entries, jnp.where(mask, count, 0), first_entry
 
 
-def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayout, cache: HybridCache, slots,
-               x, positions, valid, old_len, new_len, n_valid, mask, rope, kernel_options: dict, seal: bool = True):
+def _attention(
+    model: DeepseekV4,
+    attn: Attention,
+    layer: int,
+    layout: CacheLayout,
+    cache: HybridCache,
+    slots,
+    x,
+    positions,
+    valid,
+    old_len,
+    new_len,
+    n_valid,
+    mask,
+    rope,
+    kernel_options: dict,
+    seal: bool = True,
+):
     """One layer's cached attention; returns (cache with this layer's objects written, output [B, C, hidden])."""
     b, c = x.shape[:2]
     cos, sin = rope[attn.rope_family]
@@ -103,22 +149,33 @@ def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayo
     if attn.compressor is not None:
         tails = {(l, n): i for i, (l, n, _) in enumerate(layout.spec.compressors())}
         freqs, eps = model.freqs["compress"], attn.eps
-        cache, entries, count, first = _compress_step(layout, cache, tails[(layer, "compressor")], attn.compressor,
-                                                      slots, x, old_len, n_valid, mask, freqs, eps)
+        cache, entries, count, first = _compress_step(
+            layout, cache, tails[(layer, "compressor")], attn.compressor, slots, x, old_len, n_valid, mask, freqs, eps
+        )
         if seal:
             cache = tr.seal_compressed(layout, cache, layer, slots, first, entries, count)
         if attn.indexer is not None:
             ix = attn.indexer
-            cache, ikeys_new, icount, ifirst = _compress_step(layout, cache, tails[(layer, "indexer")], ix.compressor,
-                                                              slots, x, old_len, n_valid, mask, freqs, eps)
+            cache, ikeys_new, icount, ifirst = _compress_step(
+                layout, cache, tails[(layer, "indexer")], ix.compressor, slots, x, old_len, n_valid, mask, freqs, eps
+            )
             if seal:
                 cache = tr.write_indexer(layout, cache, layer, slots, ifirst, ikeys_new, icount)
             ccos, csin = rope["compress"]
             iq, iw = ix.queries(q_residual, ccos, csin), ix.head_weights(x)
     # ---- reads
     if decode:  # pallas_kernels ops read the pools in place (Pallas kernels on GPU/TPU)
-        o = _decode_attention(layout, cache, attn, layer, slots, q[:, 0], new_len * mask,
-                              None if iq is None else (iq[:, 0], iw[:, 0]), kernel_options)[:, None]
+        o = _decode_attention(
+            layout,
+            cache,
+            attn,
+            layer,
+            slots,
+            q[:, 0],
+            new_len * mask,
+            None if iq is None else (iq[:, 0], iw[:, 0]),
+            kernel_options,
+        )[:, None]
         return cache, attn.project_output(o, cos, sin)
     # prefill: dense reference attention over window rows, this chunk's rows and compressed entries
     k_pos = jnp.concatenate([past_pos, positions], axis=1)
@@ -139,13 +196,23 @@ def _attention(model: DeepseekV4, attn: Attention, layer: int, layout: CacheLayo
             picks = select_topk(indexer_scores(iq, iw, ikeys, attn.indexer.head_dim), limit, attn.indexer.topk)
             cbias = selection_bias(picks, n_max)
         biases.append(cbias.astype(jnp.float32))
-    o = attend_with_sinks(q, jnp.concatenate(keys, axis=1), jnp.concatenate(biases, axis=-1),
-                          attn.attn_sink.value, attn.head_dim**-0.5)
+    o = attend_with_sinks(
+        q, jnp.concatenate(keys, axis=1), jnp.concatenate(biases, axis=-1), attn.attn_sink.value, attn.head_dim**-0.5
+    )
     return cache, attn.project_output(o, cos, sin)
 
 
-def _decode_attention(layout: CacheLayout, cache: HybridCache, attn: Attention, layer: int, slots, q, lengths,
-                      index_query, kernel_options: dict):
+def _decode_attention(
+    layout: CacheLayout,
+    cache: HybridCache,
+    attn: Attention,
+    layer: int,
+    slots,
+    q,
+    lengths,
+    index_query,
+    kernel_options: dict,
+):
     """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D]; lengths int32[B]
     include the new token (0 = idle row); index_query = (q_idx [B, Hi, Di], weights f32[B, Hi]) for
     CSA layers, whose indexer top-k is also a pallas_kernels op. Returns [B, H, D]."""
@@ -164,15 +231,33 @@ def _decode_attention(layout: CacheLayout, cache: HybridCache, attn: Attention, 
         return pk.hca_decode_attention(*args, *cargs, **common)
     ig = spec.group_of(ObjectKind.INDEXER, layer)
     idx = cache.groups[ig]
-    picks = pk.indexer_topk(index_query[0], index_query[1], idx.pool, idx.page_table[slots], lengths,
-                            lengths // attn.ratio, k=attn.indexer.topk, compress_ratio=attn.ratio,
-                            index_layer=layout.groups[ig].layers.index(layer), **kernel_options)
+    picks = pk.indexer_topk(
+        index_query[0],
+        index_query[1],
+        idx.pool,
+        idx.page_table[slots],
+        lengths,
+        lengths // attn.ratio,
+        k=attn.indexer.topk,
+        compress_ratio=attn.ratio,
+        index_layer=layout.groups[ig].layers.index(layer),
+        **kernel_options,
+    )
     return pk.csa_decode_attention(*args, *cargs, picks, **common)
 
 
-def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, tokens: jax.Array, slots: jax.Array,
-                n_valid: jax.Array, *, kernel_backend: str | None = None,
-                interpret: bool = False, seal: bool = True) -> tuple[HybridCache, jax.Array, jax.Array]:
+def cached_step(
+    model: DeepseekV4,
+    layout: CacheLayout,
+    cache: HybridCache,
+    tokens: jax.Array,
+    slots: jax.Array,
+    n_valid: jax.Array,
+    *,
+    kernel_backend: str | None = None,
+    interpret: bool = False,
+    seal: bool = True,
+) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
     kernel_backend / interpret select the `pallas_kernels` implementation of the decode ops
@@ -205,8 +290,24 @@ def cached_step(model: DeepseekV4, layout: CacheLayout, cache: HybridCache, toke
         for i, layer in enumerate(model.layers):
             post, comb, collapsed = layer.hc_attn(streams)
             x = rms_norm(collapsed, layer.attn_norm.value, layer.eps)
-            cache, out = _attention(model, layer.attn, i, layout, cache, slots, x, positions, valid, old_len, new_len,
-                                    n_valid, mask, rope, kernel_options, seal)
+            cache, out = _attention(
+                model,
+                layer.attn,
+                i,
+                layout,
+                cache,
+                slots,
+                x,
+                positions,
+                valid,
+                old_len,
+                new_len,
+                n_valid,
+                mask,
+                rope,
+                kernel_options,
+                seal,
+            )
             streams = merge(post, comb, out, streams)
             streams = layer.ffn_block(streams, safe_tokens)
         cache = tr.advance(layout, cache, slots, new_len, mask)

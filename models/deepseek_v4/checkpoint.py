@@ -104,9 +104,7 @@ def _read_header(path: str) -> tuple[dict[str, Any], int, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(
-                    f"{path}: truncated safetensors file ({size} bytes < the 8-byte header length)"
-                )
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes < the 8-byte header length)")
             n = int.from_bytes(head, "little")
             if n > size - 8:
                 raise CheckpointError(
@@ -661,9 +659,7 @@ def read_checkpoint(
             continue
         a = values[k]
         if tuple(a.shape) != tuple(shape):
-            problems.append(
-                f"shape: {k!r} (from {origins[k]}) expected {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}"
-            )
+            problems.append(f"shape: {k!r} (from {origins[k]}) expected {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}")
         if kind == INT and a.dtype not in _INT_DTYPES:
             problems.append(f"dtype: {k!r} (from {origins[k]}) must be int32 or int64, got {a.dtype}")
         elif kind == FLOAT and a.dtype not in _PLAIN_FLOATS:

@@ -27,9 +27,11 @@ def _checked_turn(engine: hkv.Engine, model, prompt: list[int], label: str):
     t0 = time.perf_counter()
     (g,) = engine.generate([prompt], 8)
     plan = g.plan
-    print(f"{label} ({len(prompt)} tokens) in {time.perf_counter() - t0:.2f}s: hash hit {plan.hash_hit_tokens} "
-          f"tokens, restored {plan.restored_tokens} after the four validation stages {plan.tokens_after_stage}"
-          f"{f', {plan.disk_tokens} from disk' if plan.disk_tokens else ''}, recomputed {plan.recompute}")
+    print(
+        f"{label} ({len(prompt)} tokens) in {time.perf_counter() - t0:.2f}s: hash hit {plan.hash_hit_tokens} "
+        f"tokens, restored {plan.restored_tokens} after the four validation stages {plan.tokens_after_stage}"
+        f"{f', {plan.disk_tokens} from disk' if plan.disk_tokens else ''}, recomputed {plan.recompute}"
+    )
     (want,), _ = greedy_stateless(model, [prompt], 8)
     print(f"{label} tokens identical to the stateless forward = {g.tokens == want}")
     if g.tokens != want:
@@ -39,9 +41,11 @@ def _checked_turn(engine: hkv.Engine, model, prompt: list[int], label: str):
 
 def main() -> None:
     cfg = tiny_config()
-    print(f"tiny DeepSeek-V4: {cfg.num_hidden_layers} layers {list(cfg.layer_types)}, window {cfg.sliding_window}, "
-          f"CSA m={cfg.compress_rate_csa} (indexer {cfg.index_n_heads} heads, top-{cfg.index_topk}), "
-          f"HCA m={cfg.compress_rate_hca}, hc_mult {cfg.hc_mult}")
+    print(
+        f"tiny DeepSeek-V4: {cfg.num_hidden_layers} layers {list(cfg.layer_types)}, window {cfg.sliding_window}, "
+        f"CSA m={cfg.compress_rate_csa} (indexer {cfg.index_n_heads} heads, top-{cfg.index_topk}), "
+        f"HCA m={cfg.compress_rate_hca}, hc_mult {cfg.hc_mult}"
+    )
     model = init(cfg, seed=0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (300, 37, 129)]
@@ -49,17 +53,23 @@ def main() -> None:
     base = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=512, page_size=16))
     pools = tuple(3 * base.pool_pages(g) for g in range(len(base.groups)))  # room for cached prefixes
     store = tempfile.TemporaryDirectory(prefix="hkv-demo-store-")
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=512, page_size=16, pool_pages=pools,
-                                               prefix_records=128), prefill_chunk=32,
-                        progress=lambda m: print("  " + m, flush=True), disk=hkv.DiskTier(store.name))
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=2, max_context=512, page_size=16, pool_pages=pools, prefix_records=128),
+        prefill_chunk=32,
+        progress=lambda m: print("  " + m, flush=True),
+        disk=hkv.DiskTier(store.name),
+    )
     t0 = time.perf_counter()
     gens = engine.generate(prompts, new)
     dt = time.perf_counter() - t0
     for p, g in zip(prompts, gens):
         print(f"prompt of {len(p):>3} tokens -> {g.tokens}")
     st = engine.stats()
-    print(f"hkv engine: {len(prompts)} prompts x {new} tokens in {dt:.1f}s, 2 slots; {st['prefill_steps']} prefill "
-          f"chunks, {st['decode_steps']} batched decode steps; compilations {st['compilations']}")
+    print(
+        f"hkv engine: {len(prompts)} prompts x {new} tokens in {dt:.1f}s, 2 slots; {st['prefill_steps']} prefill "
+        f"chunks, {st['decode_steps']} batched decode steps; compilations {st['compilations']}"
+    )
     mem = engine.memory_report()["allocated"]
     print("cache allocation (bytes): " + ", ".join(f"{k} {v:,}" for k, v in mem.items()))
     hkv.check_invariants(engine.layout, engine.cache)
@@ -68,8 +78,10 @@ def main() -> None:
     tokens, logits = greedy_stateless(model, prompts, new)
     exact = all(g.tokens == t for g, t in zip(gens, tokens))
     err = max(float(np.abs(g.logits - lg).max()) for g, lg in zip(gens, logits))
-    print(f"stateless oracle took {time.perf_counter() - t0:.1f}s: tokens identical = {exact}, "
-          f"max |logit diff| = {err:.2e}")
+    print(
+        f"stateless oracle took {time.perf_counter() - t0:.1f}s: tokens identical = {exact}, "
+        f"max |logit diff| = {err:.2e}"
+    )
     if not exact or err > 1e-4:
         raise SystemExit("cached generation disagrees with the stateless forward")
     # a second turn: the first conversation's history plus a new message reuses the cached prefix

@@ -37,10 +37,12 @@ class DecoderLayer(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.attn_norm = nnx.Param(jnp.asarray(tensors[p + "attn_norm.weight"], jnp.float32))
         self.ffn_norm = nnx.Param(jnp.asarray(tensors[p + "ffn_norm.weight"], jnp.float32))
-        self.hc_attn = HyperConnection(tensors[p + "hc_attn_fn"], tensors[p + "hc_attn_base"],
-                                       tensors[p + "hc_attn_scale"], **hc)
-        self.hc_ffn = HyperConnection(tensors[p + "hc_ffn_fn"], tensors[p + "hc_ffn_base"],
-                                      tensors[p + "hc_ffn_scale"], **hc)
+        self.hc_attn = HyperConnection(
+            tensors[p + "hc_attn_fn"], tensors[p + "hc_attn_base"], tensors[p + "hc_attn_scale"], **hc
+        )
+        self.hc_ffn = HyperConnection(
+            tensors[p + "hc_ffn_fn"], tensors[p + "hc_ffn_base"], tensors[p + "hc_ffn_scale"], **hc
+        )
         self.attn = Attention(cfg, layer, tensors, dtype)
         self.ffn = MoE(cfg, layer, tensors, dtype)
 
@@ -67,8 +69,13 @@ class DeepseekV4(nnx.Module):
         head = tensors["embed.weight"] if cfg.tie_word_embeddings else tensors["head.weight"]
         self.head = nnx.Param(jnp.asarray(head, dtype))
         self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], jnp.float32))
-        self.hc_head = HyperHead(tensors["hc_head_fn"], tensors["hc_head_base"], tensors["hc_head_scale"],
-                                 eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        self.hc_head = HyperHead(
+            tensors["hc_head_fn"],
+            tensors["hc_head_base"],
+            tensors["hc_head_scale"],
+            eps=cfg.hc_eps,
+            norm_eps=cfg.rms_norm_eps,
+        )
         self.layers = nnx.List([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
         # Static (hashable) copies of the float32 inverse frequencies; exact round trip via float.
         self._freqs = tuple((fam, tuple(float(v) for v in inv_freq(cfg, fam))) for fam in ("main", "compress"))

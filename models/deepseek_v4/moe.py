@@ -89,8 +89,9 @@ class MoE(nnx.Module):
         return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).astype(x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
-        return linear(swiglu(linear(x, self.shared_w1.value), linear(x, self.shared_w3.value), self.limit),
-                      self.shared_w2.value)
+        return linear(
+            swiglu(linear(x, self.shared_w1.value), linear(x, self.shared_w3.value), self.limit), self.shared_w2.value
+        )
 
     def __call__(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> jnp.ndarray:
         """x [B, T, hidden], token_ids int[B, T] -> [B, T, hidden]."""

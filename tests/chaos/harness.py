@@ -62,8 +62,9 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMPILE_CACHE = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(),
-                                                                             "hkv-test-xla-cache")
+COMPILE_CACHE = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(
+    tempfile.gettempdir(), "hkv-test-xla-cache"
+)
 TAG = "CHAOS "  # protocol lines on a worker's stdout start with this
 STRAY = "stray-"  # names of the files the parent plants in the store
 STORE_KEY = b"chaos-store-key-0123456789abcdef"
@@ -75,9 +76,22 @@ MAX_NEW = 3
 SYSTEM_TOKENS = 96  # six blocks shared by every chat (and stored first by the process with other weights)
 ADDRESS_SPACE = 6 << 30  # RLIMIT_AS of children: a hostile size may fail an allocation, never eat the machine
 
-STORE_FAULTS = ("flip_data", "truncate_data", "delete_data", "flip_manifest", "truncate_manifest",
-                "delete_manifest", "swap_manifest", "swap_data", "nested_json", "symlink_loop", "readme_json",
-                "garbage", "huge_manifest", "budget_evict")
+STORE_FAULTS = (
+    "flip_data",
+    "truncate_data",
+    "delete_data",
+    "flip_manifest",
+    "truncate_manifest",
+    "delete_manifest",
+    "swap_manifest",
+    "swap_data",
+    "nested_json",
+    "symlink_loop",
+    "readme_json",
+    "garbage",
+    "huge_manifest",
+    "budget_evict",
+)
 KEYED_FAULTS = ("forged_manifest",)  # a manifest resealed without the key that lies about its data
 
 
@@ -142,7 +156,7 @@ class Chat:
         if branch and self.asked:
             old = self.asked[int(self.rng.integers(0, len(self.asked)))]
             cut = int(self.rng.integers(1, max(2, len(old) // BT + 1))) * BT
-            out.append(old[:min(cut, len(old) - 1)] + self._msg(4, 12))
+            out.append(old[: min(cut, len(old) - 1)] + self._msg(4, 12))
         self.asked.append(list(self.history))
         return out
 
@@ -163,13 +177,37 @@ def _count(d: dict, k: str, n: int = 1) -> None:
 
 
 def _new_counts() -> dict:
-    return {"generations": 0, "tokens_checked": 0, "wrong_tokens": 0, "wrong": [], "exceptions": {},
-            "exception_details": [], "plan_reasons": {}, "disk_plans": 0, "disk_tokens": 0, "restored_tokens": 0,
-            "interrupts": {"armed": 0, "raised": 0, "missed": 0}, "interrupt_damage": {}, "tier_errors": {},
-            "tier_error_details": [], "tier_open_failures": {}, "disk_unavailable": 0, "disk_full_turns": 0,
-            "write_failures": 0, "writes_dropped": 0, "capacity_refusals": {}, "saves": 0, "save_errors": {},
-            "restores": {"ok": 0, "failed": 0, "fresh": 0}, "restore_errors": [], "engine_replaced": 0,
-            "worker_faults": {}, "turns": 0, "plan_log": [], "final": None}
+    return {
+        "generations": 0,
+        "tokens_checked": 0,
+        "wrong_tokens": 0,
+        "wrong": [],
+        "exceptions": {},
+        "exception_details": [],
+        "plan_reasons": {},
+        "disk_plans": 0,
+        "disk_tokens": 0,
+        "restored_tokens": 0,
+        "interrupts": {"armed": 0, "raised": 0, "missed": 0},
+        "interrupt_damage": {},
+        "tier_errors": {},
+        "tier_error_details": [],
+        "tier_open_failures": {},
+        "disk_unavailable": 0,
+        "disk_full_turns": 0,
+        "write_failures": 0,
+        "writes_dropped": 0,
+        "capacity_refusals": {},
+        "saves": 0,
+        "save_errors": {},
+        "restores": {"ok": 0, "failed": 0, "fresh": 0},
+        "restore_errors": [],
+        "engine_replaced": 0,
+        "worker_faults": {},
+        "turns": 0,
+        "plan_log": [],
+        "final": None,
+    }
 
 
 class Worker:
@@ -223,13 +261,15 @@ class Worker:
         if self.counts["exceptions"][type(e).__name__] <= 3:  # the first three of each type
             self.counts["exception_details"].append(
                 f"worker {self.wid} turn {self.turn} {where}: {type(e).__name__}: {str(e)[:300]}\n"
-                + "".join(traceback.format_exception(e)[-3:])[-1200:])
+                + "".join(traceback.format_exception(e)[-3:])[-1200:]
+            )
 
     def _tier_error(self, what: str, e: BaseException) -> None:
         _count(self.counts["tier_errors"], f"{what}:{type(e).__name__}")
         if len(self.counts["tier_error_details"]) < 6:
-            self.counts["tier_error_details"].append(f"worker {self.wid} turn {self.turn} {what}: "
-                                                     f"{type(e).__name__}: {str(e)[:300]}")
+            self.counts["tier_error_details"].append(
+                f"worker {self.wid} turn {self.turn} {what}: {type(e).__name__}: {str(e)[:300]}"
+            )
 
     def _open_tier(self):
         kw = {"writer_id": f"w{self.wid}-{os.getpid()}", "refresh_seconds": 0.2}
@@ -289,11 +329,14 @@ class Worker:
             self.counts["restores"]["failed"] += 1
             self.counts["restore_errors"].append(f"worker {self.wid}: no checkpoint at {restore} after a kill")
         self.counts["restores"]["fresh"] += 1
-        layout = hkv.CacheLayout(self.model.cache_spec(block_tokens=BT),
-                                 hkv.CacheConfig(slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE))
+        layout = hkv.CacheLayout(
+            self.model.cache_spec(block_tokens=BT),
+            hkv.CacheConfig(slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE),
+        )
         pages = tuple(layout.pool_pages(g) for g in range(len(layout.groups)))
-        config = hkv.CacheConfig(slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE, pool_pages=pages,
-                                 prefix_records=RECORDS)
+        config = hkv.CacheConfig(
+            slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE, pool_pages=pages, prefix_records=RECORDS
+        )
         return hkv.Engine(self.model, config, block_tokens=BT, prefill_chunk=CHUNK, model_id="chaos-tiny", **kw)
 
     def truth(self, prompt: list[int]) -> list[int]:
@@ -302,7 +345,7 @@ class Worker:
         if key not in self.truths:
             np = self.np
             buf = np.zeros((1, MAX_CONTEXT), np.int32)
-            buf[0, :len(prompt)] = prompt
+            buf[0, : len(prompt)] = prompt
             cur, out = len(prompt), []
             for _ in range(MAX_NEW):
                 tok = int(np.asarray(self.fwd(buf))[0, cur - 1].argmax())
@@ -345,14 +388,26 @@ class Worker:
             if bad:
                 self.counts["wrong_tokens"] += bad
                 if len(self.counts["wrong"]) < 8:
-                    self.counts["wrong"].append({"worker": self.wid, "turn": self.turn, "where": where,
-                                                 "got": g.tokens, "want": want, "prompt_len": len(p),
-                                                 "plan": {"reason": g.plan.reason, "restored": g.plan.restored_tokens,
-                                                          "disk": g.plan.disk_tokens}})
+                    self.counts["wrong"].append(
+                        {
+                            "worker": self.wid,
+                            "turn": self.turn,
+                            "where": where,
+                            "got": g.tokens,
+                            "want": want,
+                            "prompt_len": len(p),
+                            "plan": {
+                                "reason": g.plan.reason,
+                                "restored": g.plan.restored_tokens,
+                                "disk": g.plan.disk_tokens,
+                            },
+                        }
+                    )
             plan = g.plan
             if len(self.counts["plan_log"]) < 60:
-                self.counts["plan_log"].append([self.wid, self.turn, where, len(p), plan.reason, plan.restored_tokens,
-                                                plan.disk_tokens, bad])
+                self.counts["plan_log"].append(
+                    [self.wid, self.turn, where, len(p), plan.reason, plan.restored_tokens, plan.disk_tokens, bad]
+                )
             _count(self.counts["plan_reasons"], str(plan.reason))
             self.counts["restored_tokens"] += plan.restored_tokens
             if plan.disk_tokens:
@@ -530,17 +585,26 @@ class Worker:
                 self.engine.flush_disk()
                 out["write_failures"] = self.tier.counters["write_failures"] - wf
                 keys = chain_keys(prompt, BT)
-                toks = [prompt[i * BT:(i + 1) * BT] for i in range(len(keys))]
+                toks = [prompt[i * BT : (i + 1) * BT] for i in range(len(keys))]
                 found = self.tier.find_chain(self.engine.spec.fingerprint(), keys, toks)
                 res = self.tier.read(found.refs)
-                out["tier_read"] = {"blocks": len(keys), "found": len(found.refs), "stop": found.stop,
-                                    "verified": len(res.payloads), "reason": res.reason, "detail": res.detail[:200]}
+                out["tier_read"] = {
+                    "blocks": len(keys),
+                    "found": len(found.refs),
+                    "stop": found.stop,
+                    "verified": len(res.payloads),
+                    "reason": res.reason,
+                    "detail": res.detail[:200],
+                }
                 out["tier_ok"] = len(res.payloads) == len(keys) and res.reason is None
                 (g,) = self.engine.generate([prompt], MAX_NEW)
                 self.check([g], [prompt], "final from disk")
                 out["disk_restore"] = g.plan.disk_tokens is not None
-                out["disk_plan"] = {"reason": g.plan.reason, "disk": g.plan.disk_tokens,
-                                    "restored": g.plan.restored_tokens}
+                out["disk_plan"] = {
+                    "reason": g.plan.reason,
+                    "disk": g.plan.disk_tokens,
+                    "restored": g.plan.restored_tokens,
+                }
             except Exception as e:  # noqa: BLE001
                 self._exception("final from disk", e)
                 out["tier_ok"] = False
@@ -629,17 +693,28 @@ class StoreFaults:
         self.parent_tier_error_details: list[str] = []
 
     def _manifests(self) -> list[str]:
-        return sorted(f for f in glob.glob(os.path.join(self.store, "manifests", "*", "*.json"))
-                      if os.path.isfile(f) and not os.path.islink(f) and STRAY not in os.path.basename(f))
+        return sorted(
+            f
+            for f in glob.glob(os.path.join(self.store, "manifests", "*", "*.json"))
+            if os.path.isfile(f) and not os.path.islink(f) and STRAY not in os.path.basename(f)
+        )
 
     def _shards(self) -> list[str]:
-        return sorted(f for f in glob.glob(os.path.join(self.store, "data", "*", "*", "c", "*"))
-                      if os.path.isfile(f) and not os.path.islink(f) and not f.endswith(".__lock")
-                      and STRAY not in os.path.relpath(f, self.store))
+        return sorted(
+            f
+            for f in glob.glob(os.path.join(self.store, "data", "*", "*", "c", "*"))
+            if os.path.isfile(f)
+            and not os.path.islink(f)
+            and not f.endswith(".__lock")
+            and STRAY not in os.path.relpath(f, self.store)
+        )
 
     def _abis(self) -> list[str]:
-        return sorted(d for d in os.listdir(os.path.join(self.store, "manifests"))
-                      if len(d) == 32) if os.path.isdir(os.path.join(self.store, "manifests")) else []
+        return (
+            sorted(d for d in os.listdir(os.path.join(self.store, "manifests")) if len(d) == 32)
+            if os.path.isdir(os.path.join(self.store, "manifests"))
+            else []
+        )
 
     def _name(self) -> str:
         return f"{STRAY}{self.rng.randrange(1 << 30):08x}"
@@ -848,8 +923,12 @@ class StoreFaults:
         def mutate(doc):
             bl = doc["blocks"]
             sig = lambda b: [(o["name"], o["dtype"], o["shape"]) for o in b["objects"]]  # noqa: E731
-            pairs = [(i, j) for i in range(len(bl)) for j in range(i + 1, len(bl))
-                     if sig(bl[i]) == sig(bl[j]) and bl[i]["objects"] != bl[j]["objects"]]
+            pairs = [
+                (i, j)
+                for i in range(len(bl))
+                for j in range(i + 1, len(bl))
+                if sig(bl[i]) == sig(bl[j]) and bl[i]["objects"] != bl[j]["objects"]
+            ]
             if not pairs:
                 return None
             i, j = self.rng.choice(pairs)
@@ -895,7 +974,7 @@ class StoreFaults:
 def _drain(stream, q: queue.Queue | None, tail: collections.deque) -> None:
     for line in stream:
         if q is not None and line.startswith(TAG):
-            q.put(json.loads(line[len(TAG):]))
+            q.put(json.loads(line[len(TAG) :]))
         else:
             tail.append(line)
     if q is not None:
@@ -909,12 +988,18 @@ class Proc:
         self.wid, self.cfg = wid, cfg
         path = os.path.join(workdir, f"worker{wid}.json")
         json.dump(cfg, open(path, "w"))
-        env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                   TF_CPP_MIN_LOG_LEVEL="3")
+        env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
         env.pop("HKV_STORE_KEY", None)  # a process without key= must not pick one up
-        self.p = subprocess.Popen([sys.executable, "-m", "tests.chaos.harness", "worker", path], cwd=ROOT, env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  bufsize=1)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "tests.chaos.harness", "worker", path],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         self.q: queue.Queue = queue.Queue()
         self.tail: collections.deque = collections.deque(maxlen=60)
         for s, q in ((self.p.stdout, self.q), (self.p.stderr, None)):
@@ -962,16 +1047,29 @@ def run_verify(store: str, workdir: str, keyed: bool, timeout: float = 120) -> d
         env["HKV_STORE_KEY"] = STORE_KEY.hex()
     t0 = time.monotonic()
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE,) * 2))
+        r = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE,) * 2),
+        )
     except subprocess.TimeoutExpired:
         return {"exit_code": None, "timed_out": True, "traceback": False, "seconds": timeout}
-    out = {"exit_code": r.returncode, "timed_out": False, "traceback": "Traceback" in r.stderr,
-           "seconds": round(time.monotonic() - t0, 1), "stderr": r.stderr[-1500:]}
+    out = {
+        "exit_code": r.returncode,
+        "timed_out": False,
+        "traceback": "Traceback" in r.stderr,
+        "seconds": round(time.monotonic() - t0, 1),
+        "stderr": r.stderr[-1500:],
+    }
     try:
         rep = json.loads(r.stdout)
-        out["summary"] = {k: v for k, v in rep.items() if isinstance(v, int) and not isinstance(v, bool)
-                          and k != "exit_code"}
+        out["summary"] = {
+            k: v for k, v in rep.items() if isinstance(v, int) and not isinstance(v, bool) and k != "exit_code"
+        }
         out["problems"] = len(rep.get("problems", []))
     except (json.JSONDecodeError, TypeError):
         out["summary"] = None
@@ -999,12 +1097,22 @@ class Parent:
     # --------------------------------------------------------------------- processes
     def _worker_cfg(self, wid: int, restore: str | None = None) -> dict:
         alien = self.cfg.alien and wid == self.cfg.workers
-        return {"wid": wid, "seed": self.cfg.seed, "chat_id": 0 if alien else wid, "weights_seed": 1 if alien else 0,
-                "store": self.store, "key": self.cfg.key, "compile_cache": COMPILE_CACHE,
-                "state_path": os.path.join(self.workdir, f"state{wid}.json"),
-                "ckpt": os.path.join(self.workdir, f"ckpt{wid}"), "restore": restore,
-                "budget_bytes": self.cfg.budget_bytes if wid == 0 else None, "warmup": restore is None,
-                "corrupt_truth": self.cfg.corrupt_truth and wid == 0, "message_tokens": list(self.cfg.message_tokens)}
+        return {
+            "wid": wid,
+            "seed": self.cfg.seed,
+            "chat_id": 0 if alien else wid,
+            "weights_seed": 1 if alien else 0,
+            "store": self.store,
+            "key": self.cfg.key,
+            "compile_cache": COMPILE_CACHE,
+            "state_path": os.path.join(self.workdir, f"state{wid}.json"),
+            "ckpt": os.path.join(self.workdir, f"ckpt{wid}"),
+            "restore": restore,
+            "budget_bytes": self.cfg.budget_bytes if wid == 0 else None,
+            "warmup": restore is None,
+            "corrupt_truth": self.cfg.corrupt_truth and wid == 0,
+            "message_tokens": list(self.cfg.message_tokens),
+        }
 
     def _wait(self, pr: Proc, want: str, timeout: float, on_op=None) -> dict | None:
         """The next event `want` of `pr` (op events go to `on_op`); None if it died or timed out."""
@@ -1014,16 +1122,18 @@ class Parent:
                 ev = pr.q.get(timeout=max(0.01, min(1.0, end - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > end:
-                    self.failures.append(f"stuck: worker {pr.wid} gave no '{want}' within {timeout:.0f} s\n"
-                                         f"{pr.stderr_tail()}")
+                    self.failures.append(
+                        f"stuck: worker {pr.wid} gave no '{want}' within {timeout:.0f} s\n{pr.stderr_tail()}"
+                    )
                     pr.kill()
                     return None
                 continue
             if ev["event"] == "eof":
                 pr.p.wait(timeout=30)
                 if pr.alive:
-                    self.failures.append(f"worker {pr.wid} exited (rc {pr.p.returncode}) waiting for '{want}':\n"
-                                         f"{pr.stderr_tail()}")
+                    self.failures.append(
+                        f"worker {pr.wid} exited (rc {pr.p.returncode}) waiting for '{want}':\n{pr.stderr_tail()}"
+                    )
                 pr.alive = False
                 return None
             if ev["event"] == "op" and on_op is not None:
@@ -1053,11 +1163,18 @@ class Parent:
     # -------------------------------------------------------------------------- a turn
     def _actions(self, wid: int) -> dict:
         c, r = self.cfg, self.rng
-        a = {"evict": r.random() < c.evict_rate, "disk_full": r.random() < c.disk_full_rate,
-             "branch": r.random() < c.branch_rate, "interrupt": None}
+        a = {
+            "evict": r.random() < c.evict_rate,
+            "disk_full": r.random() < c.disk_full_rate,
+            "branch": r.random() < c.branch_rate,
+            "interrupt": None,
+        }
         if r.random() < c.interrupt_rate:
-            a["interrupt"] = ({"mode": "progress", "at": r.randint(1, 4)} if r.random() < 0.6
-                              else {"mode": "signal", "delay": round(r.uniform(0.001, 0.25), 3)})
+            a["interrupt"] = (
+                {"mode": "progress", "at": r.randint(1, 4)}
+                if r.random() < 0.6
+                else {"mode": "signal", "delay": round(r.uniform(0.001, 0.25), 3)}
+            )
         return a
 
     def turn(self, t: int) -> None:
@@ -1108,8 +1225,9 @@ class Parent:
                     del pending[wid]
             if time.monotonic() > end:
                 for wid, pr in pending.items():
-                    self.failures.append(f"stuck: worker {wid} did not finish turn {t} in {c.turn_timeout:.0f} s\n"
-                                         f"{pr.stderr_tail()}")
+                    self.failures.append(
+                        f"stuck: worker {wid} did not finish turn {t} in {c.turn_timeout:.0f} s\n{pr.stderr_tail()}"
+                    )
                     pr.kill()
                 break
             time.sleep(0.005)
@@ -1156,8 +1274,9 @@ class Parent:
         if ev["event"] == "eof":
             pr.p.wait(timeout=30)
             if pr.alive:
-                self.failures.append(f"worker {pr.wid} exited (rc {pr.p.returncode}) during a turn:\n"
-                                     f"{pr.stderr_tail()}")
+                self.failures.append(
+                    f"worker {pr.wid} exited (rc {pr.p.returncode}) during a turn:\n{pr.stderr_tail()}"
+                )
             pr.alive = False
             return ev
         return None  # writing / other progress events
@@ -1202,8 +1321,10 @@ class Parent:
             state = self._checkpoint_state(ckpt)
             points.append((ev["n"], ev["op"], state))
             if had and state != "ok":
-                self.failures.append(f"checkpoint lost: a SIGKILL of worker {wid} after op {ev['n']} of "
-                                     f"save(overwrite=True) ({ev['op']} {ev['args']}) leaves {ckpt}: {state}")
+                self.failures.append(
+                    f"checkpoint lost: a SIGKILL of worker {wid} after op {ev['n']} of "
+                    f"save(overwrite=True) ({ev['op']} {ev['args']}) leaves {ckpt}: {state}"
+                )
             if ev["n"] >= target and not killed:
                 pr.kill()
                 killed.append(ev["n"])
@@ -1216,10 +1337,18 @@ class Parent:
         if ev is not None:  # the save had fewer operations than the kill point: kill it now, idle
             pr.kill()
             killed.append("after save")
-        self.save_points.append({"worker": wid, "had_checkpoint": had, "killed_after_op": killed[0] if killed else None,
-                                 "ops": [f"{n}:{op}:{'ok' if s == 'ok' else 'LOST'}" for n, op, s in points]})
-        self.say(f"save of worker {wid}: killed after op {killed[0] if killed else None} of {len(points)}; "
-                 f"checkpoint at each op: {[s == 'ok' for _, _, s in points]}")
+        self.save_points.append(
+            {
+                "worker": wid,
+                "had_checkpoint": had,
+                "killed_after_op": killed[0] if killed else None,
+                "ops": [f"{n}:{op}:{'ok' if s == 'ok' else 'LOST'}" for n, op, s in points],
+            }
+        )
+        self.say(
+            f"save of worker {wid}: killed after op {killed[0] if killed else None} of {len(points)}; "
+            f"checkpoint at each op: {[s == 'ok' for _, _, s in points]}"
+        )
         if restart:  # from the checkpoint it had before this save (old or new must be there)
             new = self._start(wid, restore=ckpt if had else None)
             self._wait(new, "ready", self.cfg.start_timeout)
@@ -1249,8 +1378,9 @@ class Parent:
                             self.save(pr.wid, kill=False)
                 if t in c.save_kill_turns:
                     self.save(save_worker, kill=True)
-                self.say(f"turn {t}: {time.monotonic() - t1:.1f} s, store faults so far "
-                         f"{sum(self.faults.counts.values())}")
+                self.say(
+                    f"turn {t}: {time.monotonic() - t1:.1f} s, store faults so far {sum(self.faults.counts.values())}"
+                )
                 t += 1
             for pr in self.live():
                 pr.send(cmd="quiesce")
@@ -1313,12 +1443,22 @@ class Parent:
             _count(faults, k, v)
         if self.cfg.alien:
             _count(faults, "foreign_weights")
-        rep = {"seconds": round(seconds, 1), "rounds": turns, "processes": len(self.procs), "key": self.cfg.key,
-               **agg, "faults": dict(sorted(faults.items())), "faults_skipped": self.faults.skipped,
-               "fault_log": self.faults.log, "parent_tier_errors": self.faults.parent_tier_errors,
-               "parent_tier_error_details": self.faults.parent_tier_error_details,
-               "save_points": self.save_points, "final": finals, "verify": verify,
-               "harness_failures": list(self.failures)}
+        rep = {
+            "seconds": round(seconds, 1),
+            "rounds": turns,
+            "processes": len(self.procs),
+            "key": self.cfg.key,
+            **agg,
+            "faults": dict(sorted(faults.items())),
+            "faults_skipped": self.faults.skipped,
+            "fault_log": self.faults.log,
+            "parent_tier_errors": self.faults.parent_tier_errors,
+            "parent_tier_error_details": self.faults.parent_tier_error_details,
+            "save_points": self.save_points,
+            "final": finals,
+            "verify": verify,
+            "harness_failures": list(self.failures),
+        }
         rep["failures"] = judge(rep, expected_workers=sorted(self.procs))
         return rep
 
@@ -1334,13 +1474,17 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
     if rep["interrupt_damage"]:
         f.append(f"engine unusable after an interrupt/exception: {rep['interrupt_damage']}")
     if rep["tier_errors"] or rep["tier_open_failures"] or rep["parent_tier_errors"]:
-        f.append(f"the disk tier raised (a store fault must be a miss with a reason): in engines "
-                 f"{rep['tier_errors']}, opening {rep['tier_open_failures']}, in another process "
-                 f"{rep['parent_tier_errors']}: " + " | ".join(rep["tier_error_details"][:2]
-                                                               + rep["parent_tier_error_details"][:1]))
+        f.append(
+            f"the disk tier raised (a store fault must be a miss with a reason): in engines "
+            f"{rep['tier_errors']}, opening {rep['tier_open_failures']}, in another process "
+            f"{rep['parent_tier_errors']}: "
+            + " | ".join(rep["tier_error_details"][:2] + rep["parent_tier_error_details"][:1])
+        )
     if rep["restores"]["failed"]:
-        f.append(f"{rep['restores']['failed']} restores from a checkpoint failed after a SIGKILL: "
-                 f"{rep['restore_errors'][:2]}")
+        f.append(
+            f"{rep['restores']['failed']} restores from a checkpoint failed after a SIGKILL: "
+            f"{rep['restore_errors'][:2]}"
+        )
     from hkv.disk import DISK_REASONS as disk_reasons
 
     unknown = set(rep["plan_reasons"]) - known_reasons() - {"None"}
@@ -1353,8 +1497,10 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
         if not fin.get("exact"):
             f.append(f"worker {wid}: final generate after the faults not exact / failed")
         if fin.get("tier_ok") is False:
-            f.append(f"worker {wid}: after the faults the disk tier does not serve the blocks this process just "
-                     f"wrote: {fin.get('tier_read')}")
+            f.append(
+                f"worker {wid}: after the faults the disk tier does not serve the blocks this process just "
+                f"wrote: {fin.get('tier_read')}"
+            )
         if (fin.get("disk_plan") or {}).get("reason") in disk_reasons:
             f.append(f"worker {wid}: the engine refused blocks just written to the store: {fin['disk_plan']}")
         if fin.get("health_after"):
@@ -1364,8 +1510,10 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
         if v.get("timed_out"):
             f.append("hkv store verify timed out")
         elif v.get("exit_code") not in (0, 1) or v.get("traceback"):
-            f.append(f"hkv store verify exit {v.get('exit_code')} (must be 0 or 1, no traceback): "
-                     f"{v.get('stderr', '')[-600:]}")
+            f.append(
+                f"hkv store verify exit {v.get('exit_code')} (must be 0 or 1, no traceback): "
+                f"{v.get('stderr', '')[-600:]}"
+            )
     return f
 
 
@@ -1377,43 +1525,64 @@ def run_chaos(cfg: ChaosConfig, workdir: str, say=None) -> dict:
 def format_report(rep: dict) -> str:
     if "skipped" in rep:
         return f"skipped: {rep['skipped']}"
-    lines = [f"processes            {rep['processes']} ({rep['rounds']} rounds, {rep['turns']} turns, "
-             f"{rep['seconds']} s, store key {'on' if rep['key'] else 'off'})",
-             f"generations          {rep['generations']}",
-             f"tokens checked       {rep['tokens_checked']}",
-             f"wrong tokens         {rep['wrong_tokens']}",
-             f"faults injected      {sum(rep['faults'].values())}"]
+    lines = [
+        f"processes            {rep['processes']} ({rep['rounds']} rounds, {rep['turns']} turns, "
+        f"{rep['seconds']} s, store key {'on' if rep['key'] else 'off'})",
+        f"generations          {rep['generations']}",
+        f"tokens checked       {rep['tokens_checked']}",
+        f"wrong tokens         {rep['wrong_tokens']}",
+        f"faults injected      {sum(rep['faults'].values())}",
+    ]
     lines += [f"  {k:<22} {v}" for k, v in rep["faults"].items()]
     if rep["faults_skipped"]:
         lines.append(f"  (no target for {sum(rep['faults_skipped'].values())}: {rep['faults_skipped']})")
     reasons = {k: v for k, v in rep["plan_reasons"].items() if k != "None"}
-    lines.append(f"plans                {rep['generations']} ({rep['disk_plans']} from disk, "
-                 f"{rep['disk_tokens']} tokens; {rep['restored_tokens']} restored in all)")
+    lines.append(
+        f"plans                {rep['generations']} ({rep['disk_plans']} from disk, "
+        f"{rep['disk_tokens']} tokens; {rep['restored_tokens']} restored in all)"
+    )
     lines.append("rejections/misses    " + (", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "none"))
     lines.append(f"interrupts           {rep['interrupts']}")
-    lines.append(f"write failures       {rep['write_failures']} (full disk turns {rep['disk_full_turns']}), "
-                 f"dropped {rep['writes_dropped']}")
+    lines.append(
+        f"write failures       {rep['write_failures']} (full disk turns {rep['disk_full_turns']}), "
+        f"dropped {rep['writes_dropped']}"
+    )
     lines.append(f"checkpoints          saves {rep['saves']}, restores {rep['restores']}")
     for sp in rep["save_points"]:
-        lines.append(f"  kill during save     worker {sp['worker']}: killed after op {sp['killed_after_op']}; "
-                     f"checkpoint at each op {sp['ops']}")
-    lines.append("final checks         " + ("; ".join(
-        f"worker {w}: exact {f.get('exact')}, store serves new blocks {f.get('tier_ok')}, "
-        f"restored from disk {f.get('disk_restore')}" for w, f in sorted(rep["final"].items()) if f) or "none"))
+        lines.append(
+            f"  kill during save     worker {sp['worker']}: killed after op {sp['killed_after_op']}; "
+            f"checkpoint at each op {sp['ops']}"
+        )
+    lines.append(
+        "final checks         "
+        + (
+            "; ".join(
+                f"worker {w}: exact {f.get('exact')}, store serves new blocks {f.get('tier_ok')}, "
+                f"restored from disk {f.get('disk_restore')}"
+                for w, f in sorted(rep["final"].items())
+                if f
+            )
+            or "none"
+        )
+    )
     lines.append("exceptions           " + (", ".join(f"{k} {v}" for k, v in rep["exceptions"].items()) or "none"))
     if rep["interrupt_damage"]:
         lines.append(f"engine damage        {rep['interrupt_damage']}")
     if rep["tier_errors"] or rep["tier_open_failures"] or rep["parent_tier_errors"]:
-        lines.append(f"disk tier raised     {rep['tier_errors']} open {rep['tier_open_failures']} "
-                     f"other process {rep['parent_tier_errors']}")
+        lines.append(
+            f"disk tier raised     {rep['tier_errors']} open {rep['tier_open_failures']} "
+            f"other process {rep['parent_tier_errors']}"
+        )
     if rep["capacity_refusals"]:
         lines.append(f"capacity refusals    {rep['capacity_refusals']}")
     v = rep["verify"]
     if "skipped" in v:
         lines.append(f"verify               skipped: {v['skipped']}")
     else:
-        lines.append(f"verify               exit {v.get('exit_code')}{' TIMEOUT' if v.get('timed_out') else ''}"
-                     f"{' TRACEBACK' if v.get('traceback') else ''} {v.get('summary')}")
+        lines.append(
+            f"verify               exit {v.get('exit_code')}{' TIMEOUT' if v.get('timed_out') else ''}"
+            f"{' TRACEBACK' if v.get('traceback') else ''} {v.get('summary')}"
+        )
     lines.append(f"failures             {len(rep['failures'])}")
     lines += ["  - " + x.replace("\n", "\n    ")[:1500] for x in rep["failures"]]
     return "\n".join(lines)

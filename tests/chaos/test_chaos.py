@@ -25,16 +25,37 @@ from .harness import ChaosConfig, format_report, key_supported, run_chaos
 # full disk and interrupts at random, the other-weights process SIGKILLed mid-write in turn 1,
 # worker 0 SIGKILLed inside save(overwrite=True) after its final checks (the checkpoint is checked at
 # every file-system operation of the save)
-SHORT = ChaosConfig(workers=1, alien=True, turns=3, seed=11, fault_rate=5.0, interrupt_rate=0.5,
-                    disk_full_rate=0.2, kill_alien_turn=1, kill_writer_turns=(), save_kill_turns=(),
-                    final_save_kill=True, turn_timeout=150.0)
+SHORT = ChaosConfig(
+    workers=1,
+    alien=True,
+    turns=3,
+    seed=11,
+    fault_rate=5.0,
+    interrupt_rate=0.5,
+    disk_full_rate=0.2,
+    kill_alien_turn=1,
+    kill_writer_turns=(),
+    save_kill_turns=(),
+    final_save_kill=True,
+    turn_timeout=150.0,
+)
 
 # more turns and processes, messages of 20-45 tokens (chats reach max_context every ~8 turns: long
 # prompts over a full prefix cache are where an idle engine refused prompts that fit), every honest
 # process saves every 2 turns, worker 0 is SIGKILLed mid-write twice and restarted from its
 # checkpoint, two saves of worker 1 are killed and it is restarted from that checkpoint
-LONG = ChaosConfig(workers=2, alien=True, turns=12, seed=23, fault_rate=3.0, kill_alien_turn=5,
-                   kill_writer_turns=(2, 8), save_kill_turns=(1, 6), save_every=2, message_tokens=(20, 45))
+LONG = ChaosConfig(
+    workers=2,
+    alien=True,
+    turns=12,
+    seed=23,
+    fault_rate=3.0,
+    kill_alien_turn=5,
+    kill_writer_turns=(2, 8),
+    save_kill_turns=(1, 6),
+    save_every=2,
+    message_tokens=(20, 45),
+)
 
 
 def _run(cfg: ChaosConfig, tmp_path) -> dict:
@@ -76,8 +97,18 @@ def test_chaos_long_with_store_key(tmp_path):
 @pytest.mark.slow
 def test_the_harness_catches_a_wrong_token(tmp_path):
     """Self-check: worker 0 compares one generation with a corrupted truth; the run must fail."""
-    cfg = ChaosConfig(workers=1, alien=False, turns=1, seed=5, fault_rate=0, interrupt_rate=0, disk_full_rate=0,
-                      kill_alien_turn=None, save_kill_turns=(), final_save_kill=False,
-                      corrupt_truth=True)
+    cfg = ChaosConfig(
+        workers=1,
+        alien=False,
+        turns=1,
+        seed=5,
+        fault_rate=0,
+        interrupt_rate=0,
+        disk_full_rate=0,
+        kill_alien_turn=None,
+        save_kill_turns=(),
+        final_save_kill=False,
+        corrupt_truth=True,
+    )
     rep = _run(cfg, tmp_path)
     assert rep["wrong_tokens"] >= 1 and any("wrong tokens" in f for f in rep["failures"]), format_report(rep)

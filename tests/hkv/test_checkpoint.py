@@ -34,8 +34,15 @@ def make_engine(model, **kw):
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), base)
     pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))  # room for cached blocks
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96)
-    return hkv.Engine(model, config, block_tokens=BT, prefill_chunk=BT,
-                      retention=RetentionPolicy(every_n_blocks=2), cache_salt=SALT, **kw)
+    return hkv.Engine(
+        model,
+        config,
+        block_tokens=BT,
+        prefill_chunk=BT,
+        retention=RetentionPolicy(every_n_blocks=2),
+        cache_salt=SALT,
+        **kw,
+    )
 
 
 def host_leaves(cache):
@@ -124,7 +131,7 @@ def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
     rng = np.random.default_rng(1)
     groups = []
     for g in engine.cache.groups:
-        bits = rng.integers(0, 2 ** 16, g.pool.shape, dtype=np.uint16)
+        bits = rng.integers(0, 2**16, g.pool.shape, dtype=np.uint16)
         bits.flat[:3] = (0x7FC1, 0x8000, 0xFF81)  # NaN with payload, -0.0, negative NaN
         groups.append(g.replace(pool=jnp.asarray(bits.view(ml_dtypes.bfloat16))))
     engine.cache = engine.cache.replace(groups=tuple(groups))
@@ -186,8 +193,10 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     # 1. a flipped byte in orbax's (compressed) data: orbax reads it back without complaint or fails
     #    to decode it; either way the restore refuses
     path = copy_ckpt(saved, tmp_path)
-    data = max((p for p in hc.cache_dir(path).rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
+    data = max(
+        (p for p in hc.cache_dir(path).rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
@@ -198,7 +207,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     shutil.copytree(saved[2], path2)
     doc = json.loads((path2 / hc.METADATA_FILE).read_text())
     i = next(k for k, m in enumerate(doc["leaves"]) if ".prefix.key" in m["path"])
-    edit_metadata(path2, lambda d: d["leaves"][i].update(crc32=(d["leaves"][i]["crc32"] + 1) % 2 ** 32))
+    edit_metadata(path2, lambda d: d["leaves"][i].update(crc32=(d["leaves"][i]["crc32"] + 1) % 2**32))
     with pytest.raises(hc.EngineCheckpointError, match=r"leaf \d+ cache\.prefix\.key: crc32"):
         hc.restore_engine(path2, model)
     # 3. a declared dtype that differs from the engine's (orbax itself would silently cast)
@@ -288,24 +297,34 @@ def test_hostile_metadata_files_are_named_errors_never_crashes(model, saved, tmp
         hc.read_metadata(path)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda d: d["config"].update(slots=10 ** 30), r"config.slots=1000000000000000000000000000000 is invalid: "
-                                                   r"want an integer in \[1, 65536\]"),
-    (lambda d: d["config"].update(max_context=True), r"config.max_context=True is invalid"),
-    (lambda d: d["config"].update(pool_pages=[1] * 1000), r"config.pool_pages=.* null or a list of 1 to 256"),
-    (lambda d: d["leaves"][3].update(shape=[2 ** 62]), r"leaves\[3\].shape\[0\]=4611686018427387904 is invalid"),
-    (lambda d: d["leaves"][3].update(shape=[2 ** 30] * 3), r"leaves\[3\].shape=.* at most 281474976710656 elements"),
-    (lambda d: d["leaves"][0].update(dtype="object"), r"leaves\[0\].dtype='object' is invalid"),
-    (lambda d: d["leaves"][0].update(crc32=-1),
-     r"leaves\[0\].crc32=-1 is invalid: want an integer in \[0, 4294967295\]"),
-    (lambda d: d["engine"]["retention"].update(keep_everything=True),
-     r"unknown field engine.retention.'keep_everything'"),
-    (lambda d: d["engine"].update(cache_salt="abc"), r"engine.cache_salt='abc' is invalid"),
-    (lambda d: d.update(cache_dir="../../etc"), r"cache_dir='../../etc' is invalid"),
-    (lambda d: d.update(abi_fingerprint="x" * 10 ** 6), r"abi_fingerprint='xxx.*\(1000002 chars\) is invalid"),
-    (lambda d: d.pop("leaves"), r"missing field 'leaves'"),
-    (lambda d: d["spec"].update(weights_digest=None), r"spec.weights_digest=None is invalid"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda d: d["config"].update(slots=10**30),
+            r"config.slots=1000000000000000000000000000000 is invalid: "
+            r"want an integer in \[1, 65536\]",
+        ),
+        (lambda d: d["config"].update(max_context=True), r"config.max_context=True is invalid"),
+        (lambda d: d["config"].update(pool_pages=[1] * 1000), r"config.pool_pages=.* null or a list of 1 to 256"),
+        (lambda d: d["leaves"][3].update(shape=[2**62]), r"leaves\[3\].shape\[0\]=4611686018427387904 is invalid"),
+        (lambda d: d["leaves"][3].update(shape=[2**30] * 3), r"leaves\[3\].shape=.* at most 281474976710656 elements"),
+        (lambda d: d["leaves"][0].update(dtype="object"), r"leaves\[0\].dtype='object' is invalid"),
+        (
+            lambda d: d["leaves"][0].update(crc32=-1),
+            r"leaves\[0\].crc32=-1 is invalid: want an integer in \[0, 4294967295\]",
+        ),
+        (
+            lambda d: d["engine"]["retention"].update(keep_everything=True),
+            r"unknown field engine.retention.'keep_everything'",
+        ),
+        (lambda d: d["engine"].update(cache_salt="abc"), r"engine.cache_salt='abc' is invalid"),
+        (lambda d: d.update(cache_dir="../../etc"), r"cache_dir='../../etc' is invalid"),
+        (lambda d: d.update(abi_fingerprint="x" * 10**6), r"abi_fingerprint='xxx.*\(1000002 chars\) is invalid"),
+        (lambda d: d.pop("leaves"), r"missing field 'leaves'"),
+        (lambda d: d["spec"].update(weights_digest=None), r"spec.weights_digest=None is invalid"),
+    ],
+)
 def test_every_field_is_type_and_range_checked(model, saved, tmp_path, edit, match):
     path = copy_ckpt(saved, tmp_path)
     edit_metadata(path, edit)
@@ -330,8 +349,10 @@ def test_version_1_checkpoint_is_read_but_refused_and_overwritten(model, saved, 
     to_version_1(path)
     doc = hc.read_metadata(path)
     assert doc["version"] == 1 and hc.cache_dir(path) == path / hc.CACHE_DIR
-    with pytest.raises(hc.EngineCheckpointError, match="version-1 checkpoint: its ABI fingerprint covers the "
-                                                       "label model_id='unknown', not the weights"):
+    with pytest.raises(
+        hc.EngineCheckpointError,
+        match="version-1 checkpoint: its ABI fingerprint covers the label model_id='unknown', not the weights",
+    ):
         hc.restore_engine(path, model)
     # saving over it (overwrite=True) gives a version-2 checkpoint, and the old arrays are gone
     restored.save(path, overwrite=True)
@@ -350,7 +371,7 @@ def test_overwrite_keeps_one_version_and_cleans_only_our_stale_entries(restored,
     (tmp_path / f".ck.tmp-{'b' * 32}").mkdir()
     (tmp_path / ".ck.old-0123456789ab").mkdir()  # what hkv's version-1 save left when killed
     (path / "notes.txt").write_text("mine")
-    (tmp_path / ".other.tmp-" f"{'c' * 32}").mkdir()  # another checkpoint's: not ours to delete
+    (tmp_path / f".other.tmp-{'c' * 32}").mkdir()  # another checkpoint's: not ours to delete
     past = time.time() - 60
     for p in list(path.iterdir()) + list(tmp_path.iterdir()):
         os.utime(p, (past, past))
@@ -384,6 +405,9 @@ def test_leftovers_of_a_killed_first_save_do_not_block_the_next(model, restored,
     assert sorted(os.listdir(path)) == sorted([hc.METADATA_FILE, hc.cache_dir(path).name])
     lost = tmp_path / "lost"
     shutil.copytree(saved[2], tmp_path / ".lost.old-0123456789ab")
-    with pytest.raises(hc.EngineCheckpointError, match=r"not a directory\); .*\.lost\.old-0123456789ab' is the "
-                                                       r"checkpoint an interrupted save"):
+    with pytest.raises(
+        hc.EngineCheckpointError,
+        match=r"not a directory\); .*\.lost\.old-0123456789ab' is the "
+        r"checkpoint an interrupted save",
+    ):
         hc.restore_engine(lost, model)

@@ -64,9 +64,12 @@ def make_state(which: str, engine=None):
     """An idle engine in state `which` ("old" / "new"): its own cache salt and one counter value.
     Passing an engine re-labels it (no second construction)."""
     if engine is None:
-        engine = hkv.Engine(init(tiny_config(), seed=0), hkv.CacheConfig(slots=2, max_context=64, page_size=8,
-                                                                         prefix_records=8),
-                            block_tokens=16, prefill_chunk=16)
+        engine = hkv.Engine(
+            init(tiny_config(), seed=0),
+            hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=8),
+            block_tokens=16,
+            prefill_chunk=16,
+        )
     counters = dict(engine.cache.counters)
     name = sorted(counters)[0]
     counters[name] = jax.numpy.asarray(7 if which == "old" else 12345, counters[name].dtype)
@@ -91,8 +94,14 @@ def states():
 
 def child(path: Path, mode: str, arg: int = 0) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(path), mode, str(arg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=os.getcwd())
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path), mode, str(arg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=os.getcwd(),
+    )
 
 
 def restored_state(path: Path, model, want) -> str:

@@ -44,31 +44,51 @@ class Raw:
 
 def hostile_values():
     small = st.one_of(
-        st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=False),
-        st.text(max_size=20), st.just(""), st.just("cache-" + "0" * 32), st.just("../" * 8 + "etc"),
-        st.sampled_from([0, -1, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 63, 2 ** 64, -2 ** 63]),
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False),
+        st.text(max_size=20),
+        st.just(""),
+        st.just("cache-" + "0" * 32),
+        st.just("../" * 8 + "etc"),
+        st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63, 2**64, -(2**63)]),
     )
-    nested = st.recursive(small, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                         st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                          max_leaves=12)
+    nested = st.recursive(
+        small,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+        max_leaves=12,
+    )
     plausible = st.one_of(  # values of the right type, often in range: they reach the restore's checks
-        st.integers(0, 2 ** 31), st.integers(0, 64), st.booleans(),
+        st.integers(0, 2**31),
+        st.integers(0, 64),
+        st.booleans(),
         st.binary(min_size=16, max_size=16).map(lambda b: b.hex()),
         st.binary(min_size=16, max_size=16).map(lambda b: "cache-" + b.hex()),
         st.sampled_from(["float32", "bfloat16", "int32", "uint8", "float64", "int4"]),
         st.lists(st.integers(0, 64), max_size=4),
     )
     return st.one_of(
-        plausible, plausible,
+        plausible,
+        plausible,
         nested,
-        st.integers(1, 6000).map(lambda n: Raw("[" * n + "]" * n)),                  # deep nesting
+        st.integers(1, 6000).map(lambda n: Raw("[" * n + "]" * n)),  # deep nesting
         st.integers(1, 6000).map(lambda n: Raw('{"a":' * n + "0" + "}" * n)),
-        st.integers(20, 9000).map(lambda n: Raw("9" * n)),                           # huge integers
-        st.sampled_from([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-0.0"),
-                         Raw('"\\ud800"'), Raw('"\\u0000"')]),
-        st.integers(1, 200_000).map(lambda n: [0] * n),                              # huge lists
-        st.integers(1, 100_000).map(lambda n: "x" * n),                              # huge strings
-        st.lists(st.sampled_from([2 ** 31, 2 ** 40, 2 ** 62, 2 ** 63, -1, 0]), min_size=1, max_size=20),  # shapes
+        st.integers(20, 9000).map(lambda n: Raw("9" * n)),  # huge integers
+        st.sampled_from(
+            [
+                Raw("NaN"),
+                Raw("Infinity"),
+                Raw("-Infinity"),
+                Raw("1e999"),
+                Raw("-0.0"),
+                Raw('"\\ud800"'),
+                Raw('"\\u0000"'),
+            ]
+        ),
+        st.integers(1, 200_000).map(lambda n: [0] * n),  # huge lists
+        st.integers(1, 100_000).map(lambda n: "x" * n),  # huge strings
+        st.lists(st.sampled_from([2**31, 2**40, 2**62, 2**63, -1, 0]), min_size=1, max_size=20),  # shapes
     )
 
 
@@ -145,9 +165,14 @@ def host_leaves(cache):
 def checkpoint(tmp_path_factory):
     """(model, the checkpoint directory, its metadata, the saved cache's host leaves)."""
     model = init(tiny_config(), seed=0)
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=8),
-                        block_tokens=16, prefill_chunk=16, retention=RetentionPolicy(every_n_blocks=2),
-                        cache_salt=b"fuzz")
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=8),
+        block_tokens=16,
+        prefill_chunk=16,
+        retention=RetentionPolicy(every_n_blocks=2),
+        cache_salt=b"fuzz",
+    )
     path = tmp_path_factory.mktemp("fuzz") / "ckpt"
     engine.save(path)
     return model, path, hc.read_metadata(path), host_leaves(engine.cache)
@@ -186,8 +211,12 @@ def check_restore(model, path: Path, want_leaves) -> None:
         assert len(got) == len(want_leaves)
         assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(got, want_leaves))
         e = doc["engine"]
-        assert (engine.spec.block_tokens, engine.prefill_chunk, engine.spec.model_id, engine.cache_salt.hex()) == \
-            (e["block_tokens"], e["prefill_chunk"], e["model_id"], e["cache_salt"])
+        assert (engine.spec.block_tokens, engine.prefill_chunk, engine.spec.model_id, engine.cache_salt.hex()) == (
+            e["block_tokens"],
+            e["prefill_chunk"],
+            e["model_id"],
+            e["cache_salt"],
+        )
         assert engine.retention == RetentionPolicy(**e["retention"])
         assert engine.spec.fingerprint() == doc["abi_fingerprint"]
 

@@ -61,7 +61,7 @@ def fill(engine, tier):
     """Store BASE's blocks in `tier` as two segments ([0, CUT) then the rest); device forgets them."""
     engine.disk = tier
     forget_device(engine)
-    engine.generate([BASE[:CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW)
     assert engine.write_through() == CUT // BT
     engine.flush_disk()
     engine.generate([BASE], NEW)  # restores [0, CUT) from device, records the rest
@@ -90,9 +90,16 @@ ALL = range(0, len(BASE) // BT + 1)
 SOME = (1, 7, CUT // BT + 2, len(BASE) // BT)
 
 
-@pytest.mark.parametrize("kind, ks", [("file", ALL), ("ocdbt", SOME), ("memory", SOME),
-                                      pytest.param("ocdbt", ALL, marks=pytest.mark.slow),
-                                      pytest.param("memory", ALL, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind, ks",
+    [
+        ("file", ALL),
+        ("ocdbt", SOME),
+        ("memory", SOME),
+        pytest.param("ocdbt", ALL, marks=pytest.mark.slow),
+        pytest.param("memory", ALL, marks=pytest.mark.slow),
+    ],
+)
 def test_round_trip_every_block_boundary(model, engine, tmp_path, kind, ks):
     """file: every boundary; ocdbt / memory: four here, every boundary under `make test-slow`."""
     fill(engine, DiskTier(STORES[kind](tmp_path)))
@@ -129,24 +136,40 @@ def _flip(path, at=None):
 
 FAULTS = {
     "flipped byte": (lambda root, abi, seg: _flip(root / "data" / abi / seg / "c" / "0"), "disk_checksum"),
-    "truncated chunk": (lambda root, abi, seg: (root / "data" / abi / seg / "c" / "0").write_bytes(
-        (root / "data" / abi / seg / "c" / "0").read_bytes()[:1000]), "disk_truncated"),
+    "truncated chunk": (
+        lambda root, abi, seg: (root / "data" / abi / seg / "c" / "0").write_bytes(
+            (root / "data" / abi / seg / "c" / "0").read_bytes()[:1000]
+        ),
+        "disk_truncated",
+    ),
     "deleted chunk": (lambda root, abi, seg: os.remove(root / "data" / abi / seg / "c" / "0"), "disk_missing"),
     "deleted manifest": (lambda root, abi, seg: os.remove(root / "manifests" / abi / f"{seg}.json"), "disk_missing"),
-    "corrupted manifest": (lambda root, abi, seg: _flip(root / "manifests" / abi / f"{seg}.json", at=40),
-                           "disk_checksum"),
-    "manifest of another ABI": (lambda root, abi, seg: _reseal(root / "manifests" / abi / f"{seg}.json",
-                                                               abi="f" * 32), "disk_abi"),
+    "corrupted manifest": (
+        lambda root, abi, seg: _flip(root / "manifests" / abi / f"{seg}.json", at=40),
+        "disk_checksum",
+    ),
+    "manifest of another ABI": (
+        lambda root, abi, seg: _reseal(root / "manifests" / abi / f"{seg}.json", abi="f" * 32),
+        "disk_abi",
+    ),
     # issue 11: each of these discarded the intact prefix before it (an exception out of read)
-    "manifest with an overflowing shape": (lambda root, abi, seg: _reseal_object(
-        root / "manifests" / abi / f"{seg}.json", shape=[2 ** 64, 1]), "disk_malformed"),
-    "manifest nested too deep": (lambda root, abi, seg: (root / "manifests" / abi / f"{seg}.json").write_bytes(
-        b"[" * 100_000 + b"]" * 100_000), "disk_malformed"),
-    "data shard is a symlink loop": (lambda root, abi, seg: _symlink_loop(root / "data" / abi / seg / "c" / "0"),
-                                     "disk_missing"),
+    "manifest with an overflowing shape": (
+        lambda root, abi, seg: _reseal_object(root / "manifests" / abi / f"{seg}.json", shape=[2**64, 1]),
+        "disk_malformed",
+    ),
+    "manifest nested too deep": (
+        lambda root, abi, seg: (root / "manifests" / abi / f"{seg}.json").write_bytes(b"[" * 100_000 + b"]" * 100_000),
+        "disk_malformed",
+    ),
+    "data shard is a symlink loop": (
+        lambda root, abi, seg: _symlink_loop(root / "data" / abi / seg / "c" / "0"),
+        "disk_missing",
+    ),
     # issue 11: overwritten by the other segment's (valid) manifest: refused for naming another segment
-    "manifest overwritten by another segment's": (lambda root, abi, seg: (
-        root / "manifests" / abi / f"{seg}.json").write_bytes(_other_manifest(root, abi, seg)), "disk_malformed"),
+    "manifest overwritten by another segment's": (
+        lambda root, abi, seg: (root / "manifests" / abi / f"{seg}.json").write_bytes(_other_manifest(root, abi, seg)),
+        "disk_malformed",
+    ),
 }
 
 
@@ -229,7 +252,7 @@ def test_write_behind_marks_residency_only_after_the_manifest_commit(model, engi
     tier._write_segment = slow
     engine.disk = tier
     forget_device(engine)
-    engine.generate([BASE[:CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW)
     p = jax.device_get(engine.cache.prefix)
     mine = np.asarray(p.state) == px.RecordState.ALIVE
     assert mine.sum() == CUT // BT
@@ -248,7 +271,7 @@ def test_write_behind_marks_residency_only_after_the_manifest_commit(model, engi
 
 def test_eviction_under_pressure_writes_behind_and_restores_from_disk(model, tmp_path):
     engine = make_engine(model, scale=1, records=24, disk=DiskTier(str(tmp_path / "pressure")))
-    first = BASE[:CUT + 1]
+    first = BASE[: CUT + 1]
     other = diverge(16, tail=290, seed=11)
     engine.generate([first, other], NEW)  # 31 boundaries > 24 records: the policy evicts to disk
     engine.flush_disk()
@@ -279,14 +302,16 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
 
     tier._write_segment, tier.write_async = slow_first, counted
     engine = make_engine(model, scale=1, records=24, disk=tier)
-    engine.generate([BASE[:CUT + 1], diverge(16, tail=290, seed=11)], NEW)  # eviction passes queue offloads
+    engine.generate([BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW)  # eviction passes queue offloads
     assert len(offloads) >= 3 and tier.counters["segments_written"] == 0  # nothing waited for the disk
     gate.set()
     engine.flush_disk()
     # group commit: the offloads that reached the writer within its linger share the first segment,
     # every offload queued behind it shares the second
-    assert tier.counters["segments_written"] in (1, 2) and tier.counters["blocks_written"] == \
-        engine.stats()["disk_blocks_offloaded"]
+    assert (
+        tier.counters["segments_written"] in (1, 2)
+        and tier.counters["blocks_written"] == engine.stats()["disk_blocks_offloaded"]
+    )
     again = diverge(CUT, tail=3, seed=12)
     (g,) = engine.generate([again], NEW)
     assert g.plan.restored_tokens == CUT and g.plan.disk_tokens is not None
@@ -322,7 +347,7 @@ def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, store
 def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp_path):
     engine.disk = DiskTier(str(tmp_path / "evict"))
     forget_device(engine)
-    engine.generate([BASE[:CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW)
     assert engine.evict_prefixes() == CUT // BT
     engine.flush_disk()
     assert engine.stats()["prefix"]["occupancy"]["records"] == 0
@@ -424,11 +449,21 @@ def payload_files(engine, tmp_path_factory):
             for name, (arr, row) in b.objects.items():
                 f = f"s{si}-b{b.index}-{name}.bin"
                 np.ascontiguousarray(arr).tofile(src / f)
-                objs.append({"name": name, "file": f, "dtype": arr.dtype.name, "shape": list(arr.shape),
-                             "row_start": int(row)})
-            seg["blocks"].append({"key": b.key.hex(), "parent": b.parent.hex() if b.parent else "", "index": b.index,
-                                  "length": b.length, "tokens": [int(t) for t in b.tokens],
-                                  "indexer_version": b.indexer_version, "snapshot": b.snapshot, "objects": objs})
+                objs.append(
+                    {"name": name, "file": f, "dtype": arr.dtype.name, "shape": list(arr.shape), "row_start": int(row)}
+                )
+            seg["blocks"].append(
+                {
+                    "key": b.key.hex(),
+                    "parent": b.parent.hex() if b.parent else "",
+                    "index": b.index,
+                    "length": b.length,
+                    "tokens": [int(t) for t in b.tokens],
+                    "indexer_version": b.indexer_version,
+                    "snapshot": b.snapshot,
+                    "objects": objs,
+                }
+            )
         segments.append(seg)
     assert len(segments) == 2
     (src / "segments.json").write_text(json.dumps(segments))
@@ -438,13 +473,20 @@ def payload_files(engine, tmp_path_factory):
 def _child(src, store, mode):
     import subprocess
     import sys
+
     env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(store), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(src), str(store), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_writer_killed_with_sigkill_mid_write_leaves_a_restorable_prefix(model, engine, payload_files, tmp_path):
     import signal
+
     store = tmp_path / "killed"
     child = _child(payload_files, store, "hang-before-second-publish")
     lines = []
@@ -527,8 +569,9 @@ def _payloads(tier, abi, seg) -> dict:
 
 
 @pytest.mark.parametrize("keyed", [False, True])
-def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(model, engine, stored, stored_keyed, tmp_path,
-                                                                     monkeypatch, keyed):
+def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(
+    model, engine, stored, stored_keyed, tmp_path, monkeypatch, keyed
+):
     """Issue 11, defect 9. Without a key the store has integrity, not authenticity: a manifest
     resealed with a valid crc32 that points block CUT/BT + 1 at block CUT/BT + 3's bytes passes
     `verify` and restores wrong K/V (wrong logits). With a key it is `disk_auth`: the plan stops at
@@ -553,8 +596,9 @@ def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(model, eng
         # ... and what it installed as block CUT/BT + 1 is block CUT/BT + 3's K/V
         got, orig = (_payloads(DiskTier(str(r), key=b""), abi, seg) for r in (root, stored))
         swapped = [n for n in got[CUT // BT + 1].objects if n in orig[CUT // BT + 3].objects]
-        assert swapped and all(np.array_equal(got[CUT // BT + 1].objects[n][0], orig[CUT // BT + 3].objects[n][0])
-                               for n in swapped)
+        assert swapped and all(
+            np.array_equal(got[CUT // BT + 1].objects[n][0], orig[CUT // BT + 3].objects[n][0]) for n in swapped
+        )
         assert not np.array_equal(got[CUT // BT + 1].objects[swapped[0]][0], orig[CUT // BT + 1].objects[swapped[0]][0])
         return
     assert g.plan.restored_tokens == CUT and g.plan.disk_tokens == (0, CUT), g.plan

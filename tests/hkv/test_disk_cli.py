@@ -32,13 +32,24 @@ def _chain(chain: str, n: int, seed: int) -> list[BlockPayload]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        objects = {"g0.rows": (rng.standard_normal((2, 8)).astype(np.float32), 2 * i),
-                   "g1.rows": (rng.standard_normal((1, 16)).astype(ml_dtypes.bfloat16), i)}
+        objects = {
+            "g0.rows": (rng.standard_normal((2, 8)).astype(np.float32), 2 * i),
+            "g1.rows": (rng.standard_normal((1, 16)).astype(ml_dtypes.bfloat16), i),
+        }
         if i == n - 1:
             objects["g2.window"] = (rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16), i * BT)
-        out.append(BlockPayload(key=_key(chain, i), parent=_key(chain, i - 1) if i else None, index=i,
-                                length=(i + 1) * BT, tokens=[seed, i, 7, 9], indexer_version=1,
-                                snapshot=i == n - 1, objects=objects))
+        out.append(
+            BlockPayload(
+                key=_key(chain, i),
+                parent=_key(chain, i - 1) if i else None,
+                index=i,
+                length=(i + 1) * BT,
+                tokens=[seed, i, 7, 9],
+                indexer_version=1,
+                snapshot=i == n - 1,
+                objects=objects,
+            )
+        )
     return out
 
 
@@ -83,8 +94,15 @@ def test_verify_clean(store, capsys):
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 0
     assert _count(out, "blocks ok") == 7 and _count(out, "published segments") == 3
-    for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi", "disk_auth", "disk_malformed",
-              "orphaned segments"):
+    for r in (
+        "disk_checksum",
+        "disk_missing",
+        "disk_truncated",
+        "disk_abi",
+        "disk_auth",
+        "disk_malformed",
+        "orphaned segments",
+    ):
         assert _count(out, r) == 0
     assert "OK: every published block is intact" in out
 
@@ -136,8 +154,9 @@ def test_write_killed_before_any_commit_is_an_orphan(store, capsys):
     code, out, _ = _run(capsys, "store", "verify", "--json", store)
     rep = json.loads(out)
     assert code == 0 and rep["ok"] and rep["blocks_ok"] == 7 and rep["orphaned_segments"] == 1
-    assert rep["orphans"] == [f"data/{ABI}/20990101T000000-deadbeef0000-00000000/: only temporary files of an "
-                              f"interrupted write (ignored)"]
+    assert rep["orphans"] == [
+        f"data/{ABI}/20990101T000000-deadbeef0000-00000000/: only temporary files of an interrupted write (ignored)"
+    ]
 
 
 def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
@@ -161,8 +180,9 @@ def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
 def test_manifest_under_another_abi_is_disk_abi(store, capsys):
     seg = _segment_of(store, ABI, "b")
     os.makedirs(os.path.join(store, "manifests", "ee" * 16))
-    shutil.copy(os.path.join(store, "manifests", ABI, f"{seg}.json"),
-                os.path.join(store, "manifests", "ee" * 16, f"{seg}.json"))
+    shutil.copy(
+        os.path.join(store, "manifests", ABI, f"{seg}.json"), os.path.join(store, "manifests", "ee" * 16, f"{seg}.json")
+    )
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 1 and _count(out, "disk_abi") == 1 and _count(out, "blocks ok") == 7
 
@@ -209,8 +229,13 @@ def test_stats(store, capsys):
     assert (st["segments"], st["blocks"], st["snapshots"], st["hits"]) == (3, 7, 3, 2)
     assert st["stored_bytes"] == stored and st["budget_bytes"] == 1 << 20
     assert st["budget_used"] == pytest.approx(stored / (1 << 20))
-    assert st["abis"][ABI] == {"segments": 2, "blocks": 5, "snapshots": 2, "stored_bytes": st["abis"][ABI]["stored_bytes"],
-                               "hits": 2}
+    assert st["abis"][ABI] == {
+        "segments": 2,
+        "blocks": 5,
+        "snapshots": 2,
+        "stored_bytes": st["abis"][ABI]["stored_bytes"],
+        "hits": 2,
+    }
     assert st["abis"][ABI2]["blocks"] == 2 and st["abis"][ABI2]["hits"] == 0
     code, out, _ = _run(capsys, "store", "stats", "--budget", "64K", store)
     assert code == 0 and "65,536 bytes" in out and "% used" in out
@@ -283,8 +308,9 @@ def test_ocdbt_store_detected_by_path(tmp_path, capsys):
     assert _run(capsys, "store", "verify", f"file://{path}")[0] == 0
     code, out, _ = _run(capsys, "store", "stats", "--json", path)
     assert code == 0 and json.loads(out)["blocks"] == 5
-    code, out, _ = _run(capsys, "store", "verify", "--json", "--spec",
-                        json.dumps({"driver": "ocdbt", "base": f"file://{path}/"}))
+    code, out, _ = _run(
+        capsys, "store", "verify", "--json", "--spec", json.dumps({"driver": "ocdbt", "base": f"file://{path}/"})
+    )
     assert code == 0 and json.loads(out)["blocks_ok"] == 5
     # the same directory read as a plain file store shows no blocks: detection matters
     code, out, _ = _run(capsys, "store", "verify", "--spec", json.dumps({"driver": "file", "path": f"{path}/"}))
@@ -298,10 +324,20 @@ def test_url_store(capsys):
 
 def test_python_m_hkv_cli(store):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "hkv.cli", "store", "verify", "--json", str(store)], env=env,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "hkv.cli", "store", "verify", "--json", str(store)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["blocks_ok"] == 7
-    p = subprocess.run([sys.executable, "-m", "hkv.cli", "store", "stats", str(store) + "-missing"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "hkv.cli", "store", "stats", str(store) + "-missing"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "no such directory" in p.stderr

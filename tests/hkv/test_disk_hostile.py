@@ -80,8 +80,10 @@ def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, caps
     assert st["segments"] == 3 and st["bad_files"] == {MALFORMED: 2}
     code, rep = _verify_json(capsys, store)
     assert code == 1 and rep["disk_malformed"] == 2 and rep["blocks_ok"] == 7
-    assert any(p.startswith(f"manifests/{ABI}/20990101T000000-deep-00000000.json: disk_malformed: "
-                            f"JSON nested deeper than") for p in rep["problems"]), rep["problems"]
+    assert any(
+        p.startswith(f"manifests/{ABI}/20990101T000000-deep-00000000.json: disk_malformed: JSON nested deeper than")
+        for p in rep["problems"]
+    ), rep["problems"]
     assert any(p.startswith(f"hits/{ABI}/deep.json: disk_malformed") for p in rep["problems"]), rep["problems"]
     code, out, _ = _run(capsys, "store", "stats", store)
     assert code == 0 and "bad files  2 disk_malformed (skipped" in out and _count(out, "segments") == 3
@@ -96,8 +98,10 @@ def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys)
     _intact(tier)
     code, rep = _verify_json(capsys, store)
     assert code == 1 and rep["blocks_ok"] == 7 and rep["disk_malformed"] == 2
-    assert any(p.startswith(f"manifests/{ABI}/20990101T000000-loop-0000000a.json: disk_malformed: unreadable")
-               for p in rep["problems"]), rep["problems"]
+    assert any(
+        p.startswith(f"manifests/{ABI}/20990101T000000-loop-0000000a.json: disk_malformed: unreadable")
+        for p in rep["problems"]
+    ), rep["problems"]
 
 
 # ---------------------------------------------------------------------------- defect 5
@@ -105,17 +109,18 @@ def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(sto
     """Defect 5: data_bytes=2**50 with 4 KiB shards made _probe build a list of 2**38 shards."""
     m = _manifest(store, ABI, "b")
     doc = json.loads(open(m, "rb").read())
-    doc.update(data_bytes=2 ** 50, chunk_bytes=4096, shard_bytes=4096)
-    doc["blocks"][0]["objects"][0]["offset"] = 2 ** 50 - 64
+    doc.update(data_bytes=2**50, chunk_bytes=4096, shard_bytes=4096)
+    doc["blocks"][0]["objects"][0]["offset"] = 2**50 - 64
     _reseal(m, doc)
     t0 = time.monotonic()
-    with pytest.raises(mf.ManifestError,
-                       match=r"data_bytes=1125899906842624 must be an integer in \[0, 1099511627776\]") as e:
+    with pytest.raises(
+        mf.ManifestError, match=r"data_bytes=1125899906842624 must be an integer in \[0, 1099511627776\]"
+    ) as e:
         mf.parse(open(m, "rb").read())
     assert e.value.reason == MALFORMED
     # under the hard cap, but 2**27 shard files: refused before any list of shards is built
-    doc["data_bytes"] = 2 ** 39
-    doc["blocks"][0]["objects"][0]["offset"] = 2 ** 39 - 64
+    doc["data_bytes"] = 2**39
+    doc["blocks"][0]["objects"][0]["offset"] = 2**39 - 64
     with pytest.raises(mf.ManifestError, match=r"in shards of 4096 bytes is 134217728 shards, more than 1048576"):
         mf.check(doc)
     # and under a reader's budget
@@ -133,7 +138,7 @@ def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loo
     open(os.path.join(store, "manifests", "README.json"), "wb").write(b'{"hello": 1}')
     m = _manifest(store, ABI, "b")
     doc = json.loads(open(m, "rb").read())
-    doc["blocks"][0]["objects"][0]["shape"] = [2 ** 64, 1]
+    doc["blocks"][0]["objects"][0]["shape"] = [2**64, 1]
     _reseal(m, doc)
     seg_c = _segment_of(store, ABI2, "c")
     shard = os.path.join(store, "data", ABI2, seg_c, "c", "0")
@@ -180,8 +185,9 @@ def test_budget_eviction_leaves_no_folders_and_verify_no_false_orphans(tmp_path,
 
 
 # ---------------------------------------------------------------------------- defect 9
-def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_another_blocks_bytes(tmp_path, capsys,
-                                                                                               monkeypatch):
+def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_another_blocks_bytes(
+    tmp_path, capsys, monkeypatch
+):
     """Defect 9: without a key anyone who can write the store can reseal a manifest (valid crc32)
     that points block 0 at block 1's bytes; with a key that manifest is `disk_auth`, never read."""
     monkeypatch.delenv("HKV_STORE_KEY", raising=False)
@@ -193,8 +199,9 @@ def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_anothe
         tier = DiskTier(str(path / str(key is not None)), key=key)
         tier.write(ABI, blocks)
         tier.close()
-        m = os.path.join(path, str(key is not None), "manifests", ABI, os.listdir(path / str(key is not None)
-                                                                                     / "manifests" / ABI)[0])
+        m = os.path.join(
+            path, str(key is not None), "manifests", ABI, os.listdir(path / str(key is not None) / "manifests" / ABI)[0]
+        )
         doc = json.loads(open(m, "rb").read())
         o0, o1 = doc["blocks"][0]["objects"][0], doc["blocks"][1]["objects"][0]
         for f in ("offset", "crc32", "sha256"):
@@ -248,8 +255,9 @@ def test_a_keyed_store_keeps_token_ids_and_block_keys_private(tmp_path, monkeypa
     monkeypatch.delenv("HKV_STORE_KEY")
     code, rep = _verify_json(capsys, tmp_path)
     assert code == 1 and rep["blocks_ok"] == 0 and rep["disk_auth"] == 1
-    assert rep["problems"][0].endswith("disk_auth: manifest is authenticated (HMAC) but this tier has no key "
-                                       "(pass key= or set HKV_STORE_KEY)")
+    assert rep["problems"][0].endswith(
+        "disk_auth: manifest is authenticated (HMAC) but this tier has no key (pass key= or set HKV_STORE_KEY)"
+    )
     # without a key (b"" ignores the environment) or with another key: nothing restored, with a reason
     for other in (b"", b"x" * 32):
         t = DiskTier(str(tmp_path), key=other)
@@ -283,8 +291,13 @@ def test_use_after_close_raises_a_named_error(tmp_path):
     assert tier.closed
     tier.close()  # idempotent
     assert hkv.DiskTierClosedError is DiskTierClosedError and issubclass(DiskTierClosedError, RuntimeError)
-    for call in (lambda: tier.write_async(ABI, blocks), lambda: tier.write(ABI, blocks), lambda: tier.read(refs),
-                 lambda: tier.find_chain(ABI, *_keys(blocks)), tier.flush):
+    for call in (
+        lambda: tier.write_async(ABI, blocks),
+        lambda: tier.write(ABI, blocks),
+        lambda: tier.read(refs),
+        lambda: tier.find_chain(ABI, *_keys(blocks)),
+        tier.flush,
+    ):
         with pytest.raises(DiskTierClosedError, match="this DiskTier was closed.*open a new DiskTier"):
             call()
 

@@ -55,14 +55,24 @@ def payload(chain: str, i: int, nbytes: int) -> BlockPayload:
     """Block i of `chain`, about `nbytes` of objects (random bits: bfloat16 NaNs included)."""
     rng = np.random.default_rng(int.from_bytes(key(chain, i)[:8], "little"))
     rows = max(1, nbytes // 1536)
-    objects = {"g0.rows": (np.frombuffer(rng.bytes(rows * 1024), np.float32).reshape(rows, 256), i * rows),
-               "g1.rows": (np.frombuffer(rng.bytes(rows * 512), ml_dtypes.bfloat16).reshape(rows, 256), i * rows)}
+    objects = {
+        "g0.rows": (np.frombuffer(rng.bytes(rows * 1024), np.float32).reshape(rows, 256), i * rows),
+        "g1.rows": (np.frombuffer(rng.bytes(rows * 512), ml_dtypes.bfloat16).reshape(rows, 256), i * rows),
+    }
     snapshot = i % 3 == 2
     if snapshot:
         objects["g2.window"] = (np.frombuffer(rng.bytes(4 * 64 * 2), ml_dtypes.bfloat16).reshape(4, 64), i * BT)
         objects["t0.tail_kv"] = (np.frombuffer(rng.bytes(3 * 32 * 4), np.float32).reshape(3, 32), 0)
-    return BlockPayload(key=key(chain, i), parent=key(chain, i - 1) if i else None, index=i, length=(i + 1) * BT,
-                        tokens=tokens(chain, i), indexer_version=1, snapshot=snapshot, objects=objects)
+    return BlockPayload(
+        key=key(chain, i),
+        parent=key(chain, i - 1) if i else None,
+        index=i,
+        length=(i + 1) * BT,
+        tokens=tokens(chain, i),
+        indexer_version=1,
+        snapshot=snapshot,
+        objects=objects,
+    )
 
 
 def mismatch(got: BlockPayload, chain: str, i: int, nbytes: int) -> str | None:
@@ -152,8 +162,10 @@ def _child_writer(path: str, name: str, config: str) -> None:
             summary["checks"] += 1
 
         for abi, chain, n, per_seg in cfg["chains"]:
-            futs = [tier.write_async(abi, [payload(chain, i, cfg["block_bytes"]) for i in range(s, min(s + per_seg, n))])
-                    for s in range(0, n, per_seg)]
+            futs = [
+                tier.write_async(abi, [payload(chain, i, cfg["block_bytes"]) for i in range(s, min(s + per_seg, n))])
+                for s in range(0, n, per_seg)
+            ]
             while not all(f.done() for f in futs):
                 if written:
                     check(*rng.choice(written))
@@ -186,8 +198,16 @@ def _child_stream_writer(path: str, n_chains: str, n_blocks: str, block_bytes: s
 def _child_reader(path: str, n_chains: str, n_blocks: str, block_bytes: str, go: str, done: str) -> None:
     """Loop find_chain + read over every chain until `done` exists, then one last pass."""
     n_chains, n_blocks, block_bytes = int(n_chains), int(n_blocks), int(block_bytes)
-    summary = {"errors": [], "mismatches": [], "passes": 0, "blocks_read": 0, "reasons": {}, "stops": {},
-               "seen_partial": False, "final": {}}
+    summary = {
+        "errors": [],
+        "mismatches": [],
+        "passes": 0,
+        "blocks_read": 0,
+        "reasons": {},
+        "stops": {},
+        "seen_partial": False,
+        "final": {},
+    }
     try:
         tier = DiskTier(path, refresh_seconds=0)
         print("ready", flush=True)
@@ -220,14 +240,24 @@ def _child_reader(path: str, n_chains: str, n_blocks: str, block_bytes: str, go:
     print(json.dumps(summary), flush=True)
 
 
-ROLES = {"kill-writer": _child_kill_writer, "writer": _child_writer, "stream-writer": _child_stream_writer,
-         "reader": _child_reader}
+ROLES = {
+    "kill-writer": _child_kill_writer,
+    "writer": _child_writer,
+    "stream-writer": _child_stream_writer,
+    "reader": _child_reader,
+}
 
 
 # --------------------------------------------------------------------------------- parent side
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.hkv.test_disk_processes", *map(str, args)], env=ENV,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.hkv.test_disk_processes", *map(str, args)],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _watchdog(proc: subprocess.Popen, seconds: float) -> threading.Timer:
@@ -299,8 +329,12 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
         assert reported >= 1
 
         tier = DiskTier(path)  # a killed writer never keeps the store from opening
-        mine = [b for m in _manifests(path) for b in m["blocks"] if b["key"] in
-                {key(chain, i).hex() for i in range(KILL_PER_SEG * (reported + 2))}]
+        mine = [
+            b
+            for m in _manifests(path)
+            for b in m["blocks"]
+            if b["key"] in {key(chain, i).hex() for i in range(KILL_PER_SEG * (reported + 2))}
+        ]
         n = len(mine) // KILL_PER_SEG
         assert sorted(b["index"] for b in mine) == list(range(n * KILL_PER_SEG)), "published blocks are whole segments"
         assert n in (reported, reported + 1), (n, reported)  # the killed write may have published just before
@@ -330,10 +364,14 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
     # the CLI agrees: orphaned data is not a failure, and it accounts for every interrupted write,
     # including one killed before any key was committed (only the file driver's *.__lock files)
     from hkv.cli import main
+
     assert main(["store", "verify", "--json", path]) == 0
     rep = json.loads(capsys.readouterr().out)
-    unpublished = [d for d in glob.glob(os.path.join(path, "data", ABI, "*"))
-                   if not os.path.exists(os.path.join(path, "manifests", ABI, os.path.basename(d) + ".json"))]
+    unpublished = [
+        d
+        for d in glob.glob(os.path.join(path, "data", ABI, "*"))
+        if not os.path.exists(os.path.join(path, "manifests", ABI, os.path.basename(d) + ".json"))
+    ]
     assert rep["orphaned_segments"] == len(unpublished) >= orphans >= 1
 
     # the store keeps working: a new writer adds a segment, everything still verifies
@@ -351,8 +389,12 @@ BLOCK = 48 << 10
 
 def _writer_config(name: str, go: str) -> dict:
     shared = [[ABI, f"S{c}", 6, 3] for c in range(4)]
-    own = [[ABI, f"own-{name}-0", 6, 3], [ABI, f"own-{name}-1", 4, 4], [ABI2, f"own-{name}-2", 5, 2],
-           [ABI2, "S9", 3, 3]]  # S9: overlapping keys under the second ABI too
+    own = [
+        [ABI, f"own-{name}-0", 6, 3],
+        [ABI, f"own-{name}-1", 4, 4],
+        [ABI2, f"own-{name}-2", 5, 2],
+        [ABI2, "S9", 3, 3],
+    ]  # S9: overlapping keys under the second ABI too
     if name == "w1":
         shared.reverse()
     chains = [c for pair in zip(shared, own) for c in pair]
@@ -403,8 +445,10 @@ def test_two_writers_with_overlapping_and_disjoint_keys(tmp_path):
     assert [m["stored_bytes"] for m in manifests] == sizes and st["stored_bytes"] == sum(sizes)
     # hits: every verified read either writer counted (saved per writer) plus this process's, summed by stats
     assert tier.counters["blocks_read"] == len({(c, i) for _, c, n in chains for i in range(n)})
-    assert sum(d["hits"] for d in st["abis"].values()) == \
-        sum(s["counters"]["blocks_read"] for s in out.values()) + tier.counters["blocks_read"]
+    assert (
+        sum(d["hits"] for d in st["abis"].values())
+        == sum(s["counters"]["blocks_read"] for s in out.values()) + tier.counters["blocks_read"]
+    )
     tier.close()
 
 
@@ -443,8 +487,10 @@ def test_reader_never_sees_a_wrong_payload_while_another_process_writes(tmp_path
         assert counters["segments_evicted"] > 0 and len(alive) == n_chains - counters["segments_evicted"]
     _assert_clean(tier.verify(), blocks=len(alive) * n_blocks, orphans=0)
     tier.close()
-    print(f"reader: {rd['passes']} passes, {rd['blocks_read']} blocks verified, reasons {rd['reasons']}, "
-          f"saw a partial store: {rd['seen_partial']}; writer evicted {counters['segments_evicted']}")
+    print(
+        f"reader: {rd['passes']} passes, {rd['blocks_read']} blocks verified, reasons {rd['reasons']}, "
+        f"saw a partial store: {rd['seen_partial']}; writer evicted {counters['segments_evicted']}"
+    )
 
 
 if __name__ == "__main__":

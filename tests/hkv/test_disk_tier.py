@@ -74,8 +74,10 @@ def test_expectation_mismatch_is_rejected_before_use(tmp_path):
     refs = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks]).refs
 
     def expect(entry):  # the running engine wants float32 rows: a different storage dtype
-        want = {o["name"]: (np.dtype(o["dtype"]) if o["dtype"] != "bfloat16" else np.float32, tuple(o["shape"]))
-                for o in entry["objects"]}
+        want = {
+            o["name"]: (np.dtype(o["dtype"]) if o["dtype"] != "bfloat16" else np.float32, tuple(o["shape"]))
+            for o in entry["objects"]
+        }
         return want
 
     res = tier.read(refs, expect=expect)
@@ -127,12 +129,39 @@ def test_failed_write_publishes_nothing(tmp_path):
 
 
 def test_manifest_schema_errors_name_the_field():
-    blocks = [{"key": "0" * 32, "parent": "", "index": 0, "length": 4, "tokens": [1, 2, 3, 4],
-               "indexer_version": 1, "snapshot": False,
-               "objects": [{"name": "g0.rows", "dtype": "bfloat16", "shape": [1, 1, 4], "row_start": 0,
-                            "offset": 0, "nbytes": 8, "crc32": 0}]}]
-    doc = {"abi": ABI, "segment": "s", "writer": "w", "created": 0.0, "data_bytes": 8, "stored_bytes": 10,
-           "chunk_bytes": 4096, "shard_bytes": 4096, "blocks": blocks}
+    blocks = [
+        {
+            "key": "0" * 32,
+            "parent": "",
+            "index": 0,
+            "length": 4,
+            "tokens": [1, 2, 3, 4],
+            "indexer_version": 1,
+            "snapshot": False,
+            "objects": [
+                {
+                    "name": "g0.rows",
+                    "dtype": "bfloat16",
+                    "shape": [1, 1, 4],
+                    "row_start": 0,
+                    "offset": 0,
+                    "nbytes": 8,
+                    "crc32": 0,
+                }
+            ],
+        }
+    ]
+    doc = {
+        "abi": ABI,
+        "segment": "s",
+        "writer": "w",
+        "created": 0.0,
+        "data_bytes": 8,
+        "stored_bytes": 10,
+        "chunk_bytes": 4096,
+        "shard_bytes": 4096,
+        "blocks": blocks,
+    }
     assert mf.parse(mf.seal(doc))["blocks"][0]["tokens"] == [1, 2, 3, 4]
     # version 1 (no shard_bytes: the array is one shard) is still read
     v1 = {k: v for k, v in doc.items() if k != "shard_bytes"} | {"format": mf.FORMAT, "version": 1}
@@ -142,9 +171,13 @@ def test_manifest_schema_errors_name_the_field():
         mf.parse(mf.seal(doc).replace(b'"writer":"w"', b'"writer":"x"'))
     with pytest.raises(mf.ManifestError, match="not JSON"):
         mf.parse(b"{")
-    for field, value, match in (("abi", "XYZ", "abi"), ("data_bytes", 4, "exceed data_bytes"),
-                                ("version", 3, "version"), ("shard_bytes", 1000, "shard_bytes"),
-                                ("chunk_bytes", 0, "chunk_bytes")):
+    for field, value, match in (
+        ("abi", "XYZ", "abi"),
+        ("data_bytes", 4, "exceed data_bytes"),
+        ("version", 3, "version"),
+        ("shard_bytes", 1000, "shard_bytes"),
+        ("chunk_bytes", 0, "chunk_bytes"),
+    ):
         raw = json.loads(mf.seal(doc))
         raw[field] = value
         raw["checksum"] = mf.zlib.crc32(mf._canonical(raw))
@@ -178,10 +211,13 @@ def test_hit_counts_survive_a_writer_reopened_under_its_id(tmp_path):
     assert DiskTier(str(tmp_path)).stats()["abis"][ABI]["hits"] == 4
 
 
-@pytest.mark.parametrize("fault,reason", [(None, None), ("flip", "disk_checksum"), ("truncate", "disk_truncated"),
-                                          ("delete", "disk_missing")])
+@pytest.mark.parametrize(
+    "fault,reason",
+    [(None, None), ("flip", "disk_checksum"), ("truncate", "disk_truncated"), ("delete", "disk_missing")],
+)
 def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at_its_first_block(
-        tmp_path, fault, reason):
+    tmp_path, fault, reason
+):
     tier = DiskTier(str(tmp_path), chunk_bytes=4096, shard_bytes=8192)
     blocks = chain("s", 6, kib=3, snapshot_every=2)  # 6 KiB rows: objects span chunk and shard boundaries
     tier.write(ABI, blocks)
@@ -195,8 +231,11 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
     assert sum(os.path.getsize(data / s) for s in shards) == doc["stored_bytes"] == seg.stored_bytes
     bad = 2  # the shard hit by the fault: the plan stops at the first block with a byte in it
     lo, hi = bad * 8192, (bad + 1) * 8192
-    first_bad = next(i for i, e in enumerate(doc["blocks"])
-                     if any(o["offset"] < hi and o["offset"] + o["nbytes"] > lo for o in e["objects"]))
+    first_bad = next(
+        i
+        for i, e in enumerate(doc["blocks"])
+        if any(o["offset"] < hi and o["offset"] + o["nbytes"] > lo for o in e["objects"])
+    )
     path = data / str(bad)
     if fault == "flip":
         raw = bytearray(path.read_bytes())

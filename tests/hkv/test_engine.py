@@ -44,8 +44,9 @@ def _assert_same(a, b):
 # chunk sizes: 1, 7, the window (8), the block (16) and larger (64)
 @pytest.mark.parametrize("chunk", [1, 7, CFG.sliding_window, 16, 64])
 def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=chunk,
-                        block_tokens=16)
+    engine = hkv.Engine(
+        model, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=chunk, block_tokens=16
+    )
     gens = engine.generate(PROMPTS, NEW)
     for g, toks, lg in zip(gens, *oracle):
         assert g.tokens == toks
@@ -69,8 +70,9 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     pages = [2 * layout.pool_pages(g) for g in range(len(layout.groups))]
     csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
     pages[csa[0]] = 12
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages)),
-                        prefill_chunk=32)
+    engine = hkv.Engine(
+        model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages)), prefill_chunk=32
+    )
     gens = engine.generate(prompts, NEW)
     assert engine.stats()["preemptions"] >= 1
     assert engine.stats()["cache"]["failed_no_pages"] >= 1
@@ -103,9 +105,16 @@ def test_matches_transformers_generate(tmp_path):
     gens = engine.generate(PROMPTS, 8)
     for prompt, g in zip(PROMPTS, gens):
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert out.sequences[0, len(prompt):].tolist() == g.tokens
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert out.sequences[0, len(prompt) :].tolist() == g.tokens
         want = torch.stack(out.logits, dim=1)[0].float().numpy()
         assert np.abs(g.logits - want).max() < 1e-4
 
@@ -165,8 +174,12 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
     # The decode step's attention and indexer top-k are pallas_kernels ops; force their Pallas GPU
     # (Triton-style) kernels in the interpreter on CPU and require the same tokens and logits.
     prompts = [PROMPTS[1][:45], PROMPTS[0][:23]]
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=32,
-                        kernel_options={"kernel_backend": "gpu", "interpret": True})
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=2, max_context=128, page_size=8),
+        prefill_chunk=32,
+        kernel_options={"kernel_backend": "gpu", "interpret": True},
+    )
     gens = engine.generate(prompts, 4)
     tokens, logits = greedy_stateless(model, prompts, 4)
     for g, toks, lg in zip(gens, tokens, logits):

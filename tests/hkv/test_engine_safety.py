@@ -258,18 +258,21 @@ def test_numpy_integers_and_2d_arrays_are_accepted(model, truth):
     assert g3[0].tokens == truth[tuple(a)]
 
 
-@pytest.mark.parametrize("bad,match", [
-    (None, "prompts"),
-    ([None], "prompt 0"),
-    ([[1, 2], None], "prompt 1"),
-    ([[True, False]], "prompt 0"),
-    (np.ones((1, 4), bool), "prompt 0"),
-    ([[1, [2, 3]]], "prompt 0"),
-    ([[1.0, 2.0]], "prompt 0"),
-    ([], "non-empty"),
-    ("1 2 3", "prompts"),
-    ([[1, 2**40]], "prompt 0"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (None, "prompts"),
+        ([None], "prompt 0"),
+        ([[1, 2], None], "prompt 1"),
+        ([[True, False]], "prompt 0"),
+        (np.ones((1, 4), bool), "prompt 0"),
+        ([[1, [2, 3]]], "prompt 0"),
+        ([[1.0, 2.0]], "prompt 0"),
+        ([], "non-empty"),
+        ("1 2 3", "prompts"),
+        ([[1, 2**40]], "prompt 0"),
+    ],
+)
 def test_bad_prompts_raise_named_errors_with_the_cache_untouched(model, bad, match):
     engine = _engine(model)
     before = [np.asarray(x).copy() for x in jax.tree.leaves(jax.device_get(engine.cache))]

@@ -39,8 +39,16 @@ def _recorded_chain(spec, blocks=3):
         toks[n - 1] = np.arange(BT) + 10 * n
         key = next_key(key, toks[n - 1].tolist())
         keys[n - 1] = key_words(key)
-        cache, r, st = px.record(layout, cache, jnp.int32(s), jnp.asarray(keys[n - 1]), jnp.int32(parent),
-                                 jnp.asarray(toks[n - 1]), jnp.bool_(False), jnp.int32(n * BT))
+        cache, r, st = px.record(
+            layout,
+            cache,
+            jnp.int32(s),
+            jnp.asarray(keys[n - 1]),
+            jnp.int32(parent),
+            jnp.asarray(toks[n - 1]),
+            jnp.bool_(False),
+            jnp.int32(n * BT),
+        )
         assert int(st) == Status.OK
         parent = int(r)
     cache, _ = tr.release_slot(layout, cache, jnp.int32(s))

@@ -34,8 +34,21 @@ from .test_disk_cli import ABI, _chain
 KEY = bytes(range(7, 39))
 SEG = "20990101T000000-fuzz-00000000"  # where the hostile manifest is stored
 REASONS = {mf.CHECKSUM, mf.MALFORMED, mf.AUTH, mf.ABI}
-TOP = ["format", "version", "abi", "segment", "writer", "created", "data_bytes", "stored_bytes", "chunk_bytes",
-       "shard_bytes", "blocks", "checksum", "auth"]
+TOP = [
+    "format",
+    "version",
+    "abi",
+    "segment",
+    "writer",
+    "created",
+    "data_bytes",
+    "stored_bytes",
+    "chunk_bytes",
+    "shard_bytes",
+    "blocks",
+    "checksum",
+    "auth",
+]
 BLOCK = ["key", "parent", "index", "length", "tokens", "indexer_version", "snapshot", "objects"]
 OBJECT = ["name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sha256"]
 DEEP = "__DEEP__"  # placeholder replaced by a deeply nested array in the sealed bytes
@@ -67,25 +80,39 @@ def bases(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------ strategies
-HUGE = [0, -1, 1, 63, 64, 4095, 4096, 2 ** 31, 2 ** 32, 2 ** 40, 2 ** 50, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 64,
-        -2 ** 63, 10 ** 30]
+HUGE = [0, -1, 1, 63, 64, 4095, 4096, 2**31, 2**32, 2**40, 2**50, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30]
 
 
 def _hostile(depth: int = 0):
-    scalars = st.one_of(st.sampled_from(HUGE), st.integers(-2 ** 70, 2 ** 70),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12), st.booleans(),
-                        st.none(), st.sampled_from(["", "0" * 32, "f" * 64, "bfloat16", "../x", "a" * 200]))
+    scalars = st.one_of(
+        st.sampled_from(HUGE),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=12),
+        st.booleans(),
+        st.none(),
+        st.sampled_from(["", "0" * 32, "f" * 64, "bfloat16", "../x", "a" * 200]),
+    )
     if depth >= 2:
         return scalars
-    return st.one_of(scalars, st.lists(_hostile(depth + 1), max_size=4),
-                     st.dictionaries(st.text(max_size=6), _hostile(depth + 1), max_size=3),
-                     st.just(DEEP), st.integers(1, 2000).map(lambda n: [0] * n))
+    return st.one_of(
+        scalars,
+        st.lists(_hostile(depth + 1), max_size=4),
+        st.dictionaries(st.text(max_size=6), _hostile(depth + 1), max_size=3),
+        st.just(DEEP),
+        st.integers(1, 2000).map(lambda n: [0] * n),
+    )
 
 
 # values a writer could plausibly have written: most pass the schema, so the invariants are exercised
-PLAUSIBLE = st.one_of(st.integers(0, 1 << 12).map(lambda x: x * 64), st.integers(0, 1 << 16),
-                      st.sampled_from([0, 1, 2, 4096, 8192, 1 << 19, 1 << 24]), st.floats(0, 1e9),
-                      st.lists(st.integers(0, 64), max_size=4), st.booleans())
+PLAUSIBLE = st.one_of(
+    st.integers(0, 1 << 12).map(lambda x: x * 64),
+    st.integers(0, 1 << 16),
+    st.sampled_from([0, 1, 2, 4096, 8192, 1 << 19, 1 << 24]),
+    st.floats(0, 1e9),
+    st.lists(st.integers(0, 64), max_size=4),
+    st.booleans(),
+)
 
 
 def _tweak(draw, current):
@@ -161,8 +188,9 @@ def _seal(doc, deep: int, key: mf.StoreKey | None, auth: str) -> bytes:
     where it is stored), `stale` or `missing`."""
     if not isinstance(doc, dict):
         return json.dumps(doc).encode().replace(f'"{DEEP}"'.encode(), b"[" * deep + b"]" * deep)
-    canonical = json.dumps({k: v for k, v in doc.items() if k not in ("checksum", "hmac")}, sort_keys=True,
-                           separators=(",", ":")).encode()
+    canonical = json.dumps(
+        {k: v for k, v in doc.items() if k not in ("checksum", "hmac")}, sort_keys=True, separators=(",", ":")
+    ).encode()
     canonical = canonical.replace(f'"{DEEP}"'.encode(), b"[" * deep + b"]" * deep)
     tail = b',"checksum":%d' % zlib.crc32(canonical)
     if key is not None and auth == "valid":
@@ -173,7 +201,7 @@ def _seal(doc, deep: int, key: mf.StoreKey | None, auth: str) -> bytes:
 
 
 # ------------------------------------------------------------------------------ invariants
-def _is_int(v, lo=0, hi=2 ** 63 - 1) -> bool:
+def _is_int(v, lo=0, hi=2**63 - 1) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
@@ -198,7 +226,7 @@ def assert_invariants(doc: dict, keyed: bool) -> None:
         if keyed:
             assert isinstance(b["tokens"], str) and len(b["tokens"]) == 64
         else:
-            assert isinstance(b["tokens"], list) and all(_is_int(t, -2 ** 63) for t in b["tokens"])
+            assert isinstance(b["tokens"], list) and all(_is_int(t, -(2**63)) for t in b["tokens"])
         assert isinstance(b["objects"], list) and len(b["objects"]) <= mf.MAX_OBJECTS
         assert len({o["name"] for o in b["objects"]}) == len(b["objects"])
         for o in b["objects"]:
@@ -206,7 +234,7 @@ def assert_invariants(doc: dict, keyed: bool) -> None:
             assert isinstance(o["shape"], list) and len(o["shape"]) <= 8 and all(_is_int(d) for d in o["shape"])
             assert o["nbytes"] == int(np.prod(o["shape"], dtype=object)) * mf.ITEMSIZE[o["dtype"]]
             assert _is_int(o["offset"]) and o["offset"] % mf.ALIGN == 0
-            assert o["offset"] + o["nbytes"] <= doc["data_bytes"] and _is_int(o["crc32"], 0, 2 ** 32 - 1)
+            assert o["offset"] + o["nbytes"] <= doc["data_bytes"] and _is_int(o["crc32"], 0, 2**32 - 1)
             assert _is_int(o["row_start"])
             assert ("sha256" in o) == keyed
             if o["nbytes"]:
@@ -268,8 +296,10 @@ def _fuzz_store(bases, tmp_path_factory, data):
     shutil.rmtree(root)
 
 
-FAST = dict(deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                                    HealthCheck.data_too_large])
+FAST = dict(
+    deadline=2000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @settings(max_examples=60, **FAST)

@@ -16,16 +16,25 @@ SPEC = cache_spec(tiny_config(), block_tokens=16)
 
 def meta(parent, length, last_used, snap, state=None):
     n = len(parent)
-    return {"state": np.asarray(state if state is not None else [1] * n, np.int8),
-            "parent": np.asarray(parent, np.int32), "length": np.asarray(length, np.int32),
-            "last_used": np.asarray(last_used, np.int32), "swa_held": np.asarray(snap, bool),
-            "tail_slot": np.where(np.asarray(snap, bool), 0, -1).astype(np.int32)}
+    return {
+        "state": np.asarray(state if state is not None else [1] * n, np.int8),
+        "parent": np.asarray(parent, np.int32),
+        "length": np.asarray(length, np.int32),
+        "last_used": np.asarray(last_used, np.int32),
+        "swa_held": np.asarray(snap, bool),
+        "tail_slot": np.where(np.asarray(snap, bool), 0, -1).astype(np.int32),
+    }
 
 
 # chain A: 0 -> 1 -> 2 (used at 10, 11, 12); chain B: 3 -> 4 (used at 20, 21); chain C shares A's root:
 # 0 -> 5 (used at 30); record 6 is dead. Snapshots at the leaves 2, 4, 5.
-M = meta(parent=[-1, 0, 1, -1, 3, 0, -1], length=[16, 32, 48, 16, 32, 32, 16],
-         last_used=[10, 11, 12, 20, 21, 30, 99], snap=[0, 0, 1, 0, 1, 1, 0], state=[1, 1, 1, 1, 1, 1, 0])
+M = meta(
+    parent=[-1, 0, 1, -1, 3, 0, -1],
+    length=[16, 32, 48, 16, 32, 32, 16],
+    last_used=[10, 11, 12, 20, 21, 30, 99],
+    snap=[0, 0, 1, 0, 1, 1, 0],
+    state=[1, 1, 1, 1, 1, 1, 0],
+)
 
 
 def test_chain_last_used_is_the_latest_use_through_each_record():

@@ -33,9 +33,14 @@ def make_engine(model, *, scale=4, records=96, retention=None, **kw):
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.pool_pages(g) * scale for g in range(len(layout.groups)))
-    return hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages,
-                                             prefix_records=records),
-                      block_tokens=BT, prefill_chunk=BT, retention=retention, **kw)
+    return hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=records),
+        block_tokens=BT,
+        prefill_chunk=BT,
+        retention=retention,
+        **kw,
+    )
 
 
 def diverge(k_tokens: int, tail: int = 9, seed: int = 0) -> list[int]:
@@ -212,8 +217,7 @@ def test_metrics_text_and_stats(model, warm):
 
 def test_prefix_chunk_must_align_with_blocks(model):
     with pytest.raises(ValueError, match=r"prefill_chunk=24 must be a multiple of block_tokens=16"):
-        hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64, prefix_records=4), block_tokens=16,
-                   prefill_chunk=24)
+        hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64, prefix_records=4), block_tokens=16, prefill_chunk=24)
 
 
 def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
@@ -241,8 +245,12 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages,
-                                               prefix_records=96), block_tokens=BT, prefill_chunk=4 * BT)
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96),
+        block_tokens=BT,
+        prefill_chunk=4 * BT,
+    )
     engine.generate([BASE], NEW)
     p = jax.device_get(engine.cache.prefix)
     alive = np.asarray(p.state) == px.RecordState.ALIVE
@@ -267,8 +275,12 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
-                                               prefix_records=6), block_tokens=BT, prefill_chunk=BT)
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=6),
+        block_tokens=BT,
+        prefill_chunk=BT,
+    )
     rng = np.random.default_rng(0)
     a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
     b = rng.integers(0, CFG.vocab_size, 8 * BT + 1).tolist()
@@ -280,7 +292,7 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
     assert sorted(lengths[alive].tolist()) == [k * BT for k in range(1, 7)]
     for r in np.nonzero(alive)[0]:
         assert (parents[r] < 0) if lengths[r] == BT else (lengths[parents[r]] == lengths[r] - BT)
-    (g,) = engine.generate([b[:7 * BT + 3]], 1)
+    (g,) = engine.generate([b[: 7 * BT + 3]], 1)
     assert g.plan.restored_tokens == 6 * BT
     hkv.check_invariants(engine.layout, engine.cache)
 
@@ -296,12 +308,16 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     rng = np.random.default_rng(4)
     a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
     b = rng.integers(0, CFG.vocab_size, 8 * BT + 5).tolist()
-    prompts = [a, b, b[:7 * BT + 3], a[:3 * BT] + b[:40]]
+    prompts = [a, b, b[: 7 * BT + 3], a[: 3 * BT] + b[:40]]
 
     def run(batch: int):
         monkeypatch.setattr(hkv.engine, "RECORD_BATCH", batch)
-        engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
-                                                   prefix_records=6), block_tokens=BT, prefill_chunk=4 * BT)
+        engine = hkv.Engine(
+            model,
+            hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=6),
+            block_tokens=BT,
+            prefill_chunk=4 * BT,
+        )
         gens = [engine.generate([p], NEW)[0] for p in prompts]
         hkv.check_invariants(engine.layout, engine.cache)
         return engine, gens
@@ -324,8 +340,12 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages,
-                                               prefix_records=4), block_tokens=BT, prefill_chunk=2 * BT)
+    engine = hkv.Engine(
+        model,
+        hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=4),
+        block_tokens=BT,
+        prefill_chunk=2 * BT,
+    )
     rng = np.random.default_rng(6)
     engine.generate([rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1)  # 4 records: index full
     captured, real = {}, engine._record_many
@@ -340,9 +360,11 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
     cache, slot = captured["cache"], captured["slot"]
     assert bool(np.all(np.asarray(cache.prefix.state) == px.RecordState.ALIVE))
     key, toks = jnp.arange(4, dtype=jnp.uint32), jnp.zeros((BT,), jnp.int32)
-    cases = {"NO_PAGES": (jnp.int32(-1), jnp.int32(BT), None),
-             "ORPHAN_BLOCK": (jnp.int32(-1), jnp.int32(2 * BT), None),  # a second block without its parent
-             "disabled": (jnp.int32(-1), jnp.int32(BT), jnp.bool_(False))}
+    cases = {
+        "NO_PAGES": (jnp.int32(-1), jnp.int32(BT), None),
+        "ORPHAN_BLOCK": (jnp.int32(-1), jnp.int32(2 * BT), None),  # a second block without its parent
+        "disabled": (jnp.int32(-1), jnp.int32(BT), jnp.bool_(False)),
+    }
     for want, (parent, length, enabled) in cases.items():
         out, r, status = px.record(engine.layout, cache, slot, key, parent, toks, jnp.bool_(True), length, enabled)
         assert int(r) == -1 and (want == "disabled" or hkv.Status(int(status)).name == want)

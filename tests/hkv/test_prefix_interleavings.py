@@ -33,7 +33,9 @@ def test_random_interleavings_keep_invariants_and_outputs(model, seed):
         prompts = []
         for _ in range(int(rng.integers(1, 4))):
             base = bases[int(rng.integers(3))]
-            prompts.append(base[:int(rng.integers(1, 200))] + rng.integers(0, CFG.vocab_size, int(rng.integers(1, 40))).tolist())
+            prompts.append(
+                base[: int(rng.integers(1, 200))] + rng.integers(0, CFG.vocab_size, int(rng.integers(1, 40))).tolist()
+            )
         new = int(rng.integers(1, 4))
         gens = engine.generate(prompts, new)
         tokens, logits = greedy_stateless(model, prompts, new, pad_to=256)

@@ -171,8 +171,12 @@ def assert_bit_identical_except(before, after, counter_deltas: dict[str, int]) -
 
 def empty_tail(spec: CompressorSpec):
     ov = spec.ratio if spec.overlap else 0
-    return (np.zeros((spec.ratio, spec.proj_width), np.float32), np.zeros((spec.ratio, spec.proj_width), np.float32),
-            np.zeros((ov, spec.entry_dim), np.float32), np.full((ov, spec.entry_dim), -np.inf, np.float32))
+    return (
+        np.zeros((spec.ratio, spec.proj_width), np.float32),
+        np.zeros((spec.ratio, spec.proj_width), np.float32),
+        np.zeros((ov, spec.entry_dim), np.float32),
+        np.full((ov, spec.entry_dim), -np.inf, np.float32),
+    )
 
 
 class Harness:
@@ -261,9 +265,13 @@ class Harness:
         if reserve:
             live = [s for s in range(self.layout.slots) if self.active[s] and self.length[s] < 40]
             good = live[0] if live else 0
-            cache, status = reserve_j(self.layout, before, jnp.array([slot, good, 0], jnp.int32),
-                                      jnp.array([1, self.length[good] + 8, 0], jnp.int32),
-                                      jnp.array([True, bool(live), False]))
+            cache, status = reserve_j(
+                self.layout,
+                before,
+                jnp.array([slot, good, 0], jnp.int32),
+                jnp.array([1, self.length[good] + 8, 0], jnp.int32),
+                jnp.array([True, bool(live), False]),
+            )
         else:
             cache, status = release_j(self.layout, before, jnp.int32(slot))
         self._record(int(status))
@@ -291,8 +299,12 @@ class Harness:
         """Host arrays of one step's typed writes (values from `val`, poison where ignored)."""
         lay = self.layout
         # rows that can succeed get real values; the others only matter if a failed step wrote them
-        mask = mask & (n <= C) & (old + n <= lay.config.max_context) & np.array(
-            [0 <= s < lay.slots and self.active[s] for s in slots])
+        mask = (
+            mask
+            & (n <= C)
+            & (old + n <= lay.config.max_context)
+            & np.array([0 <= s < lay.slots and self.active[s] for s in slots])
+        )
         positions = old[:, None] + np.arange(C)[None, :]
         valid = (np.arange(C)[None, :] < n[:, None]) & mask[:, None]
         seqs = [self.seq[s] if m else 0 for s, m in zip(slots, mask)]
@@ -339,8 +351,14 @@ class Harness:
             tails.append((kv, gate, ov_kv, ov_gate))
         return positions.astype(np.int32), valid, swa, sealed, tails
 
-    def append(self, rows: list[tuple[int, int]], pad_slots: list[int] | None = None, pad_len: int = 0,
-               fused: bool = False, perm: list[int] | None = None) -> int:
+    def append(
+        self,
+        rows: list[tuple[int, int]],
+        pad_slots: list[int] | None = None,
+        pad_len: int = 0,
+        fused: bool = False,
+        perm: list[int] | None = None,
+    ) -> int:
         """One step: rows (slot, n >= 1) of the batch, padded to B with idle rows (n = 0) whose
         slot ids are `pad_slots` (default: -1) and whose new length is `pad_len` (ignored); the
         batch rows are then permuted by `perm`."""
@@ -391,7 +409,7 @@ class Harness:
                     else:
                         name = "compressor" if grp.kind == ObjectKind.COMPRESSED else "indexer"
                         first, entries, count = sealed[tail_of[(layer, name)]]
-                        dst[first[b]: first[b] + count[b]] = entries[b, : count[b]]
+                        dst[first[b] : first[b] + count[b]] = entries[b, : count[b]]
             for ti, (_, name, _) in enumerate(lay.spec.compressors()):
                 self.tails[s][ti] = tuple(np.array(a[b], np.float32) for a in tails[ti])
                 if name == "compressor":
@@ -474,11 +492,13 @@ class CacheMachine(RuleBasedStateMachine):
     def append(self, data):
         """Append 1..C tokens to one or two active slots (may hit NO_PAGES / CONTEXT_CAP)."""
         act = self._active()
-        slots = data.draw(st.lists(st.sampled_from(act), min_size=1, max_size=min(B, len(act)), unique=True),
-                          label="slots")
+        slots = data.draw(
+            st.lists(st.sampled_from(act), min_size=1, max_size=min(B, len(act)), unique=True), label="slots"
+        )
         ns = [data.draw(st.integers(1, C), label="n") for _ in slots]
-        pads = data.draw(st.lists(st.sampled_from([-1, *range(self.LAYOUT.slots)]), min_size=B, max_size=B),
-                         label="pad slots")
+        pads = data.draw(
+            st.lists(st.sampled_from([-1, *range(self.LAYOUT.slots)]), min_size=B, max_size=B), label="pad slots"
+        )
         pad_len = data.draw(st.sampled_from([0, 5, 10**6]), label="pad length")
         perm = data.draw(st.permutations(range(B)), label="row order")
         self.h.append(list(zip(slots, ns)), pads, pad_len, fused=data.draw(st.booleans(), label="fused"), perm=perm)
@@ -510,8 +530,9 @@ class CacheMachine(RuleBasedStateMachine):
         if kind == "release inactive":
             assert self.h.release(data.draw(st.sampled_from(self._inactive()), label="slot")) == Status.SLOT_INACTIVE
         else:
-            slot = data.draw(st.sampled_from([-2, -1, self.LAYOUT.slots, self.LAYOUT.slots + 1, 2**31 - 1]),
-                             label="slot")
+            slot = data.draw(
+                st.sampled_from([-2, -1, self.LAYOUT.slots, self.LAYOUT.slots + 1, 2**31 - 1]), label="slot"
+            )
             self.h.unknown_slot(slot, reserve=kind == "unknown reserve")
 
     @rule(data=st.data())
@@ -520,8 +541,9 @@ class CacheMachine(RuleBasedStateMachine):
         next to a valid row: the whole batch fails."""
         act, inact = self._active(), self._inactive()
         cap = self.LAYOUT.config.max_context
-        kind = data.draw(st.sampled_from((["inactive"] if inact else []) + (["past context"] if act else [])),
-                         label="bad row")
+        kind = data.draw(
+            st.sampled_from((["inactive"] if inact else []) + (["past context"] if act else [])), label="bad row"
+        )
         if kind == "inactive":
             bad = (data.draw(st.sampled_from(inact), label="slot"), data.draw(st.integers(1, C), label="n"))
         else:
@@ -551,8 +573,14 @@ class DeepseekFullPoolMachine(CacheMachine):
     SEEN = collections.Counter()
 
 
-FAST = settings(max_examples=30, stateful_step_count=50, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FAST = settings(
+    max_examples=30,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @pytest.mark.parametrize("machine", [CacheMachine, GemmaMachine, DeepseekFullPoolMachine], ids=lambda m: m.__name__)
@@ -572,8 +600,9 @@ def test_state_machine(machine):
 @pytest.mark.slow
 @pytest.mark.parametrize("machine", [CacheMachine, GemmaMachine], ids=lambda m: m.__name__)
 def test_state_machine_soak(machine):
-    run_state_machine_as_test(machine, settings=settings(FAST, max_examples=200, stateful_step_count=80,
-                                                         derandomize=False))
+    run_state_machine_as_test(
+        machine, settings=settings(FAST, max_examples=200, stateful_step_count=80, derandomize=False)
+    )
 
 
 # ------------------------------------------------------------------------ focused unit tests
@@ -613,8 +642,10 @@ def test_no_pages_fails_the_whole_batch_and_leaves_the_cache_unchanged():
     assert h.length == [40, 30, 0]
     assert int(h.cache.counters["failed_no_pages"]) == 1
     assert_bit_identical_except(before, h.cache, {"failed_no_pages": 1})
-    old_pages = {gi: set(np.asarray(g.page_table[a])[np.asarray(g.page_table[a]) >= 0].tolist())
-                 for gi, g in enumerate(before.groups)}
+    old_pages = {
+        gi: set(np.asarray(g.page_table[a])[np.asarray(g.page_table[a]) >= 0].tolist())
+        for gi, g in enumerate(before.groups)
+    }
     h.release(a)
     assert h.append([(b, 10)]) == Status.OK
     h.check()
@@ -729,8 +760,9 @@ def test_reads_past_capacity_are_not_aliased():
     slots = jnp.array([s], jnp.int32)
     got = tr.read_rows(lay, h.cache, ObjectKind.SWA, 1, slots, past, jnp.ones(past.shape, bool))
     assert not np.asarray(got).any()
-    cache = jax.jit(tr.write_swa, static_argnums=(0, 2))(lay, h.cache, 1, slots, past, jnp.full((1, 4, 4), 5.0),
-                                                          jnp.ones(past.shape, bool))
+    cache = jax.jit(tr.write_swa, static_argnums=(0, 2))(
+        lay, h.cache, 1, slots, past, jnp.full((1, 4, 4), 5.0), jnp.ones(past.shape, bool)
+    )
     assert_bit_identical_except(h.cache, cache, {})
 
 

@@ -71,7 +71,7 @@ def test_every_single_element_change_of_every_leaf_is_detected(seed0):
             u = jax.lax.bitcast_convert_type(x, jnp.uint32)  # float32 and int32 leaves
             flat_u = u.reshape(-1)
             changed = jax.lax.bitcast_convert_type(flat_u.at[index].set(flat_u[index] ^ 1), x.dtype).reshape(x.shape)
-            variant = jax.tree_util.tree_unflatten(treedef, leaves[:i] + [changed] + leaves[i + 1:])
+            variant = jax.tree_util.tree_unflatten(treedef, leaves[:i] + [changed] + leaves[i + 1 :])
             d = weights_digest(variant)
             assert d not in seen, (jax.tree_util.keystr(flat[i][0]), index)
             seen.add(d)
@@ -105,8 +105,8 @@ def test_digest_is_a_pinned_function_of_values_dtypes_shapes_and_paths():
     d = weights_digest({"w": w})
     assert d == PINNED["f32_3x4"]
     assert weights_digest({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}) == d
-    assert weights_digest({"w": w.reshape(4, 3)}) != d                     # shape
-    assert weights_digest({"v": w}) != d                                   # path
+    assert weights_digest({"w": w.reshape(4, 3)}) != d  # shape
+    assert weights_digest({"v": w}) != d  # path
     assert weights_digest({"w": jax.lax.bitcast_convert_type(w, jnp.int32)}) != d  # same bits, other dtype
     assert weights_digest({"w": w.astype(jnp.bfloat16)}) != weights_digest({"w": w.astype(jnp.float16)})
     assert weights_digest({"w": w, "b": jnp.zeros((0,), jnp.float32)}) != d  # an empty leaf still counts

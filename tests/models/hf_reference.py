@@ -28,7 +28,10 @@ def build_hf_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalL
                 p.copy_(0.06 * noise)
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
-                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(b.shape[0])]
+                rows = [
+                    torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                    for _ in range(b.shape[0])
+                ]
                 b.copy_(torch.stack(rows))
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))

@@ -233,7 +233,10 @@ def test_the_safetensors_package_reads_our_files(tmp_path):
     for k, t in tensors.items():  # byte-exact numpy copies with the matching numpy dtype
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
         np_dtype = {
-            "bf16": BF16, "e4m3": E4M3, "e5m2": E5M2, "e8m0": E8M0,
+            "bf16": BF16,
+            "e4m3": E4M3,
+            "e5m2": E5M2,
+            "e8m0": E8M0,
         }.get(k, None) or t.numpy().dtype
         ours[k] = raw.view(np_dtype).reshape(tuple(t.shape))
     p = tmp_path / "ours.safetensors"
@@ -247,7 +250,10 @@ def test_the_safetensors_package_reads_our_files(tmp_path):
         assert f.metadata() == {"who": "hkv"}
 
 
-_GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "I32", "shape": [1], "data_offsets": [8, 12]}}
+_GOOD = {
+    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    "b": {"dtype": "I32", "shape": [1], "data_offsets": [8, 12]},
+}
 
 
 @pytest.mark.parametrize(
@@ -257,7 +263,10 @@ _GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dty
         (_GOOD, b"\0" * 12, 10**6, r"header length 1000000 overruns"),
         (_GOOD, b"\0" * 10, None, r"'b'.*out of range.*truncated"),
         (
-            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
             b"\0" * 12,
             None,
             r"'a'.*'b'.*overlap",
@@ -315,7 +324,10 @@ def test_truncated_real_file_and_garbage(tmp_path):
         # (c) in-memory
         ("model.layers.1.self_attn.q_a_proj.weight", "layers.1.attn.wq_a.weight"),
         ("model.layers.1.self_attn.q_a_proj.weight_scale_inv", "layers.1.attn.wq_a.scale"),
-        ("model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight", "layers.1.attn.indexer.weights_proj.weight"),
+        (
+            "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            "layers.1.attn.indexer.weights_proj.weight",
+        ),
         ("model.layers.1.self_attn.compressor.indexer.position_bias", "layers.1.attn.indexer.compressor.ape"),
         ("model.layers.1.self_attn.compressor.indexer.kv_norm.weight", "layers.1.attn.indexer.compressor.norm.weight"),
         ("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight", "layers.1.attn.indexer.wq_b.weight"),
@@ -364,11 +376,15 @@ def hf(tmp_path_factory):
 
 def _scheme_a(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The original DeepSeek names, derived from a save_pretrained file."""
-    top = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
-           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    top = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.hc_head.hc_fn": "hc_head_fn",
+        "model.hc_head.hc_base": "hc_head_base",
+        "model.hc_head.hc_scale": "hc_head_scale",
+    }
     out = {}
     for k, v in saved.items():
-        k2 = top.get(k) or (k[len("model."):] if k.startswith("model.") else k)
+        k2 = top.get(k) or (k[len("model.") :] if k.startswith("model.") else k)
         out[k2] = np.array(v)
     return out
 
@@ -528,7 +544,9 @@ def test_duplicate_names_and_int32_tid2eid(canon, tmp_path):
     assert ck.read_checkpoint(tmp_path, cfg)["layers.0.ffn.gate.tid2eid"].dtype == np.int32
     a["lm_head.weight"] = a["head.weight"]
     ck.write_safetensors(tmp_path / "model.safetensors", a)
-    with pytest.raises(CheckpointError, match=r"duplicate: .*'(lm_)?head\.weight'.*'(lm_)?head\.weight'.*both map to 'head\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"duplicate: .*'(lm_)?head\.weight'.*'(lm_)?head\.weight'.*both map to 'head\.weight'"
+    ):
         ck.read_checkpoint(tmp_path, cfg)
 
 
@@ -576,7 +594,12 @@ def test_fp4_nibble_order_and_table():
     assert np.signbit(ck.unpack_fp4(packed)[0, 3])
     np.testing.assert_array_equal(ck.FP4_E2M1_LUT, _E2M1_VALUES)
     every = np.arange(256, dtype=np.uint8).reshape(4, 64)
-    ref = np.array([[_e2m1_by_bits(int(b) & 0xF if c % 2 == 0 else int(b) >> 4) for c, b in enumerate(np.repeat(r, 2))] for r in every])
+    ref = np.array(
+        [
+            [_e2m1_by_bits(int(b) & 0xF if c % 2 == 0 else int(b) >> 4) for c, b in enumerate(np.repeat(r, 2))]
+            for r in every
+        ]
+    )
     np.testing.assert_array_equal(ck.unpack_fp4(every.view(np.int8)), ref)
 
 
@@ -630,7 +653,9 @@ def test_fused_3d_dequant_matches_per_expert():
 
 def test_dequant_errors_name_the_tensor():
     q = np.zeros((32, 64), E4M3)
-    with pytest.raises(CheckpointError, match=r"x\.weight: weight shape \(32, 64\) is not divisible by scale grid \(3, 4\)"):
+    with pytest.raises(
+        CheckpointError, match=r"x\.weight: weight shape \(32, 64\) is not divisible by scale grid \(3, 4\)"
+    ):
         ck.dequantize(q, np.ones((3, 4), np.float32), name="x.weight")
     with pytest.raises(CheckpointError, match=r"x\.weight: scale grid \(2, 4, 4\) does not match"):
         ck.dequantize(q, np.ones((2, 4, 4), np.float32), name="x.weight")
@@ -638,7 +663,9 @@ def test_dequant_errors_name_the_tensor():
         ck.dequantize(q, np.ones((2, 4), np.int32), name="x.weight")
     with pytest.raises(CheckpointError, match=r"x\.weight: dtype float32 is not quantized"):
         ck.dequantize(np.zeros((32, 64), np.float32), np.ones((2, 4), np.float32), name="x.weight")
-    np.testing.assert_array_equal(ck.dequantize(np.ones((4, 4), E4M3), np.array([0.5], np.float32)), np.full((4, 4), 0.5))
+    np.testing.assert_array_equal(
+        ck.dequantize(np.ones((4, 4), E4M3), np.array([0.5], np.float32)), np.full((4, 4), 0.5)
+    )
 
 
 def _fp8_dequant_reference(torch):
@@ -680,13 +707,23 @@ def test_fp4_dequant_matches_transformers():
 
 # ------------------------------------------------------------------- a quantized V4-style checkpoint
 _FP8_SUFFIXES = (
-    "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
-    "compressor.wkv.weight", "compressor.wgate.weight", "indexer.wq_b.weight", "shared_experts.w1.weight",
-    "shared_experts.w2.weight", "shared_experts.w3.weight",
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "compressor.wkv.weight",
+    "compressor.wgate.weight",
+    "indexer.wq_b.weight",
+    "shared_experts.w1.weight",
+    "shared_experts.w2.weight",
+    "shared_experts.w3.weight",
 )
 
 
-def _quantize_checkpoint(a: dict[str, np.ndarray], scale_key: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def _quantize_checkpoint(
+    a: dict[str, np.ndarray], scale_key: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(stored tensors, expected dequantized values): FP8 [16,16] dense weights, FP4 experts, bf16 norms."""
     stored, want = {}, {}
     for k, v in a.items():
@@ -714,8 +751,12 @@ def test_quantized_checkpoint_is_dequantized(canon, tmp_path, scale_key):
         stored = {("model." + k if k.startswith("layers.") else k): v for k, v in stored.items()}
     _write_sharded(tmp_path, stored, 2)
     quant = {
-        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-        "weight_block_size": [16, 16], "activation_scheme": "dynamic", "expert_dtype": "fp4",
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [16, 16],
+        "activation_scheme": "dynamic",
+        "expert_dtype": "fp4",
     }
     _write_config(tmp_path, cfg, quantization_config=quant)
     qcfg = ck.read_config(tmp_path)

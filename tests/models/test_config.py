@@ -21,8 +21,9 @@ from models.deepseek_v4.config import (
 
 
 def test_round_trip_through_hf_dict():
-    cfg = tiny_config(rope_compress=RopeSpec(theta=1e5, rope_type="yarn", factor=8.0,
-                                             original_max_position_embeddings=128))
+    cfg = tiny_config(
+        rope_compress=RopeSpec(theta=1e5, rope_type="yarn", factor=8.0, original_max_position_embeddings=128)
+    )
     again = DeepseekV4Config.from_dict(json.loads(json.dumps(cfg.to_hf_dict())))
     assert again == cfg
 
@@ -31,9 +32,18 @@ def test_legacy_keys_of_the_original_release():
     d = tiny_config().to_hf_dict()
     for k in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor", "rope_parameters"):
         d.pop(k)
-    d.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=1, qk_rope_head_dim=8,
-             rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 512,
-                           "beta_fast": 32, "beta_slow": 1})
+    d.update(
+        compress_ratios=[0, 4, 128, 4],
+        num_hash_layers=1,
+        qk_rope_head_dim=8,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
     cfg = DeepseekV4Config.from_dict(d)
     assert cfg.layer_types == (SLIDING, CSA, HCA, CSA)
     assert cfg.mlp_layer_types == (HASH_MOE, MOE, MOE, MOE)
@@ -52,7 +62,10 @@ def test_transformers_default_schedule():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"layer_types": [SLIDING, "full_attention", HCA, CSA]}, r"layer_types has unknown entries \['full_attention'\]"),
+        (
+            {"layer_types": [SLIDING, "full_attention", HCA, CSA]},
+            r"layer_types has unknown entries \['full_attention'\]",
+        ),
         ({"mlp_layer_types": [MOE, MOE, "dense", MOE]}, r"mlp_layer_types has unknown entries \['dense'\]"),
         ({"layer_types": [SLIDING, CSA]}, r"len\(layer_types\)=2 must equal num_hidden_layers=4"),
         ({"compress_ratios": [0, 4, 64, 4], "layer_types": None}, r"compress_ratios entry 64"),
@@ -79,8 +92,13 @@ def test_inverse_frequencies_equal_transformers(rope_type):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     spec = RopeSpec(theta=160000.0, rope_type=rope_type, factor=16.0, original_max_position_embeddings=65536)
-    cfg = tiny_config(head_dim=128, qk_rope_head_dim=64, index_head_dim=64, max_position_embeddings=1 << 20,
-                      rope_compress=spec if rope_type == "yarn" else RopeSpec(theta=160000.0))
+    cfg = tiny_config(
+        head_dim=128,
+        qk_rope_head_dim=64,
+        index_head_dim=64,
+        max_position_embeddings=1 << 20,
+        rope_compress=spec if rope_type == "yarn" else RopeSpec(theta=160000.0),
+    )
     hf = DeepseekV4RotaryEmbedding(HFConfig(**cfg.to_hf_dict()))
     for fam in ("main", "compress"):
         want = getattr(hf, f"{fam}_inv_freq").numpy()

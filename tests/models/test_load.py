@@ -66,10 +66,10 @@ def _quantize_fp8(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     q = np.zeros_like(w, dtype=ml_dtypes.float8_e4m3fn)
     for i in range(gr):
         for j in range(gc):
-            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            blk = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
             s = max(np.abs(blk).max() / 448.0, 1e-12)
             scale[i, j] = s
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
 
 
@@ -118,13 +118,18 @@ def test_fp8_and_fp4_checkpoint_is_dequantized_on_load(reference, tmp_path):
     assert len(dequantized) > 40
     write_safetensors(tmp_path / "model.safetensors", out)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16],
-                                  "expert_dtype": "fp4"}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [16, 16],
+        "expert_dtype": "fp4",
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     qmodel = load(tmp_path, dtype=jnp.float32)
     assert qmodel.cfg.quantization == "fp8"
-    np.testing.assert_array_equal(np.asarray(qmodel.layers[0].attn.wq_a.value),
-                                  dequantized["layers.0.attn.wq_a.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(qmodel.layers[0].attn.wq_a.value), dequantized["layers.0.attn.wq_a.weight"]
+    )
     # The whole model equals one built from independently dequantized weights.
     canonical = {canonical_name(k): np.asarray(v) for k, v in src.items()}
     canonical.update(dequantized)

@@ -34,8 +34,14 @@ CASES = {
         compress_rate_hca=32,
         sliding_window=16,
         hc_mult=3,
-        rope_compress=RopeSpec(theta=160000.0, rope_type="yarn", factor=16.0,
-                               original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0),
+        rope_compress=RopeSpec(
+            theta=160000.0,
+            rope_type="yarn",
+            factor=16.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        ),
     ),
     # CSA first, top-k larger than the number of entries (every causal entry selected), sigmoid router
     "csa_first_topk_all_sigmoid": tiny_config(
@@ -69,7 +75,9 @@ def test_logits_match_transformers(pair):
         want = hf(torch.tensor(ids)).logits.float().numpy()
     assert got.shape == want.shape == (2, 307, ours.cfg.vocab_size)
     err = np.abs(got - want).max()
-    assert err < 1e-4, f"max |logit diff| {err:.3g} (first bad position {np.argmax(np.abs(got - want).max(axis=(0, 2)) >= 1e-4)})"
+    assert err < 1e-4, (
+        f"max |logit diff| {err:.3g} (first bad position {np.argmax(np.abs(got - want).max(axis=(0, 2)) >= 1e-4)})"
+    )
 
 
 def test_greedy_continuation_matches_transformers_generate(pair):
@@ -82,8 +90,15 @@ def test_greedy_continuation_matches_transformers_generate(pair):
         with torch.no_grad():
             ids = torch.tensor([prompt])
             # explicit all-ones mask: otherwise generate() treats every id equal to pad_token_id as padding
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        assert out.sequences[0, len(prompt):].tolist() == toks
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        assert out.sequences[0, len(prompt) :].tolist() == toks
         want = torch.stack(out.logits, dim=1)[0].float().numpy()
         assert np.abs(lg - want).max() < 1e-4

@@ -24,49 +24,78 @@ TARGETS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_c
 
 
 def _s(shape, dtype=jnp.int32):
-  return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _inputs(dtype):
-  window = (_s((BATCH, HEADS, HEAD_DIM), dtype), _s((300, PAGE, HEAD_DIM), dtype),
-            _s((BATCH, CONTEXT // PAGE)), _s((BATCH,)), _s((HEADS,), jnp.float32))
-  csa_pages = CONTEXT // CSA_RATIO // PAGE
-  csa = (_s((BATCH * csa_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, csa_pages)), _s((BATCH,)))
-  hca_pages = CONTEXT // HCA_RATIO // PAGE
-  hca = (_s((BATCH * hca_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, hca_pages)), _s((BATCH,)))
-  indexer = (_s((BATCH, IDX_HEADS, IDX_DIM), dtype), _s((BATCH, IDX_HEADS), dtype),
-             _s((BATCH * csa_pages + 5, PAGE, IDX_DIM), dtype), _s((BATCH, csa_pages)),
-             _s((BATCH,)), _s((BATCH,)))
-  return window, csa, hca, indexer
+    window = (
+        _s((BATCH, HEADS, HEAD_DIM), dtype),
+        _s((300, PAGE, HEAD_DIM), dtype),
+        _s((BATCH, CONTEXT // PAGE)),
+        _s((BATCH,)),
+        _s((HEADS,), jnp.float32),
+    )
+    csa_pages = CONTEXT // CSA_RATIO // PAGE
+    csa = (_s((BATCH * csa_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, csa_pages)), _s((BATCH,)))
+    hca_pages = CONTEXT // HCA_RATIO // PAGE
+    hca = (_s((BATCH * hca_pages + 5, PAGE, HEAD_DIM), dtype), _s((BATCH, hca_pages)), _s((BATCH,)))
+    indexer = (
+        _s((BATCH, IDX_HEADS, IDX_DIM), dtype),
+        _s((BATCH, IDX_HEADS), dtype),
+        _s((BATCH * csa_pages + 5, PAGE, IDX_DIM), dtype),
+        _s((BATCH, csa_pages)),
+        _s((BATCH,)),
+        _s((BATCH,)),
+    )
+    return window, csa, hca, indexer
 
 
 def _ops(backend, dtype):
-  window, csa, hca, indexer = _inputs(dtype)
-  return {
-      "paged_gather": (lambda *a: paged_gather(*a, backend=backend),
-                       (window[1], window[2], window[3])),
-      "swa": (lambda *a: swa_decode_attention(*a, window=WINDOW, backend=backend), window),
-      "hca": (lambda *a: hca_decode_attention(*a, window=WINDOW, compress_ratio=HCA_RATIO,
-                                              backend=backend), window + hca),
-      "csa": (lambda *a: csa_decode_attention(*a, window=WINDOW, compress_ratio=CSA_RATIO,
-                                              backend=backend),
-              window + csa + (_s((BATCH, TOPK)),)),
-      "indexer": (lambda *a: indexer_topk(*a, k=TOPK, compress_ratio=CSA_RATIO, backend=backend),
-                  indexer),
-      # Pools stacked over 4 layers, read in place at a traced layer index.
-      "csa_stacked": (lambda layer, *a: csa_decode_attention(
-          a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], window=WINDOW,
-          compress_ratio=CSA_RATIO, window_layer=layer, compressed_layer=layer, backend=backend),
-                      (_s(()), window[0], _s((4,) + window[1].shape, dtype)) + window[2:]
-                      + (_s((4,) + csa[0].shape, dtype),) + csa[1:] + (_s((BATCH, TOPK)),)),
-  }
+    window, csa, hca, indexer = _inputs(dtype)
+    return {
+        "paged_gather": (lambda *a: paged_gather(*a, backend=backend), (window[1], window[2], window[3])),
+        "swa": (lambda *a: swa_decode_attention(*a, window=WINDOW, backend=backend), window),
+        "hca": (
+            lambda *a: hca_decode_attention(*a, window=WINDOW, compress_ratio=HCA_RATIO, backend=backend),
+            window + hca,
+        ),
+        "csa": (
+            lambda *a: csa_decode_attention(*a, window=WINDOW, compress_ratio=CSA_RATIO, backend=backend),
+            window + csa + (_s((BATCH, TOPK)),),
+        ),
+        "indexer": (lambda *a: indexer_topk(*a, k=TOPK, compress_ratio=CSA_RATIO, backend=backend), indexer),
+        # Pools stacked over 4 layers, read in place at a traced layer index.
+        "csa_stacked": (
+            lambda layer, *a: csa_decode_attention(
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                a[4],
+                a[5],
+                a[6],
+                a[7],
+                a[8],
+                window=WINDOW,
+                compress_ratio=CSA_RATIO,
+                window_layer=layer,
+                compressed_layer=layer,
+                backend=backend,
+            ),
+            (_s(()), window[0], _s((4,) + window[1].shape, dtype))
+            + window[2:]
+            + (_s((4,) + csa[0].shape, dtype),)
+            + csa[1:]
+            + (_s((BATCH, TOPK)),),
+        ),
+    }
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("op", ["paged_gather", "swa", "hca", "csa", "indexer", "csa_stacked"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_to_the_platform_kernel(platform, op, dtype):
-  backend, custom_call = TARGETS[platform]
-  fn, args = _ops(backend, dtype)[op]
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-  assert custom_call in text
+    backend, custom_call = TARGETS[platform]
+    fn, args = _ops(backend, dtype)[op]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert custom_call in text

@@ -14,20 +14,35 @@ HEADS, HEAD_DIM, PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 32, 4, 6, 40
 
 
 @hypothesis.settings(max_examples=25, deadline=None)
-@hypothesis.given(lengths=st.lists(st.integers(0, PAGES_PER_SEQ * PAGE_SIZE), min_size=4,
-                                   max_size=4),
-                  window=st.sampled_from([1, 4, 7, 9]), seed=st.integers(0, 2**31 - 1),
-                  with_sinks=st.booleans())
+@hypothesis.given(
+    lengths=st.lists(st.integers(0, PAGES_PER_SEQ * PAGE_SIZE), min_size=4, max_size=4),
+    window=st.sampled_from([1, 4, 7, 9]),
+    seed=st.integers(0, 2**31 - 1),
+    with_sinks=st.booleans(),
+)
 def test_reference_matches_oracle(lengths, window, seed, with_sinks):
-  lengths = np.array(lengths, np.int32)
-  case = testing.window_case(np.random.default_rng(seed), np.float32, lengths, heads=HEADS,
-                             head_dim=HEAD_DIM, page_size=PAGE_SIZE, window=window,
-                             pages_per_seq=PAGES_PER_SEQ, num_pages=NUM_PAGES,
-                             with_sinks=with_sinks)
-  oracle = np.stack([testing.softmax_with_sinks_np(case["q"][b], rows, case["sinks"],
-                                                   HEAD_DIM**-0.5)
-                     for b, rows in enumerate(case["window_rows"])])
-  args = [None if case[n] is None else jnp.asarray(case[n])
-          for n in ("q", "window_pool", "window_page_table", "lengths", "sinks")]
-  out = swa_decode_attention_reference(*args, window=window)
-  np.testing.assert_allclose(np.asarray(out), oracle, **testing.TOLERANCES["float32"])
+    lengths = np.array(lengths, np.int32)
+    case = testing.window_case(
+        np.random.default_rng(seed),
+        np.float32,
+        lengths,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        window=window,
+        pages_per_seq=PAGES_PER_SEQ,
+        num_pages=NUM_PAGES,
+        with_sinks=with_sinks,
+    )
+    oracle = np.stack(
+        [
+            testing.softmax_with_sinks_np(case["q"][b], rows, case["sinks"], HEAD_DIM**-0.5)
+            for b, rows in enumerate(case["window_rows"])
+        ]
+    )
+    args = [
+        None if case[n] is None else jnp.asarray(case[n])
+        for n in ("q", "window_pool", "window_page_table", "lengths", "sinks")
+    ]
+    out = swa_decode_attention_reference(*args, window=window)
+    np.testing.assert_allclose(np.asarray(out), oracle, **testing.TOLERANCES["float32"])
