@@ -1,0 +1,354 @@
+"""Gemma 3 (text) in Flax NNX and its stateless forward.
+
+`Gemma3(cfg, tensors, dtype)` builds the model from canonical tensors (transformers' `Gemma3ForCausalLM`
+names without the `model.` prefix, see `expected_tensors`); `init(cfg, seed)` makes random ones;
+`checkpoint.load(path)` reads an HF directory. `model(tokens int32[B, T]) -> float32[B, T, vocab]`
+recomputes every position from the whole prefix; no cache is involved.
+
+Pieces a cached path reuses (the same math, layer by layer):
+    model.embed(tokens)                        int32[B, T] -> [B, T, hidden] (scaled by sqrt(hidden))
+    model.rope_tables(positions)               {layer_type: (cos, sin) float32[B, T, head_dim]}
+    layer = model.layers[i]; layer.layer_type  "sliding_attention" | "full_attention"
+    layer.attn.project_qkv(layer.input_norm(x), cos, sin) -> q [B,T,H,D], k/v [B,T,Hkv,D] (normed, roped)
+    dense_attention(q, k, v, mask, cfg.scaling)            -> o [B,T,H,D]  (or a paged kernel)
+    x = x + layer.post_attention_norm(layer.attn.project_output(o))
+    x = layer.ffn_block(x)                     pre-ffn norm, gated GELU-tanh MLP, post-ffn norm, residual
+    model.logits(x)                            final norm, tied head, final softcap -> float32[B, T, vocab]
+    attention_mask(q_pos, k_pos, window)       bool mask; `window` = tokens attended incl. the current one
+
+Numerics follow transformers 5.24 `modeling_gemma3.py`: every RMSNorm computes in float32 as
+`x * rsqrt(mean(x^2) + eps) * (1 + w)` and casts to the activation dtype; cos/sin are computed in
+float32 and cast to the activation dtype; attention probabilities are a float32 softmax cast back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import FULL, LAYER_TYPES, SLIDING, Gemma3Config
+
+# ------------------------------------------------------------------ functions
+
+
+def gemma_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """Gemma RMSNorm over the last axis: float32 `x * rsqrt(mean(x^2) + eps) * (1 + w)`, cast to x.dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
+    """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype."""
+    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+
+
+def cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """positions int[...] -> (cos, sin) float32[..., 2 * len(inv_freq)] (frequencies repeated for both halves)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate-half RoPE: x [B, T, H, D] with cos/sin [B, T, D] (float32; cast to x.dtype first, as transformers)."""
+    cos = cos.astype(x.dtype)[:, :, None, :]
+    sin = sin.astype(x.dtype)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int | None = None) -> jnp.ndarray:
+    """bool[..., Tq, Tk]: causal, and for a sliding layer only the last `window` tokens including the current
+    one (`q - window < k <= q`, transformers' sliding_window semantics). q_pos [..., Tq], k_pos [..., Tk]."""
+    q = q_pos[..., :, None]
+    k = k_pos[..., None, :]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask
+
+
+def dense_attention(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    mask: jnp.ndarray,
+    scale: float,
+    softcap: float | None = None,
+) -> jnp.ndarray:
+    """Plain GQA attention. q [B, T, H, D], k/v [B, S, Hkv, D], mask bool broadcastable to [B, T, S]
+    (True = visible; every row needs >= 1 visible key) -> o [B, T, H, D] in q.dtype.
+
+    Scores accumulate in float32, optional tanh softcap `softcap * tanh(s / softcap)`, float32 softmax,
+    probabilities cast to v.dtype for the value product (transformers' eager order of roundings)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    m = jnp.broadcast_to(mask, (b, t, mask.shape[-1]))[:, None, None]
+    s = jnp.where(m, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+# ------------------------------------------------------------------- modules
+
+
+class Attention(nnx.Module):
+    """Gemma 3 self-attention weights (`layers.N.self_attn.*`): q/k/v/o projections and q/k RMSNorms."""
+
+    def __init__(self, cfg: Gemma3Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}.self_attn."
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = nnx.Param(jnp.asarray(tensors[p + "q_proj.weight"], dtype))
+        self.k_proj = nnx.Param(jnp.asarray(tensors[p + "k_proj.weight"], dtype))
+        self.v_proj = nnx.Param(jnp.asarray(tensors[p + "v_proj.weight"], dtype))
+        self.o_proj = nnx.Param(jnp.asarray(tensors[p + "o_proj.weight"], dtype))
+        self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], dtype))
+        self.k_norm = nnx.Param(jnp.asarray(tensors[p + "k_norm.weight"], dtype))
+
+    def project_qkv(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray):
+        """Normed hidden x [B, T, hidden] -> q [B, T, H, D], k [B, T, Hkv, D] (q/k-normed, roped), v [B, T, Hkv, D]."""
+        b, t, _ = x.shape
+        q = linear(x, self.q_proj.value).reshape(b, t, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj.value).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj.value).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(gemma_rms_norm(q, self.q_norm.value, self.eps), cos, sin)
+        k = apply_rope(gemma_rms_norm(k, self.k_norm.value, self.eps), cos, sin)
+        return q, k, v
+
+    def project_output(self, o: jnp.ndarray) -> jnp.ndarray:
+        """Attention output o [B, T, H, D] -> [B, T, hidden]."""
+        return linear(o.reshape(*o.shape[:2], -1), self.o_proj.value)
+
+
+class MLP(nnx.Module):
+    """Gated GELU-tanh MLP (`layers.N.mlp.{gate,up,down}_proj`)."""
+
+    def __init__(self, cfg: Gemma3Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}.mlp."
+        self.gate_proj = nnx.Param(jnp.asarray(tensors[p + "gate_proj.weight"], dtype))
+        self.up_proj = nnx.Param(jnp.asarray(tensors[p + "up_proj.weight"], dtype))
+        self.down_proj = nnx.Param(jnp.asarray(tensors[p + "down_proj.weight"], dtype))
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        gate = jax.nn.gelu(linear(x, self.gate_proj.value), approximate=True)
+        return linear(gate * linear(x, self.up_proj.value), self.down_proj.value)
+
+
+class DecoderLayer(nnx.Module):
+    """One Gemma 3 block (sandwich norms around attention and around the MLP)."""
+
+    def __init__(self, cfg: Gemma3Config, layer: int, tensors: dict, dtype):
+        p = f"layers.{layer}."
+        self.layer_type = cfg.layer_types[layer]
+        self.window = cfg.window if self.layer_type == SLIDING else None
+        self.eps = cfg.rms_norm_eps
+        self.scaling = cfg.scaling
+        norm = {n: nnx.Param(jnp.asarray(tensors[p + n + ".weight"], dtype)) for n in _LAYER_NORMS}
+        self.input_layernorm = norm["input_layernorm"]
+        self.post_attention_layernorm = norm["post_attention_layernorm"]
+        self.pre_feedforward_layernorm = norm["pre_feedforward_layernorm"]
+        self.post_feedforward_layernorm = norm["post_feedforward_layernorm"]
+        self.attn = Attention(cfg, layer, tensors, dtype)
+        self.mlp = MLP(cfg, layer, tensors, dtype)
+
+    def input_norm(self, x: jnp.ndarray) -> jnp.ndarray:
+        return gemma_rms_norm(x, self.input_layernorm.value, self.eps)
+
+    def post_attention_norm(self, x: jnp.ndarray) -> jnp.ndarray:
+        return gemma_rms_norm(x, self.post_attention_layernorm.value, self.eps)
+
+    def ffn_block(self, x: jnp.ndarray) -> jnp.ndarray:
+        """Residual MLP half: x + post_ffn_norm(mlp(pre_ffn_norm(x)))."""
+        h = self.mlp(gemma_rms_norm(x, self.pre_feedforward_layernorm.value, self.eps))
+        return x + gemma_rms_norm(h, self.post_feedforward_layernorm.value, self.eps)
+
+    def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+        """Stateless: x [B, T, hidden], cos/sin [B, T, D] of this layer's type, mask bool [B, T, T]."""
+        q, k, v = self.attn.project_qkv(self.input_norm(x), cos, sin)
+        o = dense_attention(q, k, v, mask, self.scaling)
+        x = x + self.post_attention_norm(self.attn.project_output(o))
+        return self.ffn_block(x)
+
+
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+class Gemma3(nnx.Module):
+    """Gemma 3 causal LM (text). `model(tokens int32[B, T]) -> float32[B, T, vocab]` (stateless)."""
+
+    def __init__(self, cfg: Gemma3Config, tensors: dict, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Param(jnp.asarray(tensors["embed_tokens.weight"], dtype))
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Param(jnp.asarray(tensors["lm_head.weight"], dtype))
+        self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
+        # float32(sqrt(hidden)) cast to the weight dtype (transformers' embed_scale buffer; 55.4256 -> 55.5 in bf16)
+        self._embed_scale = float(np.float32(cfg.hidden_size**0.5))
+        # Static (hashable) float32 inverse frequencies per layer type; exact round trip via float.
+        self._freqs = tuple((t, tuple(float(v) for v in cfg.rope[t].inv_freq(cfg.head_dim))) for t in LAYER_TYPES)
+
+    @property
+    def freqs(self) -> dict[str, np.ndarray]:
+        """{layer_type: float32[head_dim // 2]} inverse RoPE frequencies (linear scaling already applied)."""
+        return {t: np.asarray(v, np.float32) for t, v in self._freqs}
+
+    # ------------------------------------------------------------ shared pieces
+    def rope_tables(self, positions: jnp.ndarray) -> dict[str, tuple[jnp.ndarray, jnp.ndarray]]:
+        """positions int32[B, T] -> {"sliding_attention" | "full_attention": (cos, sin) float32[B, T, head_dim]}."""
+        return {t: cos_sin(positions, f) for t, f in self.freqs.items()}
+
+    def embed(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        """int32[B, T] -> [B, T, hidden] in the model dtype, scaled by sqrt(hidden) (in that dtype)."""
+        w = self.embed_tokens.value
+        return w[tokens] * jnp.asarray(self._embed_scale, jnp.float32).astype(w.dtype)
+
+    def logits(self, x: jnp.ndarray) -> jnp.ndarray:
+        """Final hidden [B, T, hidden] -> float32[B, T, vocab]: final norm, (tied) head, final softcap."""
+        h = gemma_rms_norm(x, self.norm.value, self.cfg.rms_norm_eps)
+        head = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
+        out = linear(h, head)
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            out = jnp.tanh(out / cap) * cap
+        return out.astype(jnp.float32)
+
+    def check_tokens(self, tokens) -> None:
+        """Raise ValueError for token ids outside [0, vocab_size) or a bad shape (host-side check)."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 2:
+            raise ValueError(f"tokens.shape={arr.shape} must be [batch, T]")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.cfg.vocab_size):
+            raise ValueError(
+                f"token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={self.cfg.vocab_size})"
+            )
+
+    # ---------------------------------------------------------------- forward
+    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t]
+        (sliding layers: the last `cfg.window` of them, t included)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        rope = self.rope_tables(positions)
+        masks = {
+            FULL: attention_mask(positions, positions),
+            SLIDING: attention_mask(positions, positions, self.cfg.window),
+        }
+        x = self.embed(tokens)
+        for layer in self.layers:
+            cos, sin = rope[layer.layer_type]
+            x = layer(x, cos, sin, masks[layer.layer_type])
+        return self.logits(x)
+
+
+def forward_fn(model: Gemma3) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    """A jitted stateless forward `tokens int32[B, T] -> float32[B, T, vocab]` closed over `model`'s weights
+    (one compilation per input shape). Token ids are validated on the host first."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    def call(tokens):
+        model.check_tokens(tokens)
+        return run(state, jnp.asarray(tokens, jnp.int32))
+
+    return call
+
+
+def greedy_stateless(
+    model: Gemma3, prompts: list[list[int]], max_new_tokens: int, fwd: Callable | None = None
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy continuation of each prompt by re-running the stateless forward (the oracle for cached decoding).
+
+    Returns per prompt the `max_new_tokens` new ids and the float32[max_new_tokens, vocab] logits that chose
+    them. The buffer is padded to longest prompt + max_new_tokens so the forward compiles once (causality
+    makes the padding invisible). `fwd`: a `forward_fn(model)` to reuse."""
+    if max_new_tokens < 0:
+        raise ValueError(f"{max_new_tokens=} must be >= 0")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"every prompt needs >= 1 token; got lengths {[len(p) for p in prompts]}")
+    lengths = np.array([len(p) for p in prompts])
+    buf = np.zeros((len(prompts), int(lengths.max()) + max_new_tokens), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    fwd = fwd or forward_fn(model)
+    rows = np.arange(len(prompts))
+    cur = lengths.copy()
+    toks: list[list[int]] = [[] for _ in prompts]
+    lgts: list[list[np.ndarray]] = [[] for _ in prompts]
+    for _ in range(max_new_tokens):
+        logits = np.asarray(fwd(buf))[rows, cur - 1]
+        ids = logits.argmax(-1)
+        for i in rows:
+            toks[i].append(int(ids[i]))
+            lgts[i].append(logits[i])
+        buf[rows, cur] = ids
+        cur += 1
+    vocab = model.cfg.vocab_size
+    return toks, [np.stack(x) if x else np.zeros((0, vocab), np.float32) for x in lgts]
+
+
+# ------------------------------------------------------------------- tensors
+
+
+def expected_tensors(cfg: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names (transformers' Gemma3ForCausalLM names without `model.`) -> shape."""
+    h, d, hid = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, hid), "norm.weight": (hid,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, hid)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (h * d, hid)
+        out[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, hid)
+        out[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, hid)
+        out[p + "self_attn.o_proj.weight"] = (hid, h * d)
+        out[p + "self_attn.q_norm.weight"] = (d,)
+        out[p + "self_attn.k_norm.weight"] = (d,)
+        out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, hid)
+        out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, hid)
+        out[p + "mlp.down_proj.weight"] = (hid, cfg.intermediate_size)
+        for n in _LAYER_NORMS:
+            out[p + n + ".weight"] = (hid,)
+    return out
+
+
+def random_tensors(cfg: Gemma3Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random canonical float32 tensors: normal(0, 0.02) matrices, normal(0, 0.1) norm weights (Gemma norms
+    scale by 1 + w, so transformers' zero init would hide a missing `1 +`). Deterministic in `seed`."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        std = 0.1 if name.endswith("norm.weight") else 0.02
+        out[name] = rng.normal(0.0, std, shape).astype(np.float32)
+    return out
+
+
+def init(cfg: Gemma3Config, seed: int = 0, dtype=jnp.float32) -> Gemma3:
+    """A Gemma 3 with random weights (see `random_tensors`), e.g. `init(tiny_config(), 0)`."""
+    return Gemma3(cfg, random_tensors(cfg, seed), dtype)
