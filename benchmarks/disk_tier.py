@@ -130,8 +130,8 @@ def flash_layout(block_tokens: int, tokens: int):
 
 def make_segments(layout, n_segments: int, blocks: int, rng) -> list:
     """n_segments chains of `blocks` blocks (random bytes), the last block of each with its snapshot."""
-    from hkv import swap
-    from hkv.disk import BlockPayload
+    from hkv.engine import offload as swap
+    from hkv.store.tier import BlockPayload
 
     bt = layout.spec.block_tokens
     segs = []
@@ -179,7 +179,7 @@ def store_spec(kind: str, path: str):
 def open_tier(kind: str, path: str, chunk_bytes: int, context: dict | None, shard_bytes: int = 1 << 24):
     import tensorstore as ts
 
-    from hkv.disk import DiskTier
+    from hkv.store.tier import DiskTier
 
     return DiskTier(
         store_spec(kind, path),
@@ -190,7 +190,7 @@ def open_tier(kind: str, path: str, chunk_bytes: int, context: dict | None, shar
 
 
 def tier_restore(tier, layout, segs, check: bool = False) -> None:
-    from hkv import swap
+    from hkv.engine import offload as swap
 
     abi = layout.spec.fingerprint()
     expect = lambda e: swap.expected_objects(layout, e["length"], e["snapshot"])  # noqa: E731
@@ -390,13 +390,13 @@ def sweep(args, root: str) -> None:
 
 
 def breakdown(args, root: str) -> tuple[int, dict]:
-    """Where DiskTier's write and read time goes: its steps re-run one by one (with hkv.disk's private
+    """Where DiskTier's write and read time goes: its steps re-run one by one (with hkv.store.tier's private
     layout helpers, same arguments) on one segment, against raw I/O of the same bytes; wall and CPU."""
     import zlib
 
     import tensorstore as ts
 
-    from hkv import disk as hd
+    from hkv.store import tier as hd
 
     layout = flash_layout(args.block_tokens, args.segment_tokens)
     segs = make_segments(layout, 1, args.segment_tokens // args.block_tokens, np.random.default_rng(2))
@@ -508,12 +508,11 @@ def print_breakdown(args, total: int, acc: dict) -> None:
 
 # ============================================================================= part 2: engine
 def engine_benchmark(args, root: str) -> dict:
-    import jax
     import jax.numpy as jnp
 
     import hkv
-    from hkv.disk import DiskTier
-    from hkv.state import CacheLayout
+    from hkv.store.tier import DiskTier
+    from hkv.core.layout import CacheLayout
     from models.deepseek_v4 import init, tiny_config
 
     class TimedTier(DiskTier):

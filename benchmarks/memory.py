@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from hkv import CacheConfig, CacheLayout, architectural_minimum, uniform_full_kv_bytes
-from hkv.memory import KINDS, allocated_bytes
+from hkv.core.memory import KINDS, allocated_bytes
 from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4.cache_spec import cache_spec
 

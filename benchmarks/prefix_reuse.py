@@ -52,7 +52,7 @@ import numpy as np
 import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 
 import hkv
-from hkv.state import CacheLayout
+from hkv.core.layout import CacheLayout
 from models.deepseek_v4 import init, tiny_config
 
 

@@ -1,48 +1,57 @@
 """hkv: the KV cache of hybrid-attention LLMs as one immutable pytree with pure transitions.
 
-spec      = CacheSpec(...)                       # what each layer keeps (models build it)
-layout    = CacheLayout(spec, CacheConfig(slots=4, max_context=8192))
-cache     = init_cache(layout)
-cache, slot, status = transitions.claim_slot(layout, cache)
-check_invariants(layout, cache)                  # declared state == actual state
-engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
+    spec      = CacheSpec(...)                       # what each layer keeps (models build it)
+    layout    = CacheLayout(spec, CacheConfig(slots=4, max_context=8192))
+    cache     = init_cache(layout)
+    cache, slot, status = transitions.claim_slot(layout, cache)
+    check_invariants(layout, cache)                  # declared state == actual state
+    engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
+
+Packages (dependencies point one way: models -> hkv.engine -> hkv.core -> pallas_kernels, and
+hkv.engine -> hkv.store): `hkv.core` is pure and jittable (spec, layout, the cache pytree,
+transitions, prefix index, the model-facing layer API), `hkv.engine` runs on the host (the Engine,
+prefix manager, offload, warm restart), `hkv.store` is the disk tier. See docs/design.md.
 """
 
-from .checkpoint import EngineCheckpointError
-from .disk import DiskTier, DiskTierClosedError
-from .engine import CacheCapacityError, Engine, Generation
-from .invariants import InvariantError, check_invariants
-from .memory import architectural_minimum, memory_report, uniform_full_kv_bytes
-from .plan import RestorePlan
-from .policy import RetentionPolicy
-from .spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
-from .state import CacheConfig, CacheLayout, HybridCache, Residency, Status, init_cache
-from .weights import weights_digest
+from .core.invariants import InvariantError, check_invariants
+from .core.layout import CacheConfig, CacheLayout, Residency, Status
+from .core.memory import architectural_minimum, memory_report, uniform_full_kv_bytes
+from .core.plan import DevicePlan, RestorePlan
+from .core.policy import RetentionPolicy
+from .core.reasons import Reason
+from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
+from .core.state import HybridCache, init_cache
+from .core.weights import weights_digest
+from .engine.checkpoint import EngineCheckpointError
+from .engine.engine import CacheCapacityError, Engine, Generation
+from .store.tier import DiskTier, DiskTierClosedError
 
 __all__ = [
     "CacheCapacityError",
-    "DiskTier",
-    "DiskTierClosedError",
-    "EngineCheckpointError",
-    "Engine",
-    "Generation",
-    "architectural_minimum",
-    "memory_report",
-    "uniform_full_kv_bytes",
-    "RestorePlan",
-    "RetentionPolicy",
     "CacheConfig",
     "CacheLayout",
     "CacheSpec",
     "CompressorSpec",
+    "DevicePlan",
+    "DiskTier",
+    "DiskTierClosedError",
+    "Engine",
+    "EngineCheckpointError",
+    "Generation",
     "Group",
     "HybridCache",
     "InvariantError",
     "LayerSpec",
     "ObjectKind",
+    "Reason",
     "Residency",
+    "RestorePlan",
+    "RetentionPolicy",
     "Status",
+    "architectural_minimum",
     "check_invariants",
     "init_cache",
+    "memory_report",
+    "uniform_full_kv_bytes",
     "weights_digest",
 ]

@@ -7,7 +7,7 @@ projections 2*index_head_dim). HCA layers: a non-overlapping compressor (ratio m
 
 from __future__ import annotations
 
-from hkv.spec import CacheSpec, CompressorSpec, LayerSpec
+from hkv.core.spec import CacheSpec, CompressorSpec, LayerSpec
 
 from .config import CSA, HCA, DeepseekV4Config
 

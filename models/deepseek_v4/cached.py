@@ -4,7 +4,7 @@
 row b as the next tokens of slot `slots[b]` (decode: C = 1 for a batch of slots; prefill: a chunk of
 C tokens that may end mid-window and mid-compression-block). It is one pure transition:
 
-    reserve pages (hkv.transitions.reserve)     -> fails as a whole: cache unchanged + status
+    reserve pages (hkv.core.transitions.reserve)     -> fails as a whole: cache unchanged + status
     per layer: SWA rows      -> write_swa        (only rows that stay in the window)
                compressor    -> append_tail / seal_compressed   (windows closed by this step)
                indexer       -> append_tail / write_indexer
@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from hkv import transitions as tr
-from hkv.spec import ObjectKind
-from hkv.state import CacheLayout, HybridCache, Status, check_layout
+from hkv.core import transitions as tr
+from hkv.core.spec import ObjectKind
+from hkv.core.layout import CacheLayout, Status
+from hkv.core.state import HybridCache, check_layout
 
 from .attention import Attention, attend_with_sinks, selection_bias, sliding_window_bias
 from .compressor import Compressor, causal_entry_limit, compress_windows, indexer_scores, select_topk
@@ -263,7 +264,7 @@ def cached_step(
     kernel_backend / interpret select the `pallas_kernels` implementation of the decode ops
     (None: Pallas on GPU/TPU, the jnp reference on CPU; see `pallas_kernels.dispatch`).
     seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and indexer keys as they
-    are (the prefix cache's window recompute, `hkv.prefix.restore(recompute=R)`).
+    are (the prefix cache's window recompute, `hkv.core.prefix.restore(recompute=R)`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache

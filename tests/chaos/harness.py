@@ -97,9 +97,9 @@ KEYED_FAULTS = ("forged_manifest",)  # a manifest resealed without the key that 
 
 def known_reasons() -> set[str]:
     """Every plan reason hkv documents (prefix stages and disk tier)."""
-    from hkv import disk, state
+    import hkv
 
-    return set(state.PREFIX_REJECTIONS) | set(disk.DISK_REASONS)
+    return {str(r) for r in hkv.Reason}
 
 
 @dataclasses.dataclass
@@ -560,7 +560,7 @@ class Worker:
         still serves what this process writes: a fresh prompt (on an emptied device prefix index,
         so every block is recorded) is written, evicted, found and read back verified by the tier,
         then generated again (restored from disk unless the engine's measured costs say recompute)."""
-        from hkv.block_keys import chain_keys
+        from hkv.engine.block_keys import chain_keys
 
         out = {"health": self.health(), "exact": None, "disk_restore": None, "tier_ok": None}
         if out["health"]:
@@ -872,7 +872,7 @@ class StoreFaults:
         writer without the store key can do), written over itself or as a new segment."""
         import zlib
 
-        from hkv import disk_manifest as mf
+        from hkv.store import manifest as mf
 
         files = self._manifests()
         self.rng.shuffle(files)
@@ -940,7 +940,7 @@ class StoreFaults:
     def _budget_evict(self):
         """Another process (this one) opens the store with half its size as budget and enforces it.
         In a thread with a timeout: a store that hangs its opener must not hang the harness."""
-        from hkv.disk import DiskTier
+        from hkv.store.tier import DiskTier
 
         out: dict = {}
 
@@ -1024,21 +1024,21 @@ class Proc:
 
 
 def key_supported() -> bool:
-    from hkv.disk import DiskTier
+    from hkv.store.tier import DiskTier
 
     return "key" in inspect.signature(DiskTier.__init__).parameters
 
 
 def verify_takes_key() -> bool:
     """Whether `hkv store verify` reads the store key (from the HKV_STORE_KEY environment variable, hex)."""
-    from hkv import cli
+    from hkv.store import cli
 
     return "HKV_STORE_KEY" in inspect.getsource(cli)
 
 
 def run_verify(store: str, workdir: str, keyed: bool, timeout: float = 120) -> dict:
-    """`python -m hkv.cli store verify --json STORE` in a child (a hang or a crash is a result)."""
-    cmd = [sys.executable, "-m", "hkv.cli", "store", "verify", "--json", store]
+    """`python -m hkv store verify --json STORE` in a child (a hang or a crash is a result)."""
+    cmd = [sys.executable, "-m", "hkv", "store", "verify", "--json", store]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("HKV_STORE_KEY", None)
     if keyed:
@@ -1293,7 +1293,7 @@ class Parent:
     # -------------------------------------------------------------------------- saves
     def _checkpoint_state(self, path: str) -> str:
         """'ok' if `path` holds a whole engine checkpoint (what a restore after a kill here finds)."""
-        from hkv.checkpoint import read_metadata
+        from hkv.engine.checkpoint import read_metadata
 
         try:
             read_metadata(path)
@@ -1485,7 +1485,7 @@ def judge(rep: dict, expected_workers: list[int]) -> list[str]:
             f"{rep['restores']['failed']} restores from a checkpoint failed after a SIGKILL: "
             f"{rep['restore_errors'][:2]}"
         )
-    from hkv.disk import DISK_REASONS as disk_reasons
+    from hkv.store.tier import DISK_REASONS as disk_reasons
 
     unknown = set(rep["plan_reasons"]) - known_reasons() - {"None"}
     if unknown:

@@ -1,4 +1,4 @@
-"""Warm restart (hkv.checkpoint): an engine saved after a conversation turn and restored into a new
+"""Warm restart (hkv.engine.checkpoint): an engine saved after a conversation turn and restored into a new
 engine has a bit-identical, invariant-clean cache, serves the next turn from its prefix records with
 exactly the original's output, and every way a checkpoint can be wrong raises a named error."""
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import checkpoint as hc
-from hkv.policy import RetentionPolicy
+from hkv.engine import checkpoint as hc
+from hkv.core.policy import RetentionPolicy
 from models.deepseek_v4 import init, tiny_config
 
 CFG = tiny_config()
@@ -138,12 +138,12 @@ def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
     assert engine.cache.groups[0].pool.dtype == jnp.bfloat16
     want = host_leaves(engine.cache)
     hc.save_engine(engine, tmp_path / "bf")
-    back = hc.restore_engine(tmp_path / "bf", bf)
+    back = hkv.Engine.restore(tmp_path / "bf", bf)
     assert all(same_bits(g, w) for g, w in zip(host_leaves(back.cache), want))
     assert back.spec.model_id == "tiny-bf16" and back.spec.dtype == "bfloat16"
     # the same checkpoint does not restore into a float32 model: different ABI
     with pytest.raises(hc.EngineCheckpointError, match="dtype"):
-        hc.restore_engine(tmp_path / "bf", init(CFG, seed=0))
+        hkv.Engine.restore(tmp_path / "bf", init(CFG, seed=0))
 
 
 # ------------------------------------------------------------------------------ named errors
@@ -152,14 +152,14 @@ def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path
     saved_fp = saved[0].spec.fingerprint()
     other_weights = init(CFG, seed=1)  # same config, other weights
     with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*weights_digest") as e:
-        hc.restore_engine(path, other_weights)
+        hkv.Engine.restore(path, other_weights)
     other = make_engine(other_weights).spec.fingerprint()
     assert other != saved_fp and saved_fp in str(e.value) and other in str(e.value)
     wider = init(tiny_config(sliding_window=16), seed=0)
     with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*layers"):
-        hc.restore_engine(path, wider)
+        hkv.Engine.restore(path, wider)
     # model_id is a label: another label on the same weights restores, and the label is the new one
-    relabelled = hc.restore_engine(path, model, model_id="other")
+    relabelled = hkv.Engine.restore(path, model, model_id="other")
     assert relabelled.spec.model_id == "other" and relabelled.spec.fingerprint() == saved_fp
 
 
@@ -169,24 +169,24 @@ def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):
     good = f.read_text()
     f.write_text(good[: len(good) // 2])  # truncated JSON
     with pytest.raises(hc.EngineCheckpointError, match="corrupt metadata"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     f.write_text(good)
     edit_metadata(path, lambda d: d.update(version=99))
     with pytest.raises(hc.EngineCheckpointError, match="unknown version=99"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     f.write_text(good)
     edit_metadata(path, lambda d: d["config"].update(slots=3), reseal=False)  # valid JSON, edited
     with pytest.raises(hc.EngineCheckpointError, match="metadata_crc32"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     f.write_text(good)
     edit_metadata(path, lambda d: d["engine"].pop("prefill_chunk"))
     with pytest.raises(hc.EngineCheckpointError, match="missing field engine.'prefill_chunk'"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     f.unlink()
     with pytest.raises(hc.EngineCheckpointError, match="missing"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     with pytest.raises(hc.EngineCheckpointError, match="not a directory"):
-        hc.restore_engine(tmp_path / "nowhere", model)
+        hkv.Engine.restore(tmp_path / "nowhere", model)
 
 
 def test_corrupt_arrays_are_detected(model, saved, tmp_path):
@@ -201,7 +201,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
     with pytest.raises(hc.EngineCheckpointError, match="crc32|could not read"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     # 2. a checksum that disagrees with the stored bytes names the leaf
     path2 = tmp_path / "copy2"
     shutil.copytree(saved[2], path2)
@@ -209,19 +209,19 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     i = next(k for k, m in enumerate(doc["leaves"]) if ".prefix.key" in m["path"])
     edit_metadata(path2, lambda d: d["leaves"][i].update(crc32=(d["leaves"][i]["crc32"] + 1) % 2**32))
     with pytest.raises(hc.EngineCheckpointError, match=r"leaf \d+ cache\.prefix\.key: crc32"):
-        hc.restore_engine(path2, model)
+        hkv.Engine.restore(path2, model)
     # 3. a declared dtype that differs from the engine's (orbax itself would silently cast)
     shutil.rmtree(path2)
     shutil.copytree(saved[2], path2)
     edit_metadata(path2, lambda d: d["leaves"][i].update(dtype="int32"))
     with pytest.raises(hc.EngineCheckpointError, match="prefix.key int32"):
-        hc.restore_engine(path2, model)
+        hkv.Engine.restore(path2, model)
     # 4. the array directory is gone
     shutil.rmtree(path2)
     shutil.copytree(saved[2], path2)
     shutil.rmtree(hc.cache_dir(path2))
     with pytest.raises(hc.EngineCheckpointError, match="could not read"):
-        hc.restore_engine(path2, model)
+        hkv.Engine.restore(path2, model)
 
 
 def test_invariant_violation_is_refused(model, saved, tmp_path, monkeypatch):
@@ -231,7 +231,7 @@ def test_invariant_violation_is_refused(model, saved, tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "cache", bad)
     hc.save_engine(engine, tmp_path / "bad")
     with pytest.raises(hkv.InvariantError, match="inactive slots"):
-        hc.restore_engine(tmp_path / "bad", model)
+        hkv.Engine.restore(tmp_path / "bad", model)
 
 
 def test_save_refuses_while_running_and_overwrite_needs_consent(model, saved, restored, tmp_path):
@@ -285,7 +285,7 @@ def test_hostile_metadata_files_are_named_errors_never_crashes(model, saved, tmp
         with pytest.raises(hc.EngineCheckpointError, match=match):
             hc.read_metadata(path)
         with pytest.raises(hc.EngineCheckpointError, match=match):
-            hc.restore_engine(path, model)
+            hkv.Engine.restore(path, model)
     # nesting the parser accepts but the schema never has, sealed: refused before anything recurses on it
     f.write_text(good)
     edit_metadata(path, lambda d: d["spec"].update(extra=json.loads("[" * 500 + "]" * 500)))
@@ -353,7 +353,7 @@ def test_version_1_checkpoint_is_read_but_refused_and_overwritten(model, saved, 
         hc.EngineCheckpointError,
         match="version-1 checkpoint: its ABI fingerprint covers the label model_id='unknown', not the weights",
     ):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     # saving over it (overwrite=True) gives a version-2 checkpoint, and the old arrays are gone
     restored.save(path, overwrite=True)
     assert hc.read_metadata(path)["version"] == hc.FORMAT_VERSION
@@ -397,7 +397,7 @@ def test_leftovers_of_a_killed_first_save_do_not_block_the_next(model, restored,
     (path / f"cache-{'e' * 32}").mkdir()
     (path / f"cache-{'f' * 32}.orbax-checkpoint-tmp-3").mkdir()
     with pytest.raises(hc.EngineCheckpointError, match="not an hkv engine checkpoint"):
-        hc.restore_engine(path, model)
+        hkv.Engine.restore(path, model)
     past = time.time() - 60
     for p in path.iterdir():
         os.utime(p, (past, past))
@@ -410,4 +410,4 @@ def test_leftovers_of_a_killed_first_save_do_not_block_the_next(model, restored,
         match=r"not a directory\); .*\.lost\.old-0123456789ab' is the "
         r"checkpoint an interrupted save",
     ):
-        hc.restore_engine(lost, model)
+        hkv.Engine.restore(lost, model)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import checkpoint as hc
+from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init, tiny_config
 
 CHILD = r"""

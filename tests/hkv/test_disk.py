@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import disk_manifest as mf
-from hkv import prefix as px
-from hkv.disk import DiskTier
+from hkv.store import manifest as mf
+from hkv.core import prefix as px
+from hkv.store.tier import DiskTier
 from models.deepseek_v4 import init
 from models.deepseek_v4.greedy import greedy_stateless
 
@@ -218,7 +218,7 @@ def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, st
     # a freshly opened tier (a restarted server) never lists the broken segment's blocks as restorable
     report = DiskTier(str(root)).verify()
     assert report["blocks_ok"] == CUT // BT
-    assert sum(report[r] for r in hkv.disk.DISK_REASONS) + report["orphaned_segments"] >= 1
+    assert sum(report[r] for r in hkv.store.tier.DISK_REASONS) + report["orphaned_segments"] >= 1
 
 
 def test_foreign_abi_blocks_are_reported_not_restored(model, engine, stored, tmp_path):
@@ -380,8 +380,8 @@ def test_warm_restart_keeps_disk_residency_and_reopens_the_store(model, engine, 
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from hkv import disk
-from hkv.disk import BlockPayload, DiskTier, dtype_of
+from hkv.store import tier as disk
+from hkv.store.tier import BlockPayload, DiskTier, dtype_of
 
 src, store, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 segments = json.load(open(f"{src}/segments.json"))
@@ -563,7 +563,7 @@ def _payloads(tier, abi, seg) -> dict:
     """{block index: payload} of every block segment `seg` lists, read and verified by `tier`."""
     with open(tier.spec["path"] + f"manifests/{abi}/{seg}.json", "rb") as f:
         doc = json.loads(f.read())
-    res = tier.read([hkv.disk.BlockRef(abi, seg, b) for b in doc["blocks"]], count=False)
+    res = tier.read([hkv.store.tier.BlockRef(abi, seg, b) for b in doc["blocks"]], count=False)
     assert res.reason is None, res
     return {p.index: p for p in res.payloads}
 

@@ -1,4 +1,4 @@
-"""`hkv store verify|stats` (hkv.cli) on small synthetic disk tier stores: the exit codes, the per-reason
+"""`hkv store verify|stats` (hkv.store.cli) on small synthetic disk tier stores: the exit codes, the per-reason
 counts for each kind of damage, the JSON output, path handling (missing directory, OCDBT detection)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hkv.cli import main, parse_size
-from hkv.disk import BlockPayload, DiskTier
+from hkv.store.cli import main, parse_size
+from hkv.store.tier import BlockPayload, DiskTier
 
 ABI = "ab" * 16
 ABI2 = "cd" * 16
@@ -325,7 +325,7 @@ def test_url_store(capsys):
 def test_python_m_hkv_cli(store):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     p = subprocess.run(
-        [sys.executable, "-m", "hkv.cli", "store", "verify", "--json", str(store)],
+        [sys.executable, "-m", "hkv", "store", "verify", "--json", str(store)],
         env=env,
         capture_output=True,
         text=True,
@@ -334,7 +334,7 @@ def test_python_m_hkv_cli(store):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["blocks_ok"] == 7
     p = subprocess.run(
-        [sys.executable, "-m", "hkv.cli", "store", "stats", str(store) + "-missing"],
+        [sys.executable, "-m", "hkv", "store", "stats", str(store) + "-missing"],
         env=env,
         capture_output=True,
         text=True,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import disk_manifest as mf
-from hkv.disk import AUTH, MALFORMED, DiskTier, DiskTierClosedError
+from hkv.store import manifest as mf
+from hkv.store.tier import AUTH, MALFORMED, DiskTier, DiskTierClosedError
 
 from .test_disk_cli import ABI, ABI2, _chain, _count, _run, _segment_of, store  # noqa: F401 — the fixture
 

@@ -1,4 +1,4 @@
-"""Process-level faults of the disk tier (`hkv.disk.DiskTier`): real OS processes sharing one store.
+"""Process-level faults of the disk tier (`hkv.store.tier.DiskTier`): real OS processes sharing one store.
 
 1. A writer killed with SIGKILL mid-write (at random moments, and deterministically between its data
    commit and its manifest publish): the store opens, every published block reads back verified with
@@ -16,7 +16,6 @@ pure function of (chain, block index, block bytes), so any process can recompute
 
 from __future__ import annotations
 
-import collections
 import glob
 import hashlib
 import json
@@ -33,7 +32,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hkv.disk import BlockPayload, DiskTier
+from hkv.store.tier import BlockPayload, DiskTier
 
 ABI = "5a" * 16
 ABI2 = "c3" * 16
@@ -363,7 +362,7 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
 
     # the CLI agrees: orphaned data is not a failure, and it accounts for every interrupted write,
     # including one killed before any key was committed (only the file driver's *.__lock files)
-    from hkv.cli import main
+    from hkv.store.cli import main
 
     assert main(["store", "verify", "--json", path]) == 0
     rep = json.loads(capsys.readouterr().out)

@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hkv import disk_manifest as mf
-from hkv.disk import BlockPayload, DiskBacklogError, DiskTier, _Layout
+from hkv.store import manifest as mf
+from hkv.store.tier import BlockPayload, DiskBacklogError, DiskTier, _Layout
 
 ABI = "ab" * 16
 BT = 4

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import transitions as tr
-from hkv.state import Status, check_layout
+from hkv.core import transitions as tr
+from hkv.core.layout import Status
+from hkv.core.state import check_layout
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 

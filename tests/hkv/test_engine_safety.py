@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hkv
-from hkv import prefix as px
+from hkv.core import prefix as px
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hkv import prefix as px
-from hkv import transitions as tr
-from hkv.block_keys import ROOT, key_words, next_key
-from hkv.policy import receptive_field, window_rebuild_tokens
-from hkv.state import CacheConfig, CacheLayout, Status
+from hkv.core import prefix as px
+from hkv.core import transitions as tr
+from hkv.engine.block_keys import ROOT, key_words, next_key
+from hkv.core.reasons import Reason
+from hkv.core.policy import receptive_field, window_rebuild_tokens
+from hkv.core.layout import CacheConfig, CacheLayout, Status
 from tests.hkv.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
 
 BT = 8
@@ -65,8 +66,8 @@ def test_window_rebuild_is_refused_for_a_spec_with_full_attention_layers():
         px.restore(layout, cache, slot, keys, toks, jnp.int32(3), recompute=receptive_field(spec))
     # without a snapshot the plain route restores nothing (swa_missing), never a partial full layer
     _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(3))
-    v = dict(zip(px.PLAN_FIELDS, np.asarray(plan).tolist()))
-    assert v["hash_blocks"] == 3 and v["byte_blocks"] == 0 and v["reason"] == px.Reason.SWA_MISSING
+    v = plan.host()
+    assert v.hash_blocks == 3 and v.byte_blocks == 0 and v.reason == Reason.SWA_MISSING.code
 
 
 def test_window_rebuild_still_serves_specs_whose_layers_all_have_windows():
@@ -75,5 +76,5 @@ def test_window_rebuild_still_serves_specs_whose_layers_all_have_windows():
     assert r == receptive_field(spec) > 0
     layout, cache, slot, keys, toks = _recorded_chain(spec, blocks=4)
     _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(4), recompute=r)
-    v = dict(zip(px.PLAN_FIELDS, np.asarray(plan).tolist()))
-    assert v["status"] == Status.OK and v["byte_blocks"] == 4
+    v = plan.host()
+    assert v.status == Status.OK and v.byte_blocks == 4

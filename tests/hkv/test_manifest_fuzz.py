@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv import disk_manifest as mf
-from hkv.disk import DISK_REASONS, DiskTier
+from hkv.store import manifest as mf
+from hkv.store.tier import DISK_REASONS, DiskTier
 
 from .test_disk_cli import ABI, _chain
 

@@ -1,4 +1,4 @@
-"""Eviction policy (hkv.policy.eviction_order) on synthetic prefix-index snapshots: leaves only,
+"""Eviction policy (hkv.core.policy.eviction_order) on synthetic prefix-index snapshots: leaves only,
 pinned chains never evicted whole, snapshots before records, and admission control (`used_before`)
 restricting candidates to chains last used before the requesting sequence's own previous use or
 shorter than its own restored chain, or never reused (one-shot content)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hkv.policy import chain_hits, chain_last_used, chain_max_length, eviction_order
+from hkv.core.policy import chain_hits, chain_last_used, chain_max_length, eviction_order
 from models.deepseek_v4 import tiny_config
 from models.deepseek_v4.cache_spec import cache_spec
 

@@ -1,4 +1,4 @@
-"""Prefix reuse as a verified restoration plan (hkv.prefix + Engine): exact reuse at every block
+"""Prefix reuse as a verified restoration plan (hkv.core.prefix + Engine): exact reuse at every block
 boundary, and each failure mode shrinking the plan with its named reason while output stays exact."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import hkv
-import hkv.engine
-from hkv import prefix as px
-from hkv.policy import RetentionPolicy
+import hkv.engine.engine
+from hkv.core import prefix as px
+from hkv.core.policy import RetentionPolicy
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 
@@ -322,7 +322,7 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
         hkv.check_invariants(engine.layout, engine.cache)
         return engine, gens
 
-    batched, gb = run(hkv.engine.RECORD_BATCH)
+    batched, gb = run(hkv.engine.engine.RECORD_BATCH)
     single, gs = run(1)
     assert [g.tokens for g in gb] == [g.tokens for g in gs]
     assert [g.plan.restored_tokens for g in gb] == [g.plan.restored_tokens for g in gs]

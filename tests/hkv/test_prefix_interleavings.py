@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv import prefix as px
+from hkv.core import prefix as px
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 

@@ -1,4 +1,4 @@
-"""Hypothesis state-machine tests of the hkv core (`hkv.transitions` + `hkv.invariants`).
+"""Hypothesis state-machine tests of the hkv core (`hkv.core.transitions` + `hkv.core.invariants`).
 
 Long random sequences of claim / append / release — including transitions that must fail — run
 under `jax.jit` (layout static) on a DeepSeek-like spec (SWA window 8 everywhere, a CSA-like
@@ -35,10 +35,11 @@ from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from hkv import transitions as tr
-from hkv.invariants import InvariantError, check_invariants
-from hkv.spec import CacheSpec, CompressorSpec, LayerSpec, ObjectKind
-from hkv.state import COUNTERS, CacheConfig, CacheLayout, Status, init_cache
+from hkv.core import transitions as tr
+from hkv.core.invariants import InvariantError, check_invariants
+from hkv.core.spec import CacheSpec, CompressorSpec, LayerSpec, ObjectKind
+from hkv.core.layout import CacheConfig, CacheLayout, Status
+from hkv.core.state import COUNTERS, init_cache
 
 # ------------------------------------------------------------------------------------- specs
 B = 3  # static batch of every append (= slots; padded rows are idle)

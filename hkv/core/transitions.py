@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from .spec import ObjectKind
-from .state import CacheLayout, HybridCache, Residency, Status, TailState, form_bits
+from .layout import CacheLayout, Residency, Status, TailState
+from .state import HybridCache, form_bits
 
 
 def _count(cache: HybridCache, name: str, n) -> dict:

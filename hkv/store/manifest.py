@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from ..core.reasons import Reason
+
 FORMAT = "hkv-disk-tier"
 VERSION = 2
 READS = (1, 2)  # the versions `parse` accepts
@@ -62,8 +64,8 @@ DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8", "i
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1, "int32": 4}
 AUTH_SCHEME = "hmac-sha256"
 
-# the reasons a manifest is refused (mirrored in hkv.disk and hkv.prefix.Reason)
-CHECKSUM, MALFORMED, AUTH, ABI = "disk_checksum", "disk_malformed", "disk_auth", "disk_abi"
+# the reasons a manifest is refused: members of the one `Reason` enum (they compare equal to their labels)
+CHECKSUM, MALFORMED, AUTH, ABI = Reason.DISK_CHECKSUM, Reason.DISK_MALFORMED, Reason.DISK_AUTH, Reason.DISK_ABI
 
 # bounds every parse enforces before it allocates anything sized by the manifest
 MAX_MANIFEST_BYTES = 16 << 20  # 16 MiB: a 64 MiB segment of small blocks needs well under 1 MiB

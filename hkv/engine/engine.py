@@ -33,16 +33,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import prefix as px
-from . import swap
-from . import transitions as tr
+from ..core import prefix as px
+from . import offload as swap
+from ..core import transitions as tr
 from .block_keys import ROOT, key_bytes, key_words, next_key
-from .disk import DiskTier, DiskTierClosedError
-from .memory import architectural_minimum, memory_report
-from .plan import RestorePlan
-from .policy import RetentionPolicy, eviction_order, window_rebuild_tokens
-from .state import PREFIX_REJECTIONS, CacheConfig, CacheLayout, Status, init_cache
-from .weights import weights_digest
+from .checkpoint import restore_engine, save_engine
+from ..store.tier import DiskTier, DiskTierClosedError
+from ..core.memory import architectural_minimum, memory_report
+from ..core.plan import RestorePlan
+from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
+from ..core.reasons import STAGES, Reason
+from ..core.layout import CacheConfig, CacheLayout, Status
+from ..core.state import init_cache
+from ..core.weights import weights_digest
 
 RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
 
@@ -111,7 +114,7 @@ class _Seq:
     keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
     parent_record: int = -1  # prefix record of the last recorded block
     plan: RestorePlan | None = None
-    # admission control for record slots (hkv.policy): fixed at the request's first recorded step — the
+    # admission control for record slots (hkv.core.policy): fixed at the request's first recorded step — the
     # prefix clock of its own previous use and the length it restored (None: it restored nothing)
     admission_set: bool = False
     prev_use: int | None = None
@@ -214,11 +217,11 @@ class Engine:
 
         def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
             """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
-            and TAIL by running tokens [L - R, L) without sealing (hkv.prefix.restore(recompute=R))."""
+            and TAIL by running tokens [L - R, L) without sealing (hkv.core.prefix.restore(recompute=R))."""
             r = self.window_recompute_tokens
             cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r, count=False)
-            length = plan[px.PLAN_FIELDS.index("byte_blocks")] * layout.spec.block_tokens
-            ok = (plan[px.PLAN_FIELDS.index("status")] == Status.OK) & (length > 0)
+            length = plan.byte_blocks * layout.spec.block_tokens
+            ok = (plan.status == Status.OK) & (length > 0)
             window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
             model = nnx.merge(graphdef, weights)
 
@@ -349,9 +352,7 @@ class Engine:
     def save(self, path, *, overwrite: bool = False) -> None:
         """Warm-restart checkpoint: the whole `HybridCache` (orbax) and the engine's settings (JSON),
         written atomically; pending disk-tier writes are finished first so the saved prefix index's
-        `on_disk` bits match the store. Only between `generate` calls. See `hkv.checkpoint`."""
-        from .checkpoint import save_engine
-
+        `on_disk` bits match the store. Only between `generate` calls. See `hkv.engine.checkpoint`."""
         self.flush_disk()
         save_engine(self, path, overwrite=overwrite)
 
@@ -360,9 +361,7 @@ class Engine:
         """An engine rebuilt from `save(path)` with its device cache verified (per-array checksums,
         ABI fingerprint, `check_invariants`) before use. engine_kwargs override the saved settings or
         add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
-        from .checkpoint import restore_engine
-
-        return restore_engine(path, model, **engine_kwargs)
+        return restore_engine(cls, path, model, **engine_kwargs)
 
     def close(self) -> None:
         """Finish pending disk writes (the engine stays usable)."""
@@ -667,10 +666,10 @@ class Engine:
             (vec,) = self._tx(
                 self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable)
             )
-            plan = RestorePlan.from_vector(vec, bt, len(ids))
+            plan = RestorePlan.from_device(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
-        vec = np.asarray(vec)
+        vec = vec.host()
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_recompute_tokens
         window_ok = (
@@ -699,31 +698,27 @@ class Engine:
                     jnp.int32(usable),
                     jnp.asarray(padded),
                 )
-                no_pages = (
-                    int(st) == Status.NO_PAGES
-                    or int(np.asarray(vec)[px.PLAN_FIELDS.index("status")]) == Status.NO_PAGES
-                )
+                vec = vec.host()
+                no_pages = int(st) == Status.NO_PAGES or vec.status == Status.NO_PAGES
                 if not no_pages or not self._make_room():  # pools full: cached objects give way, then retry
                     break
-            window_plan = RestorePlan.from_vector(vec, bt, len(ids))
+            window_plan = RestorePlan.from_device(vec, bt, len(ids))
             if int(st) == Status.OK and window_plan.status == "OK" and window_plan.restored_tokens:
                 plan = dataclasses.replace(
                     window_plan, window_recomputed=(window_plan.restored_tokens - r, window_plan.restored_tokens)
                 )
-                vec = np.asarray(vec)
                 self._stats["window_recomputes"] += 1
             else:  # could not map the window: start this sequence cold
                 self._restart_slot(seq)
                 plan = dataclasses.replace(plan, restored_tokens=0, recompute=(0, len(ids)))
-                vec = np.asarray(vec).copy()
-                vec[px.PLAN_FIELDS.index("byte_blocks")] = 0
-        self._tx(self._count_plan, jnp.asarray(vec))  # once per request
+                vec = vec.replace(byte_blocks=0)
+        self._tx(self._count_plan, jax.tree.map(jnp.int32, vec))  # once per request
         if seq.plan is None:  # a preempted request keeps the plan of its first admission
             seq.plan = plan
         restored = plan.restored_tokens
         on_device = plan.disk_tokens[0] if plan.disk_tokens else restored
         seq.fed = restored
-        seq.parent_record = int(np.asarray(vec)[px.PLAN_FIELDS.index("record")]) if on_device else -1
+        seq.parent_record = vec.record if on_device else -1
         seq.keys = [key_bytes(k) for k in keys[: on_device // bt]]
         if plan.disk_tokens:
             self._after_step(seq)  # the blocks that came from disk are cached on device again
@@ -822,9 +817,9 @@ class Engine:
         shorter_than: int | None = None,
         never_hit: bool = False,
     ) -> bool:
-        """Evict the cheapest-to-reconstruct cached objects (see hkv.policy); False if nothing was.
+        """Evict the cheapest-to-reconstruct cached objects (see hkv.core.policy); False if nothing was.
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
-        before this prefix clock, shorter than this many tokens, or never reused (hkv.policy.eviction_order)."""
+        before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
         p = jax.device_get(self.cache.prefix)
@@ -1013,16 +1008,17 @@ class Engine:
             stage, why = None, None
         elif reason is not None:
             why = reason
-            stage = px.STAGES[px.REASON_STAGE.get(px.Reason[why.upper()], 4)]
+            why = Reason(why)
+            stage = why.stage
         else:
             stage, why = plan.first_failed_stage, plan.reason
-        vec = np.asarray(vec).copy()
-        f = px.PLAN_FIELDS.index
-        vec[f("hash_blocks")] = hash_hit // bt
-        vec[f("byte_blocks")] = l1 // bt
-        vec[f("disk_blocks")] = (l1 - l0) // bt
-        vec[f("reason")] = px.Reason[why.upper()] if why else px.Reason.NONE
-        vec[f("first_failed_stage")] = px.STAGES.index(stage) if stage else -1
+        vec = vec.replace(
+            hash_blocks=hash_hit // bt,
+            byte_blocks=l1 // bt,
+            disk_blocks=(l1 - l0) // bt,
+            reason=Reason(why).code if why else 0,
+            first_failed_stage=STAGES.index(stage) if stage else -1,
+        )
         if l1 > l0:
             self._stats["disk_restores"] += 1
             self._stats["disk_restored_tokens"] += l1 - l0
@@ -1061,11 +1057,10 @@ class Engine:
         p = jax.device_get(self.cache.prefix)
         state = np.asarray(p.state)
         rejections: dict[str, dict[str, int]] = {}
-        for reason in PREFIX_REJECTIONS[1:]:  # [0] is no_hash_match: a miss, not a rejection
+        for reason in Reason:
             n = c[f"prefix_rejected_{reason}"]
-            stage = px.STAGES[px.REASON_STAGE.get(px.Reason[reason.upper()], 0)]
-            if n:
-                rejections.setdefault(stage, {})[reason] = n
+            if n and reason != Reason.NO_HASH_MATCH:  # no_hash_match is a miss, not a rejection
+                rejections.setdefault(reason.stage, {})[str(reason)] = n
         held = {}
         for gi, grp in enumerate(self.layout.groups):
             rows = np.asarray(p.pages[gi])[state == px.RecordState.ALIVE]

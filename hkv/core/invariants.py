@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from .spec import ObjectKind
-from .state import CacheLayout, HybridCache, Residency
+from .layout import CacheLayout, Residency
+from .state import HybridCache
 from .transitions import block_forms
 
 

@@ -24,138 +24,16 @@ the new sequence never writes into a shared page) and installs the TAIL.
 
 from __future__ import annotations
 
-import enum
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from .spec import ObjectKind
-from .state import PREFIX_REJECTIONS, CacheLayout, HybridCache, Status, TailState, abi_words
+from .layout import CacheLayout, Status, TailState
+from .plan import DevicePlan
+from .prefix_index import PrefixIndex, RecordState, init_prefix
+from .reasons import Reason
+from .state import HybridCache, abi_words
 from .transitions import add_refs
-
-
-class RecordState(enum.IntEnum):
-    EMPTY = 0
-    ALIVE = 1
-    TOMBSTONE = 2  # evicted; kept (without page references) so a later hit reports why it failed
-
-
-class Reason(enum.IntEnum):
-    """Why a plan stopped where it did (`RestorePlan.reason`)."""
-
-    NONE = 0
-    NO_HASH_MATCH = 1
-    COLLISION = 2
-    FREED = 3
-    PAGE_REUSED = 4
-    ABI_MISMATCH = 5
-    SWA_MISSING = 6
-    TAIL_MISSING = 7
-    INDEXER_VERSION = 8
-    CHECKSUM = 9
-    DISK_CHECKSUM = 10  # a disk-tier manifest or chunk fails its checksum
-    DISK_MISSING = 11  # a block the index or a tombstone says is on disk is not (manifest or data gone)
-    DISK_ABI = 12  # the stored block was written by another ABI fingerprint
-    DISK_TRUNCATED = 13  # a disk-tier chunk is shorter than written
-    DISK_AUTH = 14  # a keyed disk-tier manifest's HMAC (or an object's sha256) is missing or wrong
-    DISK_MALFORMED = 15  # a disk-tier manifest is unreadable, oversized or outside its schema and bounds
-
-
-STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
-assert tuple(r.name.lower() for r in Reason if r != Reason.NONE) == PREFIX_REJECTIONS
-REASON_STAGE = {
-    Reason.COLLISION: 1,
-    Reason.FREED: 1,
-    Reason.PAGE_REUSED: 1,
-    Reason.ABI_MISMATCH: 2,
-    Reason.SWA_MISSING: 3,
-    Reason.TAIL_MISSING: 3,
-    Reason.INDEXER_VERSION: 3,
-    Reason.CHECKSUM: 4,
-    Reason.DISK_CHECKSUM: 4,
-    Reason.DISK_MISSING: 4,
-    Reason.DISK_ABI: 2,
-    Reason.DISK_TRUNCATED: 4,
-    Reason.DISK_AUTH: 4,
-    Reason.DISK_MALFORMED: 4,
-}
-
-
-@struct.dataclass
-class PrefixIndex:
-    """NR records, NT TAIL snapshot slots; per-group page rows of every record (see module doc)."""
-
-    key: jax.Array  # uint32[NR, 4]
-    parent: jax.Array  # int32[NR]   record of the previous block, -1 for the first block
-    tokens: jax.Array  # int32[NR, block_tokens]
-    length: jax.Array  # int32[NR]   boundary L
-    abi: jax.Array  # uint32[NR, 4]
-    iver: jax.Array  # int32[NR]
-    state: jax.Array  # int8[NR]  RecordState
-    last_used: jax.Array  # int32[NR]
-    hits: jax.Array  # int32[NR]
-    pages: tuple  # per group int32[NR, M_g]: logical page -> physical page (-1 = none)
-    gens: tuple  # per group int32[NR, M_g]: generation of each page when recorded
-    swa_held: jax.Array  # bool[NR]
-    tail_slot: jax.Array  # int32[NR]  snapshot slot, -1 = none
-    checksum: jax.Array  # uint32[NR]
-    on_disk: jax.Array  # bool[NR]  a committed disk-tier copy exists (set when its manifest is published)
-    snaps: tuple  # per compressor TailState with leading dim NT
-    snap_used: jax.Array  # bool[NT]
-    clock: jax.Array  # int32
-
-
-def init_prefix(layout: CacheLayout) -> PrefixIndex:
-    nr, nt = layout.config.prefix_records, layout.tail_snapshots
-    bt = layout.spec.block_tokens
-    dt = layout.spec.storage_dtype
-    snaps = []
-    for _, _, c in layout.spec.compressors():
-        ov = c.ratio if c.overlap else 0
-        snaps.append(
-            TailState(
-                tail_kv=jnp.zeros((nt, c.ratio, c.proj_width), dt),
-                tail_gate=jnp.zeros((nt, c.ratio, c.proj_width), dt),
-                overlap_kv=jnp.zeros((nt, ov, c.entry_dim), dt),
-                overlap_gate=jnp.full((nt, ov, c.entry_dim), -jnp.inf, jnp.float32),
-            )
-        )
-    m = [layout.logical_pages(g) for g in range(len(layout.groups))]
-    return PrefixIndex(
-        key=jnp.zeros((nr, 4), jnp.uint32),
-        parent=jnp.full((nr,), -1, jnp.int32),
-        tokens=jnp.zeros((nr, bt), jnp.int32),
-        length=jnp.zeros((nr,), jnp.int32),
-        abi=jnp.zeros((nr, 4), jnp.uint32),
-        iver=jnp.zeros((nr,), jnp.int32),
-        state=jnp.zeros((nr,), jnp.int8),
-        last_used=jnp.zeros((nr,), jnp.int32),
-        hits=jnp.zeros((nr,), jnp.int32),
-        pages=tuple(jnp.full((nr, mg), -1, jnp.int32) for mg in m),
-        gens=tuple(jnp.zeros((nr, mg), jnp.int32) for mg in m),
-        swa_held=jnp.zeros((nr,), bool),
-        tail_slot=jnp.full((nr,), -1, jnp.int32),
-        checksum=jnp.zeros((nr,), jnp.uint32),
-        on_disk=jnp.zeros((nr,), bool),
-        snaps=tuple(snaps),
-        snap_used=jnp.zeros((nt,), bool),
-        clock=jnp.zeros((), jnp.int32),
-    )
-
-
-PLAN_FIELDS = (
-    "hash_blocks",
-    "lifecycle_blocks",
-    "abi_blocks",
-    "intersection_blocks",
-    "byte_blocks",
-    "first_failed_stage",
-    "reason",
-    "status",
-    "record",
-    "disk_blocks",
-)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -416,7 +294,7 @@ def restore(
 
     keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
     rows >= n_blocks ignored); n_blocks: blocks the caller allows (at most (prompt_len - 1) // bt so
-    one token is left to compute logits from). Returns (cache, plan int32[len(PLAN_FIELDS)]).
+    one token is left to compute logits from). Returns (cache, `DevicePlan`).
     The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
     NO_PAGES (copy-on-write pages unavailable) the cache is unchanged and plan.status says so.
 
@@ -426,13 +304,13 @@ def restore(
     TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
     SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
     Raises ValueError (at trace time) for a spec with a full-attention layer: records keep its rows
-    only with a snapshot, so no rebuild restores it (`hkv.policy.window_rebuild_tokens` is 0 there).
+    only with a snapshot, so no rebuild restores it (`hkv.core.policy.window_rebuild_tokens` is 0 there).
     """
     if recompute and any(grp.kind == ObjectKind.SWA and grp.keep is None for grp in layout.groups):
         raise ValueError(
             f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
             f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
-            f"hkv.policy.window_rebuild_tokens"
+            f"hkv.core.policy.window_rebuild_tokens"
         )
     px = cache.prefix
     bt = layout.spec.block_tokens
@@ -479,16 +357,18 @@ def restore(
     last = jnp.maximum(n2 - 1, 0)
     stage3_reason = jnp.where(
         ~px.swa_held[rec[last]],
-        Reason.SWA_MISSING,
-        jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING, Reason.INDEXER_VERSION),
+        Reason.SWA_MISSING.code,
+        jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING.code, Reason.INDEXER_VERSION.code),
     )
-    r1 = jnp.where(collision[n1], Reason.COLLISION, jnp.where(reused[n1], Reason.PAGE_REUSED, Reason.FREED))
+    r1 = jnp.where(
+        collision[n1], Reason.COLLISION.code, jnp.where(reused[n1], Reason.PAGE_REUSED.code, Reason.FREED.code)
+    )
     fail_stage = jnp.where(h < n_blocks, 0, 5)
     fail_stage = jnp.where(n1 < h, 1, jnp.where(n2 < n1, 2, jnp.where(n3 < n2, 3, jnp.where(n4 < n3, 4, fail_stage))))
     reason = jnp.select(
         [fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],
-        [r1, Reason.ABI_MISMATCH, stage3_reason, Reason.CHECKSUM, Reason.NO_HASH_MATCH],
-        Reason.NONE,
+        [r1, Reason.ABI_MISMATCH.code, stage3_reason, Reason.CHECKSUM.code, Reason.NO_HASH_MATCH.code],
+        0,
     )
     fail_stage = jnp.where(fail_stage == 5, -1, fail_stage)
 
@@ -558,9 +438,17 @@ def restore(
     valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
     status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
-    plan = jnp.stack(
-        [h, n1, n2, n3, jnp.where(ok, n4, 0), fail_stage, reason, status, jnp.where(ok & do, r, -1), 0]
-    ).astype(jnp.int32)
+    plan = DevicePlan.make(
+        hash_blocks=h,
+        lifecycle_blocks=n1,
+        abi_blocks=n2,
+        intersection_blocks=n3,
+        byte_blocks=jnp.where(ok, n4, 0),
+        first_failed_stage=fail_stage,
+        reason=reason,
+        status=status,
+        record=jnp.where(ok & do, r, -1),
+    )
     counters = count_plan(layout, cache, plan).counters if count else cache.counters
     out = jax.tree.map(
         lambda a, b: a if a is b else jnp.where(ok, a, b),
@@ -570,21 +458,17 @@ def restore(
     return out, plan
 
 
-def count_plan(layout: CacheLayout, cache: HybridCache, plan: jax.Array) -> HybridCache:
+def count_plan(layout: CacheLayout, cache: HybridCache, plan: DevicePlan) -> HybridCache:
     """Add one lookup's final plan to the metrics counters (hash-hit tokens, restored tokens, the
     reason). A caller that tries several plans for one request (window recompute, retries after
     eviction) restores with count=False and counts the plan it kept, once."""
-    f = {name: plan[i] for i, name in enumerate(PLAN_FIELDS)}
     bt = layout.spec.block_tokens
     counters = _count(cache.counters, "prefix_lookups", 1)
-    counters = _count(counters, "prefix_hash_hit_tokens", f["hash_blocks"] * bt)
-    counters = _count(counters, "prefix_restored_tokens", f["byte_blocks"] * bt)
-    counters = _count(counters, "prefix_disk_restored_tokens", f["disk_blocks"] * bt)
+    counters = _count(counters, "prefix_hash_hit_tokens", plan.hash_blocks * bt)
+    counters = _count(counters, "prefix_restored_tokens", plan.byte_blocks * bt)
+    counters = _count(counters, "prefix_disk_restored_tokens", plan.disk_blocks * bt)
     for reason_ in Reason:
-        if reason_ != Reason.NONE:
-            counters = _count(
-                counters, f"prefix_rejected_{reason_.name.lower()}", (f["reason"] == reason_).astype(jnp.int32)
-            )
+        counters = _count(counters, f"prefix_rejected_{reason_}", (plan.reason == reason_.code).astype(jnp.int32))
     return cache.replace(counters=counters)
 
 
@@ -595,7 +479,7 @@ def evict(
     """Evict, per record (bool[NR] masks): its SWA window (`swa_mask`), its TAIL snapshot (`tail_mask`),
     or the whole record (`record_mask`: also its COMPRESSED/INDEXER references). A whole record
     becomes a tombstone: still found by a lookup, which then reports `freed` (or `page_reused` once
-    its pages went to someone else). The policy (`hkv.policy`) evicts a snapshot's two parts together
+    its pages went to someone else). The policy (`hkv.core.policy`) evicts a snapshot's two parts together
     and whole records only as leaves, so a record never outlives what its descendants need."""
     px = cache.prefix
     alive = px.state == RecordState.ALIVE
@@ -637,11 +521,10 @@ def bump_indexer_version(cache: HybridCache) -> HybridCache:
 
 
 __all__ = [
-    "PLAN_FIELDS",
+    "DevicePlan",
     "PrefixIndex",
     "Reason",
     "RecordState",
-    "STAGES",
     "abi_words",
     "bump_indexer_version",
     "count_plan",

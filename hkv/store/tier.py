@@ -68,11 +68,12 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import disk_manifest as mf
+from ..core.reasons import DISK_REASONS, Reason
+from . import manifest as mf
 
-MISSING, CHECKSUM, TRUNCATED, ABI = "disk_missing", "disk_checksum", "disk_truncated", "disk_abi"
-AUTH, MALFORMED = mf.AUTH, mf.MALFORMED  # "disk_auth", "disk_malformed"
-DISK_REASONS = (CHECKSUM, MISSING, ABI, TRUNCATED, AUTH, MALFORMED)
+# why a read stops: members of the one `Reason` enum (str labels such as "disk_missing")
+MISSING, CHECKSUM, TRUNCATED = Reason.DISK_MISSING, Reason.DISK_CHECKSUM, Reason.DISK_TRUNCATED
+ABI, AUTH, MALFORMED = Reason.DISK_ABI, Reason.DISK_AUTH, Reason.DISK_MALFORMED
 ENV_KEY = "HKV_STORE_KEY"
 MAX_HITS_BYTES = 16 << 20  # a hit file: {"hits": {block key: restores}}
 MAX_HITS = 1 << 20  # block keys in one hit file

@@ -89,7 +89,7 @@ def receptive_field(spec: CacheSpec) -> int:
 
 
 def window_rebuild_tokens(spec: CacheSpec) -> int:
-    """Tokens a window rebuild (`hkv.prefix.restore(recompute=R)`) recomputes, R = the receptive field;
+    """Tokens a window rebuild (`hkv.core.prefix.restore(recompute=R)`) recomputes, R = the receptive field;
     0 when no rebuild restores exactly: a full-attention layer (window=None) attends to every row
     before the boundary, and a record keeps those rows only with its snapshot, so a hit without one
     must shrink to the last snapshot (or come from disk), never rebuild."""

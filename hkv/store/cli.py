@@ -1,4 +1,4 @@
-"""The `hkv` command line: inspect a disk tier store (`hkv.disk.DiskTier`) without an engine.
+"""The `hkv` command line: inspect a disk tier store (`hkv.store.tier.DiskTier`) without an engine.
 
     hkv store verify PATH         check every published manifest and every object's checksum
     hkv store stats PATH          size, segments, blocks, snapshots and restore hits per ABI fingerprint
@@ -121,7 +121,7 @@ def _temp_only_segments(spec: dict | str, listed: list[str]) -> list[str]:
 
 
 def _open(spec: dict | str):
-    from .disk import DiskTier
+    from .tier import DiskTier
 
     try:
         return DiskTier(spec)
@@ -136,7 +136,7 @@ def _close(tier) -> None:
 
 # ------------------------------------------------------------------------------------ verify
 def cmd_verify(args) -> int:
-    from .disk import DISK_REASONS
+    from .tier import DISK_REASONS
 
     spec = store_spec(args.path, args.spec)
     tier = _open(spec)
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser(
         "store",
         help="inspect a disk tier store (verify, stats)",
-        description="Inspect a disk tier store (hkv.disk.DiskTier). Read-only: nothing is created or repaired.",
+        description="Inspect a disk tier store (hkv.store.tier.DiskTier). Read-only: nothing is created or repaired.",
         epilog="PATH: a directory (file kvstore; a directory with manifest.ocdbt opens as OCDBT), a kvstore URL "
         "(file:///..., gs://..., s3://...), or --spec JSON instead. Exit codes: 0 ok, 1 verification "
         "failed, 2 usage error or unopenable store.",

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from .spec import CacheSpec
-from .state import CacheLayout, HybridCache, init_cache
+from .layout import CacheLayout
+from .state import HybridCache, init_cache
 
 KINDS = ("SWA", "COMPRESSED", "INDEXER", "TAIL")
 

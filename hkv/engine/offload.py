@@ -3,13 +3,13 @@
 `swap_out` is the host side of write-behind: from one host snapshot of the prefix index it copies
 the rows a record's chain needs to host memory (one gather per group over the record's pages, run
 before the donated eviction step, so no donated buffer is ever read later) and returns them as
-`hkv.disk.BlockPayload`s: per block its COMPRESSED / INDEXER rows, and for the record's own block
+`hkv.store.tier.BlockPayload`s: per block its COMPRESSED / INDEXER rows, and for the record's own block
 the SWA window and TAIL snapshot at its boundary.
 
 `swap_in` is the transition that installs verified payloads: it extends a slot holding a prefix of
 L0 tokens (0, or a device-restored prefix) to L1 tokens — reserves the pages (all or nothing),
 writes the rows of every group, installs the TAIL at L1, advances and slides. It never runs on
-unverified bytes: `hkv.disk.DiskTier.read` checks them first.
+unverified bytes: `hkv.store.tier.DiskTier.read` checks them first.
 
 `mark_on_disk` records in the prefix index which records have a committed disk copy (set only when
 the segment's manifest is published).
@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .block_keys import key_bytes
-from .disk import BlockPayload
-from .spec import ObjectKind
-from .state import CacheLayout, HybridCache, Status, TailState
-from .transitions import _locate, advance, reserve, slide
+from ..store.tier import BlockPayload
+from ..core.spec import ObjectKind
+from ..core.layout import CacheLayout, Status, TailState
+from ..core.state import HybridCache
+from ..core.transitions import _locate, advance, reserve, slide
 
 TAIL_FIELDS = ("tail_kv", "tail_gate", "overlap_kv", "overlap_gate")
 

@@ -58,9 +58,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .invariants import check_invariants
-from .policy import RetentionPolicy
-from .state import CacheConfig, CacheLayout, check_layout, init_cache
+from ..core.invariants import check_invariants
+from ..core.policy import RetentionPolicy
+from ..core.layout import CacheConfig, CacheLayout
+from ..core.state import check_layout, init_cache
 
 FORMAT_NAME = "hkv-engine-checkpoint"
 FORMAT_VERSION = 2
@@ -569,10 +570,11 @@ def _abi_diff(saved: dict, now: dict) -> str:
     return "; ".join(diff) or "no spec field (fingerprint algorithm changed?)"
 
 
-def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
+def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     """Rebuild the `hkv.Engine` saved at `path` around `model` and install its verified cache.
 
     Args:
+      engine_cls: the engine class to build (`hkv.Engine`; `Engine.restore` passes itself).
       path: a checkpoint directory written by `save_engine` (format version 2).
       model: the same weights the engine was saved with (they are not in the checkpoint; their digest
         — every element, dtype, shape — and the model's dims enter the ABI fingerprint, which must
@@ -593,14 +595,13 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
     leaf's key path, shape and dtype (from `jax.eval_shape`, no allocation) — so a foreign or hostile
     checkpoint is refused before the engine allocates a cache; build the engine and re-check its
     fingerprint; read the leaves with orbax onto the host; verify each leaf's crc32; run
-    `hkv.state.check_layout` and `hkv.check_invariants` on that host copy; only then free the fresh
+    `hkv.core.state.check_layout` and `hkv.check_invariants` on that host copy; only then free the fresh
     cache and upload the verified leaves to the default device, uncommitted, as `init_cache` places
     them (device memory never holds two caches).
     """
     from flax import nnx
 
-    from .engine import Engine
-    from .weights import weights_digest
+    from ..core.weights import weights_digest
 
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
@@ -699,7 +700,7 @@ def restore_engine(path: str | os.PathLike, model, **engine_kwargs):
     refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
 
     with settings_error("cannot build an engine from the saved settings"):
-        engine = Engine(model, config, **kwargs)
+        engine = engine_cls(model, config, **kwargs)
     refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
 
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
