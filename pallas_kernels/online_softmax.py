@@ -72,6 +72,39 @@ def fold_block(
     return SoftmaxState(o=alpha * state.o + pv, m=m_next, l=l_next)
 
 
+def fold_block_kv(
+    state: SoftmaxState,
+    q: jax.Array,  # [heads, D]   query dtype (== k, v dtype)
+    k: jax.Array,  # [block, D]   keys
+    v: jax.Array,  # [block, D]   values (pass k again for K=V rows)
+    valid: jax.Array,  # [1, block] bool; False columns are not part of the softmax
+    scale: float,
+    softcap: float | None = None,
+) -> SoftmaxState:
+    """`fold_block` with separate keys and values and optional logit soft-capping.
+
+    With `softcap` the scaled logits become softcap * tanh(logits / softcap) before the softmax
+    (Gemma-style); the sink logits in the state are not capped.
+    """
+    precision = dot_precision(k.dtype)
+    logits = (
+        lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32) * scale
+    )  # [heads, block]
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits * (1.0 / softcap))
+    logits = jnp.where(valid, logits, -jnp.inf)
+    m_next = jnp.maximum(state.m, jnp.max(logits, axis=1, keepdims=True))  # [heads, 1]
+    # All -inf so far (no sink, nothing valid yet): shift by 0 so exp() gives 0, not NaN.
+    m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp(state.m - m_shift)  # [heads, 1]
+    p = jnp.exp(logits - m_shift)  # [heads, block]
+    l_next = alpha * state.l + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # [heads, D]
+    return SoftmaxState(o=alpha * state.o + pv, m=m_next, l=l_next)
+
+
 def finalize(state: SoftmaxState, dtype) -> jax.Array:
     """o / l in `dtype`; a head that saw nothing (no sink, no valid row) gets zeros."""
     l = jnp.where(state.l == 0.0, 1.0, state.l)

@@ -88,3 +88,56 @@ def fold_selected(
         return online_softmax.fold_block(carry, q, kv, valid[None, :], scale)
 
     return lax.fori_loop(0, num_blocks, body, state)
+
+
+def gather_row_slices(
+    pool_ref,  # [num_pages * page_size, row]
+    page_table_ref,  # int32[batch, pages_per_seq]
+    b,  # int32 scalar: sequence
+    entries,  # int32[block]: entry (position) indices
+    valid,  # bool[block]: which entries to load
+    col,  # int32 scalar: first column of the slice
+    *,
+    width: int,
+    page_size: int,
+) -> jax.Array:
+    """[block, width] columns [col, col + width) of the rows of `entries`; invalid rows are 0, unread."""
+    pages_per_seq = page_table_ref.shape[1]
+    logical_page = jnp.where(valid, lax.rem(entries // page_size, pages_per_seq), 0)
+    physical_page = page_table_ref[b, logical_page]  # [block]
+    rows = jnp.where(valid, physical_page * page_size + lax.rem(entries, page_size), 0)
+    cols = col + lax.broadcasted_iota(jnp.int32, (entries.shape[0], width), 1)
+    return pltr.load(pool_ref.at[rows[:, None], cols], mask=valid[:, None], other=0)
+
+
+def fold_range_kv(
+    state: online_softmax.SoftmaxState,
+    q,  # [heads, D]
+    pool_ref,  # [num_pages * page_size, row]: K and V of several heads side by side in a row
+    page_table_ref,  # int32[batch, pages_per_seq]
+    b,
+    lo,  # int32 scalar: first entry (inclusive)
+    hi,  # int32 scalar: last entry (exclusive)
+    k_col,  # int32 scalar: first column of the keys (D wide)
+    v_col,  # int32 scalar: first column of the values, or None: V = K
+    *,
+    page_size: int,
+    block_k: int,
+    scale: float,
+    softcap: float | None = None,
+) -> online_softmax.SoftmaxState:
+    """`fold_range` over column slices of the rows: keys at k_col, values at v_col (None = the keys)."""
+    num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
+    head_dim = q.shape[1]
+
+    def body(j, carry):
+        entries = lo + j * block_k + lax.iota(jnp.int32, block_k)
+        valid = entries < hi
+        load = lambda col: gather_row_slices(
+            pool_ref, page_table_ref, b, entries, valid, col, width=head_dim, page_size=page_size
+        )
+        k = load(k_col)
+        v = k if v_col is None else load(v_col)
+        return online_softmax.fold_block_kv(carry, q, k, v, valid[None, :], scale, softcap)
+
+    return lax.fori_loop(0, num_blocks, body, state)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.csa_decode import csa_decode_attention
+from pallas_kernels.gqa_decode import gqa_decode_attention
 from pallas_kernels.hca_decode import hca_decode_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.gather import paged_gather
@@ -20,6 +21,8 @@ from pallas_kernels.swa_decode import swa_decode_attention
 # deliberately not powers of two.
 BATCH, HEADS, HEAD_DIM, WINDOW, PAGE = 3, 64, 512, 128, 64
 CONTEXT, CSA_RATIO, HCA_RATIO, TOPK, IDX_HEADS, IDX_DIM = 65536, 4, 128, 512, 64, 128
+# A GQA layer (Llama-3-70B-like: 64 query heads on 8 KV heads of 128) over K|V rows.
+GQA_HEADS, GQA_KV_HEADS, GQA_DIM = 64, 8, 128
 TARGETS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
 
 
@@ -52,6 +55,13 @@ def _inputs(dtype):
 
 def _ops(backend, dtype):
     window, csa, hca, indexer = _inputs(dtype)
+    gqa = (
+        _s((BATCH, GQA_HEADS, GQA_DIM), dtype),
+        _s((300, PAGE, 2 * GQA_KV_HEADS * GQA_DIM), dtype),
+        _s((BATCH, CONTEXT // PAGE)),
+        _s((BATCH,)),
+        _s((GQA_HEADS,), jnp.float32),
+    )
     return {
         "paged_gather": (lambda *a: paged_gather(*a, backend=backend), (window[1], window[2], window[3])),
         "swa": (lambda *a: swa_decode_attention(*a, window=WINDOW, backend=backend), window),
@@ -64,6 +74,19 @@ def _ops(backend, dtype):
             window + csa + (_s((BATCH, TOPK)),),
         ),
         "indexer": (lambda *a: indexer_topk(*a, k=TOPK, compress_ratio=CSA_RATIO, backend=backend), indexer),
+        "gqa": (
+            lambda *a: gqa_decode_attention(*a, num_kv_heads=GQA_KV_HEADS, softcap=50.0, backend=backend),
+            gqa,
+        ),
+        # MQA over DeepSeek-style K=V rows, sliding window.
+        "gqa_mqa_window": (
+            lambda *a: gqa_decode_attention(*a, num_kv_heads=1, window=WINDOW, shared_kv=True, backend=backend),
+            window,
+        ),
+        "gqa_stacked": (
+            lambda layer, *a: gqa_decode_attention(*a, num_kv_heads=GQA_KV_HEADS, layer=layer, backend=backend),
+            (_s(()), gqa[0], _s((4,) + gqa[1].shape, dtype)) + gqa[2:],
+        ),
         # Pools stacked over 4 layers, read in place at a traced layer index.
         "csa_stacked": (
             lambda layer, *a: csa_decode_attention(
@@ -92,7 +115,9 @@ def _ops(backend, dtype):
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
-@pytest.mark.parametrize("op", ["paged_gather", "swa", "hca", "csa", "indexer", "csa_stacked"])
+@pytest.mark.parametrize(
+    "op", ["paged_gather", "swa", "hca", "csa", "indexer", "csa_stacked", "gqa", "gqa_mqa_window", "gqa_stacked"]
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_to_the_platform_kernel(platform, op, dtype):
     backend, custom_call = TARGETS[platform]
