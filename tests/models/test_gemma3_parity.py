@@ -19,7 +19,9 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 from safetensors.numpy import save_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -331,3 +333,42 @@ def test_random_init_runs_and_is_causal():
     assert max_err(np.asarray(fwd(ids[:, :10])), full[:, :10]) < 1e-5
     with pytest.raises(ValueError, match="vocab_size=512"):
         fwd(np.array([[0, 512]]))
+
+
+def test_pieces_compose_into_a_kv_cached_decode():
+    """The public pieces (embed, rope_tables, project_qkv, attention_mask, dense_attention, project_output,
+    ffn_block, logits) rebuild the forward around a fixed-size per-layer K/V buffer: prefill, then one-token
+    steps attending to the written history (sliding layers masked to the last `window` positions)."""
+    cfg = tiny_config(num_hidden_layers=3, layer_types=(S, F, S), sliding_window=4)
+    model = gemma3.init(cfg, seed=3)
+    n = 16
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, n))
+    want = np.asarray(gemma3.forward_fn(model)(ids))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, start, kv):
+        m = nnx.merge(graphdef, state)
+        pos = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        k_pos = jnp.arange(n, dtype=jnp.int32)[None]
+        rope = m.rope_tables(pos)
+        x = m.embed(tokens)
+        new_kv = []
+        for layer, (kc, vc) in zip(m.layers, kv):
+            q, k, v = layer.attn.project_qkv(layer.input_norm(x), *rope[layer.layer_type])
+            kc = jax.lax.dynamic_update_slice_in_dim(kc, k, start, axis=1)
+            vc = jax.lax.dynamic_update_slice_in_dim(vc, v, start, axis=1)
+            mask = gemma3.attention_mask(pos, k_pos, layer.window)  # unwritten slots lie in the future
+            o = gemma3.dense_attention(q, kc, vc, mask, cfg.scaling)
+            x = layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
+            new_kv.append((kc, vc))
+        return m.logits(x), new_kv
+
+    empty = jnp.zeros((1, n, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+    kv = [(empty, empty)] * cfg.num_hidden_layers
+    logits, kv = step(state, jnp.asarray(ids[:, :10], jnp.int32), 0, kv)
+    got = [np.asarray(logits)]
+    for t in range(10, n):
+        logits, kv = step(state, jnp.asarray(ids[:, t : t + 1], jnp.int32), t, kv)
+        got.append(np.asarray(logits))
+    assert max_err(np.concatenate(got, axis=1), want) < 1e-5
