@@ -55,9 +55,8 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
-
 import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
+import numpy as np
 
 T0 = time.perf_counter()
 
@@ -511,8 +510,8 @@ def engine_benchmark(args, root: str) -> dict:
     import jax.numpy as jnp
 
     import hkv
-    from hkv.store.tier import DiskTier
     from hkv.core.layout import CacheLayout
+    from hkv.store.tier import DiskTier
     from models.deepseek_v4 import init, tiny_config
 
     class TimedTier(DiskTier):

@@ -46,10 +46,9 @@ import statistics
 import tempfile
 import time
 
+import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 import jax
 import numpy as np
-
-import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 
 import hkv
 from hkv.core.layout import CacheLayout

@@ -14,10 +14,12 @@ prefix manager, offload, warm restart), `hkv.store` is the disk tier. See docs/d
 """
 
 from .core.invariants import InvariantError, check_invariants
+from .core.layers import LayerCache, Step, run_step
 from .core.layout import CacheConfig, CacheLayout, Residency, Status
 from .core.memory import architectural_minimum, memory_report, uniform_full_kv_bytes
 from .core.plan import DevicePlan, RestorePlan
 from .core.policy import RetentionPolicy
+from .core.protocol import CachedModel
 from .core.reasons import Reason
 from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .core.state import HybridCache, init_cache
@@ -31,6 +33,7 @@ __all__ = [
     "CacheConfig",
     "CacheLayout",
     "CacheSpec",
+    "CachedModel",
     "CompressorSpec",
     "DevicePlan",
     "DiskTier",
@@ -41,6 +44,7 @@ __all__ = [
     "Group",
     "HybridCache",
     "InvariantError",
+    "LayerCache",
     "LayerSpec",
     "ObjectKind",
     "Reason",
@@ -48,10 +52,12 @@ __all__ = [
     "RestorePlan",
     "RetentionPolicy",
     "Status",
+    "Step",
     "architectural_minimum",
     "check_invariants",
     "init_cache",
     "memory_report",
+    "run_step",
     "uniform_full_kv_bytes",
     "weights_digest",
 ]

@@ -11,6 +11,8 @@ lowering), a Pallas TPU kernel (Mosaic), and a plain-jnp reference, behind one p
     csa_decode_attention(q, window_pool, window_page_table, lengths, sinks,
                          compressed_pool, compressed_page_table, n_compressed, topk_indices,
                          *, window, compress_ratio)                          -> [B, H, D]
+    gqa_decode_attention(q, kv_pool, page_table, lengths, sinks,
+                         *, num_kv_heads, window=None, softcap=None, shared_kv=False)  -> [B, H, D]
     indexer_scores(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
                    *, compress_ratio)                                         -> f32[B, C]
     indexer_topk(q_idx, weights, index_pool, index_page_table, lengths, n_entries,
@@ -40,29 +42,30 @@ Layout (the cache adopts it):
   own pool and page table; `n_compressed` / `n_entries` count the entries written per sequence.
 * `lengths[b]` counts the tokens of sequence b including the one being decoded (its K=V row must
   already be written); 0 marks an empty batch slot, which reads nothing and returns zeros.
+* A GQA pool row (`gqa_decode_attention`) holds one token's keys and values of every KV head:
+  [K head 0 | ... | K head Hkv-1 | V head 0 | ... | V head Hkv-1] (2 * Hkv * head_dim), or only the
+  K heads with `shared_kv=True` (V = K). Query head h uses KV head h // (num_heads // num_kv_heads).
+  Rows are addressed by absolute position like window rows; with `window=None` (full attention)
+  the table must cover max(lengths) (a longer sequence sees its last pages_per_seq * page_size
+  positions).
 * q and every pool of one call share a dtype (bf16 or f32); sinks are f32; softmax accumulates in
   f32 and the output has q's dtype.
 """
 
-from pallas_kernels.csa_decode import csa_decode_attention
-from pallas_kernels.csa_decode import csa_decode_attention_reference
-from pallas_kernels.dispatch import BACKENDS
-from pallas_kernels.dispatch import resolve_backend
-from pallas_kernels.hca_decode import hca_decode_attention
-from pallas_kernels.hca_decode import hca_decode_attention_reference
-from pallas_kernels.indexer import indexer_scores
-from pallas_kernels.indexer import indexer_scores_reference
-from pallas_kernels.indexer import indexer_topk
-from pallas_kernels.indexer import indexer_topk_reference
-from pallas_kernels.gather import paged_gather
-from pallas_kernels.gather import paged_gather_reference
-from pallas_kernels.swa_decode import swa_decode_attention
-from pallas_kernels.swa_decode import swa_decode_attention_reference
+from pallas_kernels.csa_decode import csa_decode_attention, csa_decode_attention_reference
+from pallas_kernels.dispatch import BACKENDS, resolve_backend
+from pallas_kernels.gather import paged_gather, paged_gather_reference
+from pallas_kernels.gqa_decode import gqa_decode_attention, gqa_decode_attention_reference
+from pallas_kernels.hca_decode import hca_decode_attention, hca_decode_attention_reference
+from pallas_kernels.indexer import indexer_scores, indexer_scores_reference, indexer_topk, indexer_topk_reference
+from pallas_kernels.swa_decode import swa_decode_attention, swa_decode_attention_reference
 
 __all__ = [
     "BACKENDS",
     "csa_decode_attention",
     "csa_decode_attention_reference",
+    "gqa_decode_attention",
+    "gqa_decode_attention_reference",
     "hca_decode_attention",
     "hca_decode_attention_reference",
     "indexer_scores",

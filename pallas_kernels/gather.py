@@ -20,14 +20,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
-import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, stacked_pools
 from pallas_kernels import input_checks as checks
-from pallas_kernels import stacked_pools
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,20 +37,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
-import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
 from pallas_kernels import input_checks as checks
-from pallas_kernels import online_softmax
-from pallas_kernels import paged_folds_gpu
-from pallas_kernels import paged_folds_tpu
-from pallas_kernels import stacked_pools
-from pallas_kernels import swa_decode
-
 
 # GPU tiles: query heads of one KV head per program (Triton dot tiles need >= 16) and rows folded per
 # step. Untuned defaults; the private `_gqa_decode_gpu` wrapper takes others.

@@ -27,18 +27,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
-import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
 from pallas_kernels import input_checks as checks
-from pallas_kernels import online_softmax
-from pallas_kernels import paged_folds_gpu
-from pallas_kernels import paged_folds_tpu
-from pallas_kernels import stacked_pools
-from pallas_kernels import swa_decode
 
 
 def visible_entries(lengths, n_compressed, compress_ratio: int, capacity: int):

@@ -28,19 +28,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
-import jax.numpy as jnp
 
-from pallas_kernels import dispatch
-from pallas_kernels import hca_decode
+from pallas_kernels import dispatch, hca_decode, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
 from pallas_kernels import input_checks as checks
-from pallas_kernels import online_softmax
-from pallas_kernels import paged_folds_gpu
-from pallas_kernels import paged_folds_tpu
-from pallas_kernels import stacked_pools
 
 
 def _score_block(q, weights, keys, scale: float):

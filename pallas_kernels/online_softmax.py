@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 
 class SoftmaxState(NamedTuple):

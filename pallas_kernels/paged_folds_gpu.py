@@ -13,10 +13,10 @@ loaded arrays have power-of-two sizes as the Triton lowering requires.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
-import jax.numpy as jnp
 
 from pallas_kernels import online_softmax
 

@@ -8,10 +8,10 @@ kernel never reads the others. Refs are indexed (`.at[...]`, `ref[slot]`), never
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-import jax.numpy as jnp
 
 from pallas_kernels import online_softmax
 

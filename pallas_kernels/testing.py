@@ -6,8 +6,8 @@ nothing here runs on device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import os
+from collections.abc import Callable
 
 import numpy as np
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .spec import ObjectKind
 from .layout import CacheLayout, Residency
+from .spec import ObjectKind
 from .state import HybridCache
 from .transitions import block_forms
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .spec import CacheSpec
 from .layout import CacheLayout
+from .spec import CacheSpec
 from .state import HybridCache, init_cache
 
 KINDS = ("SWA", "COMPRESSED", "INDEXER", "TAIL")

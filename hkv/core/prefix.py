@@ -27,11 +27,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .spec import ObjectKind
 from .layout import CacheLayout, Status, TailState
 from .plan import DevicePlan
 from .prefix_index import PrefixIndex, RecordState, init_prefix
 from .reasons import Reason
+from .spec import ObjectKind
 from .state import HybridCache, abi_words
 from .transitions import add_refs
 

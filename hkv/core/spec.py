@@ -56,12 +56,22 @@ class CompressorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """Cache objects of one layer. `kv_dim`: width of one SWA row (DeepSeek-V4: shared K=V head_dim)."""
+    """Cache objects of one layer.
+
+    kv_dim: width of one SWA row, the bytes a token keeps in this layer's window: its keys and values
+      of every KV head, `[K head 0 | ... | K head Hkv-1 | V head 0 | ... | V head Hkv-1]`, or with
+      `shared_kv` one row per head that is both K and V (DeepSeek-V4: one shared 512-wide head).
+    window: tokens a query attends to, itself included; None = full attention (rows never leave).
+    num_kv_heads: KV heads in a row (>= 1; GQA/MQA). shared_kv: K = V (the row holds K only).
+    compressor / indexer: the layer's compressor and its indexer (article §2), or None.
+    """
 
     kv_dim: int
     window: int | None
     compressor: CompressorSpec | None = None
     indexer: CompressorSpec | None = None
+    num_kv_heads: int = 1
+    shared_kv: bool = True
 
     def __post_init__(self):
         if self.kv_dim < 1:
@@ -72,6 +82,28 @@ class LayerSpec:
             raise ValueError("an indexer needs a compressor on the same layer")
         if self.indexer is not None and self.indexer.ratio != self.compressor.ratio:
             raise ValueError(f"indexer ratio {self.indexer.ratio} must equal compressor ratio {self.compressor.ratio}")
+        if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads!r} must be an integer >= 1")
+        per_head = self.num_kv_heads * (1 if self.shared_kv else 2)
+        if self.kv_dim % per_head:
+            raise ValueError(
+                f"kv_dim={self.kv_dim} must be a multiple of {per_head} "
+                f"(num_kv_heads={self.num_kv_heads} x {'K=V' if self.shared_kv else 'K and V'})"
+            )
+
+    @classmethod
+    def attention(
+        cls, head_dim: int, num_kv_heads: int = 1, window: int | None = None, *, shared_kv: bool = False, **objects
+    ) -> "LayerSpec":
+        """The spec of an attention layer with `num_kv_heads` heads of `head_dim` (K and V separate unless
+        `shared_kv`); `objects` may add `compressor=` / `indexer=`."""
+        return cls(head_dim * num_kv_heads * (1 if shared_kv else 2), window, num_kv_heads=num_kv_heads,
+                   shared_kv=shared_kv, **objects)  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one K (or V) head."""
+        return self.kv_dim // (self.num_kv_heads * (1 if self.shared_kv else 2))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .spec import ObjectKind
 from .layout import CacheLayout, Residency, Status, TailState
+from .spec import ObjectKind
 from .state import HybridCache, form_bits
 
 

@@ -59,8 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.invariants import check_invariants
-from ..core.policy import RetentionPolicy
 from ..core.layout import CacheConfig, CacheLayout
+from ..core.policy import RetentionPolicy
 from ..core.state import check_layout, init_cache
 
 FORMAT_NAME = "hkv-engine-checkpoint"

@@ -1,11 +1,9 @@
 """`Engine`: batched generation over the hybrid cache — chunked prefill, jitted batched decode.
 
 The engine owns one `HybridCache` value and replaces it with the result of each jitted transition
-(the cache argument is donated). The model is any object with
-    cfg.vocab_size, check_tokens(int[B, T]), cache_spec(dtype=..., block_tokens=..., model_id=...),
-    cached_step(layout, cache, tokens int32[B, C], slots int32[B], n_valid int32[B])
-        -> (cache, float32[B, C, vocab] logits, status)
-and an `nnx.Module` (its weights are passed to the jitted step as data, not baked in as constants).
+(the cache argument is donated). The model implements `hkv.CachedModel` (vocab_size, cache_spec,
+cached_step; see hkv.core.protocol) and is an `nnx.Module` (its weights are passed to the jitted
+step as data, not baked in as constants).
 
 Scheduling: prompts are admitted into free slots; each is prefilled in chunks of `prefill_chunk`
 tokens (one compilation, the last chunk padded); all decoding slots then advance together in one
@@ -34,18 +32,19 @@ import numpy as np
 from flax import nnx
 
 from ..core import prefix as px
-from . import offload as swap
 from ..core import transitions as tr
-from .block_keys import ROOT, key_bytes, key_words, next_key
-from .checkpoint import restore_engine, save_engine
-from ..store.tier import DiskTier, DiskTierClosedError
+from ..core.layout import CacheConfig, CacheLayout, Status
 from ..core.memory import architectural_minimum, memory_report
 from ..core.plan import RestorePlan
 from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
+from ..core.protocol import check_protocol
 from ..core.reasons import STAGES, Reason
-from ..core.layout import CacheConfig, CacheLayout, Status
 from ..core.state import init_cache
 from ..core.weights import weights_digest
+from ..store.tier import DiskTier, DiskTierClosedError
+from . import offload as swap
+from .block_keys import ROOT, key_bytes, key_words, next_key
+from .checkpoint import restore_engine, save_engine
 
 RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
 
@@ -170,6 +169,7 @@ class Engine:
             )
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
+        check_protocol(model)
         self.model = model
         self.disk = disk
         self._graphdef, weights = nnx.split(model)
@@ -310,7 +310,7 @@ class Engine:
         return [
             Generation(
                 tokens=d.tokens,
-                logits=np.stack(d.logits) if d.logits else np.zeros((0, self.model.cfg.vocab_size), np.float32),
+                logits=np.stack(d.logits) if d.logits else np.zeros((0, self.model.vocab_size), np.float32),
                 plan=d.plan or RestorePlan.cold(len(d.prompt)),
             )
             for d in [done[i] for i in range(len(prompts))]
@@ -409,7 +409,7 @@ class Engine:
         if not prompts:
             raise ValueError("prompts must be a non-empty list of token-id sequences")
         cap = self.layout.config.max_context
-        vocab = self.model.cfg.vocab_size
+        vocab = self.model.vocab_size
         out = []
         for i, p in enumerate(prompts):
             if p is None or isinstance(p, (str, bytes, dict)):

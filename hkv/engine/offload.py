@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .block_keys import key_bytes
-from ..store.tier import BlockPayload
-from ..core.spec import ObjectKind
 from ..core.layout import CacheLayout, Status, TailState
+from ..core.spec import ObjectKind
 from ..core.state import HybridCache
 from ..core.transitions import _locate, advance, reserve, slide
+from ..store.tier import BlockPayload
+from .block_keys import key_bytes
 
 TAIL_FIELDS = ("tail_kv", "tail_gate", "overlap_kv", "overlap_gate")
 

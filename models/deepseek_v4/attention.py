@@ -13,13 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .compressor import (
-    Indexer,
-    causal_entry_limit,
-    compressor_from_tensors,
-    indexer_scores,
-    select_topk,
-)
+from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk, selection_bias
+
+from .compressor import Indexer, compressor_from_tensors
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .norms import linear, rms_norm, unweighted_rms_norm
 from .rope import apply_rope
@@ -47,16 +43,6 @@ def sliding_window_bias(q_positions: jnp.ndarray, k_positions: jnp.ndarray, wind
     t = q_positions[..., :, None]
     p = k_positions[..., None, :]
     return jnp.where((p <= t) & (p > t - window), 0.0, -jnp.inf).astype(jnp.float32)
-
-
-def selection_bias(indices: jnp.ndarray, n_entries: int) -> jnp.ndarray:
-    """int32[B, S, k] entry indices (-1 = none) -> float32[B, S, n_entries], 0 at selected, -inf elsewhere."""
-    b, s, k = indices.shape
-    safe = jnp.where(indices >= 0, indices, n_entries)
-    base = jnp.full((b, s, n_entries + 1), -jnp.inf, jnp.float32)
-    bi = jnp.arange(b)[:, None, None]
-    si = jnp.arange(s)[None, :, None]
-    return base.at[bi, si, safe].set(0.0)[..., :n_entries]
 
 
 class Attention(nnx.Module):

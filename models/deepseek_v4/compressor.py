@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk  # noqa: F401 (re-exported)
+
 from .config import DeepseekV4Config
 from .norms import linear, rms_norm
 from .rope import apply_rope, cos_sin
@@ -71,11 +73,6 @@ def compress_windows(
     positions = first + jnp.arange(nw, dtype=jnp.int32)[None, :] * ratio
     cos, sin = cos_sin(positions, freqs)
     return apply_rope(compressed, cos, sin)
-
-
-def causal_entry_limit(positions: jnp.ndarray, ratio: int) -> jnp.ndarray:
-    """Number of compressed entries visible to a query at each absolute position: (t + 1) // ratio."""
-    return (positions + 1) // ratio
 
 
 class Compressor(nnx.Module):
@@ -140,36 +137,6 @@ class Indexer(nnx.Module):
     def head_weights(self, x: jnp.ndarray) -> jnp.ndarray:
         """x [B, S, hidden] -> float32[B, S, n_heads] per-head score weights (already scaled)."""
         return linear(x, self.weights_proj.value).astype(jnp.float32) * (self.n_heads**-0.5)
-
-
-def indexer_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray, head_dim: int) -> jnp.ndarray:
-    """Lightning-indexer scores  sum_h w[h] * relu(q_h . k_s) / sqrt(head_dim).
-
-    q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh] -> float32[B, S, N].
-    """
-    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    scores = jax.nn.relu(dots) * (head_dim**-0.5)
-    return jnp.sum(scores * weights[..., None], axis=2)
-
-
-def select_topk(scores: jnp.ndarray, limit: jnp.ndarray, k: int) -> jnp.ndarray:
-    """Top-k entries per query with causal masking.
-
-    scores: float32[B, S, N]; limit: int[B, S] number of entries each query may see.
-    Returns int32[B, S, k] indices, best first; ties break by the LOWEST index first (`lax.top_k`
-    is stable); picks that fall on masked entries, and slots beyond N, are -1.
-    """
-    n = scores.shape[-1]
-    entry = jnp.arange(n, dtype=jnp.int32)
-    masked = jnp.where(entry[None, None, :] < limit[..., None], scores, -jnp.inf)
-    kk = min(k, n)
-    if kk == 0:
-        return jnp.full(scores.shape[:-1] + (k,), -1, jnp.int32)
-    _, idx = jax.lax.top_k(masked, kk)
-    idx = jnp.where(idx < limit[..., None], idx, -1).astype(jnp.int32)
-    if kk < k:
-        idx = jnp.concatenate([idx, jnp.full(idx.shape[:-1] + (k - kk,), -1, jnp.int32)], axis=-1)
-    return idx
 
 
 def compressor_from_tensors(

@@ -20,6 +20,8 @@ import numpy as np
 from flax import nnx
 
 from .attention import Attention
+from .cache_spec import cache_spec
+from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
 from .moe import MoE
@@ -103,6 +105,11 @@ class DeepseekV4(nnx.Module):
         h = rms_norm(self.hc_head(streams), self.norm.value, self.cfg.rms_norm_eps)
         return linear(h, self.head.value).astype(jnp.float32)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids lie in [0, vocab_size) (`hkv.CachedModel`)."""
+        return self.cfg.vocab_size
+
     def check_tokens(self, tokens) -> None:
         """Raise ValueError for token ids outside [0, vocab_size) or a bad shape (host-side check)."""
         arr = np.asarray(tokens)
@@ -116,14 +123,10 @@ class DeepseekV4(nnx.Module):
     # -------------------------------------------------------------- cached path
     def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):
         """The `hkv.CacheSpec` of this model (storage in the model's dtype)."""
-        from .cache_spec import cache_spec
-
         return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
 
     def cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options):
         """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`."""
-        from .cached import cached_step
-
         return cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options)
 
     # ---------------------------------------------------------------- forward

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv.engine import checkpoint as hc
 from hkv.core.policy import RetentionPolicy
+from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init, tiny_config
 
 CFG = tiny_config()

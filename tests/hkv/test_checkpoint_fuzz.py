@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hkv
-from hkv.engine import checkpoint as hc
 from hkv.core.policy import RetentionPolicy
+from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init, tiny_config
 
 READ_DEADLINE_S = 5.0

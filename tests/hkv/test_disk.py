@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import hkv
-from hkv.store import manifest as mf
 from hkv.core import prefix as px
+from hkv.store import manifest as mf
 from hkv.store.tier import DiskTier
 from models.deepseek_v4 import init
 from models.deepseek_v4.greedy import greedy_stateless

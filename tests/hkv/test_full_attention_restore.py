@@ -15,10 +15,10 @@ import pytest
 
 from hkv.core import prefix as px
 from hkv.core import transitions as tr
-from hkv.engine.block_keys import ROOT, key_words, next_key
-from hkv.core.reasons import Reason
-from hkv.core.policy import receptive_field, window_rebuild_tokens
 from hkv.core.layout import CacheConfig, CacheLayout, Status
+from hkv.core.policy import receptive_field, window_rebuild_tokens
+from hkv.core.reasons import Reason
+from hkv.engine.block_keys import ROOT, key_words, next_key
 from tests.hkv.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
 
 BT = 8

@@ -37,8 +37,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hkv.core import transitions as tr
 from hkv.core.invariants import InvariantError, check_invariants
-from hkv.core.spec import CacheSpec, CompressorSpec, LayerSpec, ObjectKind
 from hkv.core.layout import CacheConfig, CacheLayout, Status
+from hkv.core.spec import CacheSpec, CompressorSpec, LayerSpec, ObjectKind
 from hkv.core.state import COUNTERS, init_cache
 
 # ------------------------------------------------------------------------------------- specs

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import hkv
-from hkv.engine import checkpoint as hc
 from hkv.core import weights as hw
 from hkv.core.weights import weights_digest
+from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init
 from models.deepseek_v4.greedy import greedy_stateless
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import dispatch
-from pallas_kernels import testing
+from pallas_kernels import dispatch, testing
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto resolution on a CPU host")

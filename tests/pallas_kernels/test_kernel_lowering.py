@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.csa_decode import csa_decode_attention
+from pallas_kernels.gather import paged_gather
 from pallas_kernels.gqa_decode import gqa_decode_attention
 from pallas_kernels.hca_decode import hca_decode_attention
 from pallas_kernels.indexer import indexer_topk
-from pallas_kernels.gather import paged_gather
 from pallas_kernels.swa_decode import swa_decode_attention
 
 # DeepSeek-V4-Flash attention layer, 3 sequences, 64K-token capacity, 64-row pages; pool sizes are

@@ -1,0 +1,527 @@
+"""The model-facing cache API: how a model's layers read and write their cache (any Flax model).
+
+A model never sees group numbers, stacked pools or page tables. Its cached step is
+
+    def cached_step(self, layout, cache, tokens, slots, n_valid, *, seal=True, kernel_backend=None,
+                    interpret=False):
+        def forward(cache, step):                      # step: `Step`, this step's slots and positions
+            x = self.embed(step.tokens)
+            for i, layer in enumerate(self.layers):
+                kv = hkv.LayerCache(step, i)           # a view of layer i's objects for these slots
+                q, k, v = layer.project_qkv(x, step.positions)
+                cache = kv.write_kv(cache, k, v)       # K/V rows (only rows that stay in the window)
+                o = kv.attend(cache, q, k, v, sinks=..., scale=..., softcap=...)
+                x = layer.finish(x, o)
+            return cache, self.logits(x)
+        return hkv.run_step(layout, cache, tokens, slots, n_valid, forward, seal=seal,
+                            kernel_backend=kernel_backend, interpret=interpret)
+
+`run_step` reserves pages for the step (all or nothing: a failure returns the cache unchanged, zero
+logits and the `Status`), and afterwards commits lengths and slides windows. Every op has a decode
+path (one token per row: `pallas_kernels`, Pallas on GPU/TPU, the jnp reference on CPU) and a prefill
+path (jnp), with the same signature; which one runs is decided by the step's shape (C == 1: decode).
+
+Layers with a compressor (article §2) also call `LayerCache.compress` (feed this step's projected
+rows; hkv keeps the TAIL of the open window and seals every window the step closes, with the model's
+own compression math) and, for sparse layers, `LayerCache.index_topk` (the learned indexer's top-k
+over the INDEXER keys), then `attend(..., compressed=True, picks=...)`.
+
+Shapes: B rows (slots) per step, C tokens per row, H query heads, Hkv KV heads, D head width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+import pallas_kernels as pk
+
+from . import transitions as tr
+from .layout import CacheLayout, Status
+from .spec import ObjectKind
+from .state import HybridCache, check_layout
+
+
+@struct.dataclass
+class Step:
+    """One cached step: which slot each row runs and at which positions (built by `run_step`).
+
+    Attributes:
+      slots: int32[B] slot of each row.
+      start: int32[B] tokens the slot held before this step (the first new token's position).
+      n_valid: int32[B] new tokens of each row (0: an idle row).
+      positions: int32[B, C] absolute position of each token (start + column).
+      valid: bool[B, C] column < n_valid.
+      mask: bool[B] the row runs (n_valid > 0 and the step's pages were reserved).
+      tokens: int32[B, C] the step's token ids, 0 where not valid (safe to embed).
+      layout: the cache layout (static).
+      seal: whether windows this step closes are sealed into COMPRESSED / INDEXER rows (False: the
+        prefix cache's window rebuild, which re-runs tokens whose entries are already sealed).
+      backend, interpret: the `pallas_kernels` implementation of the decode ops.
+    """
+
+    slots: jax.Array
+    start: jax.Array
+    n_valid: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    mask: jax.Array
+    tokens: jax.Array
+    layout: CacheLayout = struct.field(pytree_node=False)
+    seal: bool = struct.field(pytree_node=False, default=True)
+    backend: str | None = struct.field(pytree_node=False, default=None)
+    interpret: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def new_len(self) -> jax.Array:
+        """int32[B] tokens each slot holds after the step."""
+        return self.start + self.n_valid
+
+    @property
+    def decode(self) -> bool:
+        """One token per row (static): the ops take their `pallas_kernels` decode path."""
+        return self.positions.shape[1] == 1
+
+
+def run_step(
+    layout: CacheLayout,
+    cache: HybridCache,
+    tokens: jax.Array,
+    slots: jax.Array,
+    n_valid: jax.Array,
+    forward: Callable[[HybridCache, Step], tuple[HybridCache, jax.Array]],
+    *,
+    seal: bool = True,
+    kernel_backend: str | None = None,
+    interpret: bool = False,
+) -> tuple[HybridCache, jax.Array, jax.Array]:
+    """Run `forward(cache, step) -> (cache, logits)` as one pure transition of the cache.
+
+    Reserves the pages every group needs for `n_valid[b]` more tokens of slot `slots[b]` (all or
+    nothing), calls `forward` (whose layer ops write only masked rows), then commits the new lengths
+    and slides the windows (pages that left every window are released).
+
+    Args:
+      layout: the cache layout (static under jit).
+      cache: a cache of `layout` (`check_layout` runs at trace time).
+      tokens: int32[B, C]; row b runs tokens[b, :n_valid[b]].
+      slots: int32[B] claimed slots, each at most once among rows with n_valid > 0.
+      n_valid: int32[B] in [0, C]; 0 = an idle row.
+      forward: the model's layers over `Step`; returns (cache, logits float[B, C, V]).
+      seal: see `Step.seal`.
+      kernel_backend, interpret: see `Step.backend` (None: Pallas on GPU/TPU, the reference on CPU).
+
+    Returns:
+      (cache, float32[B, C, V] logits, status int32). On a status other than OK the cache comes back
+      unchanged (the pools too: every write is masked, so no copy is made) and the logits are zeros.
+    """
+    check_layout(layout, cache)
+    if tokens.ndim != 2 or slots.shape != tokens.shape[:1] or n_valid.shape != tokens.shape[:1]:
+        raise ValueError(
+            f"tokens{list(tokens.shape)}, slots{list(slots.shape)}, n_valid{list(n_valid.shape)} must be "
+            f"[B, C], [B], [B]"
+        )
+    c = tokens.shape[1]
+    start = cache.lengths[slots]
+    new_len = start + n_valid
+    reserved, status = tr.reserve(layout, cache, slots, new_len, n_valid > 0)
+    ok = status == Status.OK
+    mask = (n_valid > 0) & ok
+    positions = start[:, None] + jnp.arange(c)[None, :]
+    valid = jnp.arange(c)[None, :] < n_valid[:, None]
+    step = Step(
+        slots=slots,
+        start=start,
+        n_valid=n_valid,
+        positions=positions,
+        valid=valid,
+        mask=mask,
+        tokens=jnp.where(valid, tokens, 0),
+        layout=layout,
+        seal=seal,
+        backend=kernel_backend,
+        interpret=interpret,
+    )
+    out, logits = forward(reserved, step)
+    out = tr.advance(layout, out, slots, new_len, mask)
+    out = tr.slide(layout, out, slots, mask)
+    counters = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out.counters, reserved.counters)
+    return out.replace(counters=counters), jnp.where(ok, logits.astype(jnp.float32), 0.0), status
+
+
+# ------------------------------------------------------------------------------ attention math
+def causal_entry_limit(positions: jax.Array, ratio: int) -> jax.Array:
+    """Compressed entries visible to a query at absolute position t: (t + 1) // ratio."""
+    return (positions + 1) // ratio
+
+
+def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, head_dim: int) -> jax.Array:
+    """Lightning-indexer scores  sum_h w[h] * relu(q_h . k_s) / sqrt(head_dim).
+
+    q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh] -> float32[B, S, N].
+    """
+    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    scores = jax.nn.relu(dots) * (head_dim**-0.5)
+    return jnp.sum(scores * weights[..., None], axis=2)
+
+
+def select_topk(scores: jax.Array, limit: jax.Array, k: int) -> jax.Array:
+    """Top-k entries per query with causal masking.
+
+    scores: float32[B, S, N]; limit: int[B, S] number of entries each query may see.
+    Returns int32[B, S, k] indices, best first; ties break by the LOWEST index first (`lax.top_k`
+    is stable); picks that fall on masked entries, and slots beyond N, are -1.
+    """
+    n = scores.shape[-1]
+    entry = jnp.arange(n, dtype=jnp.int32)
+    masked = jnp.where(entry[None, None, :] < limit[..., None], scores, -jnp.inf)
+    kk = min(k, n)
+    if kk == 0:
+        return jnp.full(scores.shape[:-1] + (k,), -1, jnp.int32)
+    _, idx = jax.lax.top_k(masked, kk)
+    idx = jnp.where(idx < limit[..., None], idx, -1).astype(jnp.int32)
+    if kk < k:
+        idx = jnp.concatenate([idx, jnp.full(idx.shape[:-1] + (k - kk,), -1, jnp.int32)], axis=-1)
+    return idx
+
+
+def selection_bias(indices: jax.Array, n_entries: int) -> jax.Array:
+    """int32[B, S, k] entry indices (-1 = none) -> float32[B, S, n_entries], 0 at selected, -inf elsewhere."""
+    b, s, _ = indices.shape
+    safe = jnp.where(indices >= 0, indices, n_entries)
+    base = jnp.full((b, s, n_entries + 1), -jnp.inf, jnp.float32)
+    return base.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], safe].set(0.0)[..., :n_entries]
+
+
+def attend_rows(
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    bias: jax.Array,
+    *,
+    scale: float,
+    sinks: jax.Array | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Dense GQA attention with optional per-head sinks and logit soft-capping (the prefill path).
+
+    q: [B, T, H, D]; keys, values: [B, K, Hkv, D] (H % Hkv == 0; query head h reads KV head
+    h // (H // Hkv)); bias: float32[B, T, K], 0 (visible) or -inf; sinks: float32[H] or None (a sink
+    joins the softmax denominator only); softcap: logits -> softcap * tanh(logits / softcap).
+    Returns [B, T, H, D] in q.dtype. A query that sees no key gets zeros (with no sink).
+    """
+    b, t, h, d = q.shape
+    hkv = keys.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype)) * jnp.asarray(scale, q.dtype)
+    if softcap is not None:
+        logits = (softcap * jnp.tanh(logits.astype(jnp.float32) / softcap)).astype(logits.dtype)
+    logits = logits + bias[:, :, None, None, :].astype(logits.dtype)
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(hkv, h // hkv)[None, None, ..., None],
+                                logits.shape[:-1] + (1,))  # fmt: skip
+        logits = jnp.concatenate([logits, sink], axis=-1)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    probs = jnp.exp(logits - peak)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = jnp.where(denom > 0, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(values.dtype), values)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------- the view
+class LayerCache:
+    """A view of one layer's cache objects for the slots of one step, and the ops on them.
+
+    Static facts (from the layer's `LayerSpec`): `window` (None: full attention), `num_kv_heads`,
+    `head_dim`, `shared_kv`, `ratio` (compression ratio, None without a compressor), `has_indexer`.
+    Every op takes the cache and returns the new cache (writes) or an array (reads); masked rows
+    of the step (idle or failed) write nothing.
+    """
+
+    def __init__(self, step: Step, layer: int):
+        spec = step.layout.spec
+        if not 0 <= layer < len(spec.layers):
+            raise ValueError(f"layer={layer} must be in [0, {len(spec.layers)})")
+        self.step, self.layer = step, layer
+        self.spec = ls = spec.layers[layer]
+        self.window = ls.window
+        self.num_kv_heads = ls.num_kv_heads
+        self.head_dim = ls.head_dim
+        self.shared_kv = ls.shared_kv
+        self.ratio = None if ls.compressor is None else ls.compressor.ratio
+        self.has_indexer = ls.indexer is not None
+        self._layout = step.layout
+
+    # ------------------------------------------------------------------ helpers
+    def _group(self, kind: ObjectKind) -> tuple[int, int]:
+        """(group index, this layer's index within the group's stacked pool)."""
+        gi = self._layout.spec.group_of(kind, self.layer)
+        return gi, self._layout.groups[gi].layers.index(self.layer)
+
+    def _rows(self, k: jax.Array, v: jax.Array | None) -> jax.Array:
+        """K [B, C, Hkv, D] (+ V) -> SWA rows [B, C, kv_dim] in the spec's row layout."""
+        want = (self.num_kv_heads, self.head_dim)
+        if k.ndim != 4 or tuple(k.shape[2:]) != want:
+            raise ValueError(f"k.shape={tuple(k.shape)} must be [B, C, {want[0]}, {want[1]}] for layer {self.layer}")
+        b, c = k.shape[:2]
+        if self.shared_kv:
+            if v is not None and v is not k:
+                raise ValueError(f"layer {self.layer} stores shared K=V rows: pass v=None (or v=k)")
+            return k.reshape(b, c, -1)
+        if v is None or v.shape != k.shape:
+            raise ValueError(f"v.shape={None if v is None else tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
+        return jnp.concatenate([k.reshape(b, c, -1), v.reshape(b, c, -1).astype(k.dtype)], axis=-1)
+
+    def _split(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """SWA rows [B, T, kv_dim] -> (K, V) [B, T, Hkv, D]."""
+        b, t = rows.shape[:2]
+        if self.shared_kv:
+            k = rows.reshape(b, t, self.num_kv_heads, self.head_dim)
+            return k, k
+        k, v = jnp.split(rows, 2, axis=-1)
+        shape = (b, t, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)
+
+    # ------------------------------------------------------------------- writes
+    def write_kv(self, cache: HybridCache, k: jax.Array, v: jax.Array | None = None) -> HybridCache:
+        """Write this step's K/V rows (SWA object) at the step's positions.
+
+        k, v: [B, C, Hkv, D] (v=None for shared K=V rows). Rows that are already outside the window
+        kept after the step, invalid columns and masked rows are not written.
+        """
+        st = self.step
+        rows = self._rows(k, v)
+        return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, st.valid & st.mask[:, None])
+
+    def compress(
+        self,
+        cache: HybridCache,
+        kv: jax.Array,
+        gate: jax.Array,
+        compress_fn: Callable[..., jax.Array],
+        *,
+        which: str = "compressor",
+        gate_bias: jax.Array | None = None,
+    ) -> HybridCache:
+        """Feed this step's projected rows to the layer's compressor (or indexer compressor).
+
+        hkv assembles, per row, the open window's TAIL rows followed by this step's rows into whole
+        windows, calls the model's math on them, seals every window the step closes (COMPRESSED
+        entries, or INDEXER keys for `which="indexer"`; only when `step.seal`) and keeps the rows of the
+        still-open window as the new TAIL.
+
+        Args:
+          kv, gate: [B, C, proj_width] this step's projections (the compressor's `proj_width`).
+          compress_fn: `(kv [B, Lb, W], gate [B, Lb, W], first_token int32[B], prior_kv, prior_gate)
+            -> entries [B, Lb // ratio, entry_dim]`: window w of the buffer covers tokens
+            first_token + w * ratio ...; prior_* are the overlap state (below) or None.
+          which: "compressor" or "indexer".
+          gate_bias: [ratio, proj_width], added to the gate rows kept as the overlap state (an
+            overlapping compressor keeps the first `entry_dim` columns of its last closed window's
+            kv and biased gate as `prior_kv` / `prior_gate` for the next window).
+        """
+        if which not in ("compressor", "indexer"):
+            raise ValueError(f"which={which!r} must be 'compressor' or 'indexer'")
+        comp = self.spec.compressor if which == "compressor" else self.spec.indexer
+        if comp is None:
+            raise ValueError(f"layer {self.layer} has no {which}")
+        st, layout = self.step, self._layout
+        m, d, width = comp.ratio, comp.entry_dim, comp.proj_width
+        if kv.shape[-1] != width or gate.shape != kv.shape:
+            raise ValueError(f"kv{list(kv.shape)} and gate{list(gate.shape)} must be [B, C, {width}]")
+        tail_index = [(l, n) for l, n, _ in layout.spec.compressors()].index((self.layer, which))
+        t = cache.tails[tail_index]
+        b, c = kv.shape[:2]
+        tail_len = st.start % m
+        lb = -(-(m - 1 + c) // m) * m  # static buffer length: open-window rows + chunk, whole windows
+        j = jnp.arange(lb)[None, :]
+        ci = j - tail_len[:, None]
+        from_tail = j < tail_len[:, None]
+        from_chunk = (ci >= 0) & (ci < st.n_valid[:, None])
+
+        def assemble(tail_rows, chunk_rows):
+            tr_ = jnp.take_along_axis(tail_rows[st.slots].astype(chunk_rows.dtype), jnp.clip(j, 0, m - 1)[..., None], 1)
+            cr = jnp.take_along_axis(chunk_rows, jnp.clip(ci, 0, c - 1)[..., None], 1)
+            return jnp.where(from_tail[..., None], tr_, jnp.where(from_chunk[..., None], cr, 0))
+
+        buf_kv, buf_gate = assemble(t.tail_kv, kv), assemble(t.tail_gate, gate)
+        total = tail_len + st.n_valid
+        count = total // m
+        first_entry = st.start // m
+        prior_kv = prior_gate = None
+        if comp.overlap:
+            prior_kv, prior_gate = t.overlap_kv[st.slots], t.overlap_gate[st.slots]
+        entries = compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate)
+        # new TAIL: rows of the still-open window, moved to the front; everything after them empty
+        i = jnp.arange(m)[None, :]
+        src = jnp.clip(count[:, None] * m + i, 0, lb - 1)
+        keep = i < (total - count * m)[:, None]
+        new_kv = jnp.where(keep[..., None], jnp.take_along_axis(buf_kv, src[..., None], 1), 0)
+        new_gate = jnp.where(keep[..., None], jnp.take_along_axis(buf_gate, src[..., None], 1), 0)
+        ov_kv, ov_gate = jnp.zeros((b, 0, d)), jnp.zeros((b, 0, d))
+        if comp.overlap:  # the first entry_dim columns of the last window this step closed
+            bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
+            last = jnp.clip((count - 1)[:, None] * m + i, 0, lb - 1)
+            ca_kv = jnp.take_along_axis(buf_kv, last[..., None], 1)[..., :d]
+            ca_gate = (jnp.take_along_axis(buf_gate, last[..., None], 1) + bias)[..., :d]
+            closed = (count > 0)[:, None, None]
+            ov_kv = jnp.where(closed, ca_kv, prior_kv.astype(ca_kv.dtype))
+            ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate)
+        cache = tr.append_tail(layout, cache, tail_index, st.slots, new_kv, new_gate, ov_kv, ov_gate, st.mask)
+        if st.seal:
+            count = jnp.where(st.mask, count, 0)
+            write = tr.seal_compressed if which == "compressor" else tr.write_indexer
+            cache = write(layout, cache, self.layer, st.slots, first_entry, entries, count)
+        return cache
+
+    # -------------------------------------------------------------------- reads
+    def index_topk(self, cache: HybridCache, q: jax.Array, weights: jax.Array, k: int) -> jax.Array:
+        """The learned indexer's top-k compressed entries for each query of the step.
+
+        q: [B, C, Hi, Di] indexer queries; weights: float32[B, C, Hi] per-head weights; k: picks.
+        Returns int32[B, C, k] entry indices, best first, -1 for none (only causal entries: a query at
+        position t sees entries [0, (t + 1) // ratio)). Decode: `pallas_kernels.indexer_topk`.
+        """
+        if not self.has_indexer:
+            raise ValueError(f"layer {self.layer} has no indexer")
+        st, layout = self.step, self._layout
+        gi, li = self._group(ObjectKind.INDEXER)
+        g = cache.groups[gi]
+        m = self.ratio
+        if st.decode:
+            lengths = st.new_len * st.mask
+            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, g.page_table[st.slots], lengths, lengths // m,
+                                    k=k, compress_ratio=m, index_layer=li, backend=st.backend,
+                                    interpret=st.interpret)  # fmt: skip
+            return picks[:, None]
+        n_max = layout.config.max_context // m
+        n_now = st.new_len // m
+        w = jnp.arange(n_max)[None, :]
+        rows, ok = jnp.broadcast_to(w, (q.shape[0], n_max)), w < n_now[:, None]
+        keys = tr.read_rows(layout, cache, ObjectKind.INDEXER, self.layer, st.slots, rows, ok)
+        limit = jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
+        return select_topk(indexer_scores(q, weights, keys, q.shape[-1]), limit, k)
+
+    def attend(
+        self,
+        cache: HybridCache,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array | None = None,
+        *,
+        sinks: jax.Array | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        compressed: bool = False,
+        picks: jax.Array | None = None,
+    ) -> jax.Array:
+        """Attention of this step's queries over the layer's cached rows plus this step's rows.
+
+        Windowed layers see positions (t - window, t]; full-attention layers [0, t]. With
+        `compressed=True` the same softmax also covers the layer's COMPRESSED entries a query may see
+        (all causal ones, or only `picks` from `index_topk`: a sparse layer).
+
+        Args:
+          q: [B, C, H, D] queries (H % num_kv_heads == 0).
+          k, v: [B, C, Hkv, D] this step's keys and values (v=None for shared K=V), as written.
+          sinks: float32[H] per-head sink logits or None. scale: logit scale (None: D ** -0.5).
+          softcap: logit soft-capping (None: off; not with compressed attention).
+          compressed: include compressed entries (needs a compressor; shared K=V with one KV head, the
+            DeepSeek-V4 layout the compressed kernels read).
+          picks: int32[B, C, topk] from `index_topk`, or None.
+        Returns:
+          [B, C, H, D] in q.dtype. Decode (C == 1) reads the pools in place through `pallas_kernels`.
+        """
+        st, layout = self.step, self._layout
+        b, c, h, d = q.shape
+        if d != self.head_dim or h % self.num_kv_heads:
+            raise ValueError(
+                f"q.shape={tuple(q.shape)}: head_dim must be {self.head_dim} and heads a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (layer {self.layer})"
+            )
+        scale = d**-0.5 if scale is None else float(scale)
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap={softcap} must be None or > 0")
+        if compressed and (self.ratio is None or not self.shared_kv or self.num_kv_heads != 1):
+            raise ValueError(
+                f"compressed attention needs a compressor and shared K=V rows of one head (layer {self.layer})"
+            )
+        if compressed and softcap is not None:
+            raise ValueError("softcap is not supported with compressed attention")
+        if picks is not None and not (compressed and self.has_indexer):
+            raise ValueError(f"picks need compressed=True on a layer with an indexer (layer {self.layer})")
+        if st.decode:
+            return self._decode(cache, q[:, 0], sinks, scale, softcap, compressed, picks)[:, None]
+        rows = self._rows(k, v)
+        keep = (self.window - 1) if self.window is not None else layout.config.max_context
+        past_pos = st.start[:, None] - keep + jnp.arange(keep)[None, :]
+        past_ok = past_pos >= 0
+        past = tr.read_rows(layout, cache, ObjectKind.SWA, self.layer, st.slots, past_pos, past_ok)
+        keys, values = self._split(jnp.concatenate([past.astype(rows.dtype), rows], axis=1))
+        k_pos = jnp.concatenate([past_pos, st.positions], axis=1)
+        k_ok = jnp.concatenate([past_ok, st.valid], axis=1)
+        t, p = st.positions[:, :, None], k_pos[:, None, :]
+        seen = (p <= t) & k_ok[:, None, :]
+        if self.window is not None:
+            seen = seen & (p > t - self.window)
+        bias = jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32)
+        if compressed:
+            m = self.ratio
+            n_max = layout.config.max_context // m
+            n_now = st.new_len // m
+            w = jnp.arange(n_max)[None, :]
+            rr, rok = jnp.broadcast_to(w, (b, n_max)), w < n_now[:, None]
+            entries = tr.read_rows(layout, cache, ObjectKind.COMPRESSED, self.layer, st.slots, rr, rok)
+            ek = entries.astype(keys.dtype)[:, :, None, :]
+            keys, values = jnp.concatenate([keys, ek], axis=1), jnp.concatenate([values, ek], axis=1)
+            if picks is None:
+                limit = jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
+                cbias = jnp.where(w[:, None, :] < limit[..., None], 0.0, -jnp.inf)
+            else:
+                cbias = selection_bias(picks, n_max)
+            bias = jnp.concatenate([bias, cbias.astype(jnp.float32)], axis=-1)
+        return attend_rows(q, keys, values, bias, scale=scale, sinks=sinks, softcap=softcap)
+
+    def _decode(self, cache, q, sinks, scale, softcap, compressed, picks):
+        """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D] -> [B, H, D]."""
+        st = self.step
+        kernels = dict(backend=st.backend, interpret=st.interpret)
+        lengths = st.new_len * st.mask  # 0 = idle row: reads nothing
+        sg, sl = self._group(ObjectKind.SWA)
+        swa = cache.groups[sg]
+        pt = swa.page_table[st.slots]
+        if not compressed:
+            if self.shared_kv and self.num_kv_heads == 1 and self.window is not None and softcap is None:
+                return pk.swa_decode_attention(q, swa.pool, pt, lengths, sinks, window=self.window, window_layer=sl,
+                                               scale=scale, **kernels)  # fmt: skip
+            return pk.gqa_decode_attention(q, swa.pool, pt, lengths, sinks, num_kv_heads=self.num_kv_heads,
+                                           window=self.window, layer=sl, scale=scale, softcap=softcap,
+                                           shared_kv=self.shared_kv, **kernels)  # fmt: skip
+        cg, cl = self._group(ObjectKind.COMPRESSED)
+        comp = cache.groups[cg]
+        args = (q, swa.pool, pt, lengths, sinks, comp.pool, comp.page_table[st.slots], lengths // self.ratio)
+        common = dict(window=self.window, window_layer=sl, compress_ratio=self.ratio, compressed_layer=cl,
+                      scale=scale, **kernels)  # fmt: skip
+        if picks is None:
+            return pk.hca_decode_attention(*args, **common)
+        return pk.csa_decode_attention(*args, picks[:, 0], **common)
+
+
+__all__ = [
+    "LayerCache",
+    "Step",
+    "attend_rows",
+    "causal_entry_limit",
+    "indexer_scores",
+    "run_step",
+    "select_topk",
+    "selection_bias",
+]

@@ -1,0 +1,73 @@
+"""`CachedModel`: everything an `hkv.Engine` (and `hkv.testing.check_model`) calls on a model.
+
+A model is a Flax NNX module (the engine splits it with `nnx.split` into a graph and weights, and
+hashes the weights into the ABI fingerprint) that implements:
+
+    vocab_size: int
+    cache_spec(block_tokens=16, model_id="unknown") -> hkv.CacheSpec
+    cached_step(layout, cache, tokens, slots, n_valid, *, seal=True, kernel_backend=None,
+                interpret=False) -> (cache, float32[B, C, vocab] logits, status int32)
+    __call__(tokens int32[B, T]) -> float32[B, T, vocab]      # the stateless forward (check_model)
+
+`cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
+`hkv.core.layers` and the README's "bring your own model".
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax
+
+from .layout import CacheLayout
+from .spec import CacheSpec
+from .state import HybridCache
+
+
+@runtime_checkable
+class CachedModel(Protocol):
+    """The methods and attribute the engine uses; see the module docstring for shapes."""
+
+    vocab_size: int
+
+    def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown") -> CacheSpec:
+        """The cache objects of every layer (`hkv.CacheSpec`) with `block_tokens` tokens per block.
+        `model_id` is a display label; the engine adds the weights' digest itself."""
+        ...
+
+    def cached_step(
+        self,
+        layout: CacheLayout,
+        cache: HybridCache,
+        tokens: jax.Array,
+        slots: jax.Array,
+        n_valid: jax.Array,
+        *,
+        seal: bool = True,
+        kernel_backend: str | None = None,
+        interpret: bool = False,
+    ) -> tuple[HybridCache, jax.Array, jax.Array]:
+        """Run tokens[b, :n_valid[b]] (int32[B, C]) as the next tokens of slot slots[b] (int32[B]) as
+        one pure transition (`hkv.run_step`). The engine calls it with C = prefill chunk (prefill),
+        C = 1 (decode), and with seal=False to rebuild a restored prefix's SWA window and TAIL
+        without sealing entries again. `kernel_backend` / `interpret` pick the `pallas_kernels`
+        implementation of the decode ops. Returns (cache, float32[B, C, vocab], status int32): on a
+        status other than OK the cache is unchanged."""
+        ...
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Stateless forward: int32[B, T] -> float32[B, T, vocab] (position t sees tokens [0, t])."""
+        ...
+
+
+def check_protocol(model) -> None:
+    """Raise TypeError naming what `model` lacks of `CachedModel` (an NNX module with all members)."""
+    from flax import nnx
+
+    missing = [n for n in ("vocab_size", "cache_spec", "cached_step", "__call__") if not hasattr(model, n)]
+    if missing or not isinstance(model, nnx.Module):
+        what = f"lacks {missing}" if missing else "is not a flax.nnx.Module"
+        raise TypeError(f"{type(model).__name__} {what}: an hkv model implements hkv.CachedModel (see its docstring)")
+
+
+__all__ = ["CachedModel", "check_protocol"]
