@@ -1,0 +1,281 @@
+"""`check_model`: the conformance kit a model author runs in their own tests.
+
+    from hkv.testing import check_model
+    def test_my_model_conforms():
+        report = check_model(my_model)          # raises AssertionError naming the failed check
+
+It uses only the `hkv.CachedModel` protocol (the stateless `model(tokens)` is the oracle) and checks:
+  (a) the protocol is implemented;
+  (b) cold prefill in every chunk size, then greedy decode, equals the stateless forward;
+  (c) a prefix restored at every tested cut point, by every route the spec allows (kept snapshots,
+      window rebuild, disk tier), gives the cold run's tokens and logits, and the route was taken;
+      a spec with a full-attention layer never takes the window-rebuild route;
+  (d) `hkv.check_invariants` holds after every `generate`;
+  (e) one compilation per bucket (prefill, decode) however many requests ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .core.invariants import check_invariants
+from .core.layout import CacheConfig, CacheLayout
+from .core.policy import RetentionPolicy, window_rebuild_tokens
+from .core.protocol import check_protocol
+from .engine.engine import Engine
+from .store.tier import DiskTier
+
+
+@dataclasses.dataclass
+class ConformanceReport:
+    """What `check_model` verified.
+
+    checks: names of the checks that ran and passed, in order (e.g. "stateless[chunk=16]",
+      "restore[snapshot]@32").
+    routes: restore route -> the cut points (prompt prefix lengths) restored by it ("snapshot",
+      "window", "disk"); "window_refused": cut points where a full-attention spec correctly fell back.
+    max_abs_diff: the largest |logit difference| against the stateless forward over all checks.
+    window_rebuild_tokens: R of the spec (0: the window-rebuild route is not allowed).
+    """
+
+    checks: list[str] = dataclasses.field(default_factory=list)
+    routes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    max_abs_diff: float = 0.0
+    window_rebuild_tokens: int = 0
+
+
+def _fail(check: str, detail: str) -> AssertionError:
+    return AssertionError(f"check_model: {check}: {detail}")
+
+
+def _reference(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy continuation of every prompt by re-running the stateless forward (one compilation)."""
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    lengths = np.array([len(p) for p in prompts])
+    buf = np.zeros((len(prompts), int(lengths.max()) + new_tokens), np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    toks, logits = [[] for _ in prompts], [[] for _ in prompts]
+    rows, cur = np.arange(len(prompts)), lengths.copy()
+    for _ in range(new_tokens):
+        lg = np.asarray(fwd(state, jnp.asarray(buf)), np.float32)[rows, cur - 1]
+        ids = lg.argmax(-1)
+        for i in rows:
+            toks[i].append(int(ids[i]))
+            logits[i].append(lg[i])
+        buf[rows, cur] = ids
+        cur += 1
+    return toks, [np.stack(x) for x in logits]
+
+
+class _Checker:
+    def __init__(self, model, ref, tolerance: float, report: ConformanceReport):
+        self.model, self.ref, self.tol, self.report = model, ref, tolerance, report
+
+    def compare(self, check: str, gens, prompts) -> None:
+        for g, p in zip(gens, prompts):
+            want_t, want_l = self.ref[tuple(p)]
+            if g.tokens != want_t:
+                raise _fail(check, f"prompt of {len(p)} tokens: cached tokens {g.tokens} != stateless {want_t}")
+            d = float(np.abs(np.asarray(g.logits) - want_l).max()) if len(want_t) else 0.0
+            self.report.max_abs_diff = max(self.report.max_abs_diff, d)
+            if not d <= self.tol:
+                raise _fail(check, f"prompt of {len(p)} tokens: max |Δ logits| = {d:.3g} > tolerance {self.tol:g}")
+
+    def generate(self, check: str, engine: Engine, prompts, new_tokens: int):
+        gens = engine.generate(prompts, new_tokens)
+        try:
+            check_invariants(engine.layout, engine.cache)
+        except Exception as e:  # InvariantError
+            raise _fail(f"invariants after {check}", str(e)) from e
+        self.compare(check, gens, prompts)
+        return gens
+
+
+def _engine(model, block_tokens, chunk, max_context, prefix: bool, disk=None, kernel_options=None) -> Engine:
+    spec = model.cache_spec(block_tokens=block_tokens)
+    base = CacheConfig(slots=2, max_context=max_context, page_size=block_tokens)
+    scale = 4 if prefix else 1  # room for prefix records' snapshots next to two live sequences
+    pages = tuple(CacheLayout(spec, base).pool_pages(g) * scale for g in range(len(CacheLayout(spec, base).groups)))
+    config = dataclasses.replace(base, pool_pages=pages, prefix_records=64 if prefix else 0)
+    return Engine(model, config, block_tokens=block_tokens, prefill_chunk=chunk,
+                  retention=RetentionPolicy(every_n_blocks=1), kernel_options=kernel_options, disk=disk)  # fmt: skip
+
+
+def _force(engine: Engine, route: str | None) -> None:
+    """Make the engine's restore choice prefer `route` whenever it is offered (None: its own costs)."""
+    cls_costs = type(engine)._restore_costs
+    if route is None:
+        engine.__dict__.pop("_restore_costs", None)
+        return
+
+    def costs(*a, **kw):
+        out = cls_costs(engine, *a, **kw)
+        return {k: (0.0 if k == route else float("inf")) for k in out} if route in out else out
+
+    engine._restore_costs = costs
+
+
+def _forget(engine: Engine, *, snapshots_only: bool) -> None:
+    """Evict every cached record's SWA + TAIL snapshot (or every whole record) from device memory."""
+    nr = engine.layout.config.prefix_records
+    every, none = jnp.ones((nr,), bool), jnp.zeros((nr,), bool)
+    engine.cache = engine._evict(engine.layout, engine.cache, every, every, none if snapshots_only else every)
+
+
+def _compile_counts(check: str, engine: Engine) -> None:
+    if engine.compilations != {"prefill": 1, "decode": 1}:
+        raise _fail(check, f"engine.compilations = {engine.compilations}; want one per bucket (prefill 1, decode 1)")
+
+
+def check_model(
+    model,
+    *,
+    block_tokens: int = 16,
+    chunk_sizes: tuple[int, ...] = (16, 32),
+    max_context: int | None = None,
+    prompt_tokens: int | None = None,
+    new_tokens: int = 3,
+    seed: int = 0,
+    disk_dir: str | None = None,
+    kernel_backend: str | None = None,
+    interpret: bool = False,
+    tolerance: float = 1e-4,
+) -> ConformanceReport:
+    """Check that `model`'s cached path (`hkv.CachedModel`) is exact and restores exactly.
+
+    Args:
+      model: the model under test (an NNX module implementing `hkv.CachedModel`).
+      block_tokens: tokens per cache block (the restore granularity).
+      chunk_sizes: prefill chunk sizes whose cold runs are compared with the stateless forward; the
+        restore checks use chunk = block_tokens (a snapshot at every boundary).
+      max_context: tokens per slot (default: the longest prompt plus new tokens, rounded up to blocks).
+      prompt_tokens: length of the base prompt (default 3 blocks + 5 tokens); cut points are the block
+        boundaries 1..3 (those that fit) plus mid-block points.
+      new_tokens: greedy tokens generated per request (>= 1).
+      seed: seed of the random prompts.
+      disk_dir: directory for the disk tier of the disk route (default: a temporary directory).
+      kernel_backend, interpret: the `pallas_kernels` implementation of the decode ops.
+      tolerance: max |logit difference| allowed against the stateless forward (1e-4 suits float32).
+
+    Returns:
+      a `ConformanceReport` (checks passed, routes taken, max |Δ|).
+
+    Raises:
+      AssertionError: naming the failed check, the chunk size or cut point, and the max |Δ|.
+    """
+    report = ConformanceReport()
+    try:
+        check_protocol(model)
+    except TypeError as e:
+        raise _fail("protocol", str(e)) from e
+    report.checks.append("protocol")
+    bt = block_tokens
+    spec = model.cache_spec(block_tokens=bt)
+    r = window_rebuild_tokens(spec)
+    report.window_rebuild_tokens = r
+    n = prompt_tokens or 3 * bt + 5
+    tail = 3
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, model.vocab_size, n).tolist()
+    cuts = sorted({c for c in (bt, 2 * bt, 3 * bt, bt + bt // 2, 2 * bt + 3) if c <= n - 1})
+
+    def diverge(cut: int) -> list[int]:
+        rest = np.random.default_rng(seed + 1000 + cut).integers(0, model.vocab_size, tail).tolist()
+        if cut < n and rest[0] == base[cut]:
+            rest[0] = (rest[0] + 1) % model.vocab_size
+        return base[:cut] + rest
+
+    prompts = {c: diverge(c) for c in cuts}
+    longest = max(n, *(len(p) for p in prompts.values())) + new_tokens
+    ctx = max_context or -(-(longest + bt) // bt) * bt
+    every = [base, *prompts.values()]
+    ref_toks, ref_logits = _reference(model, every, new_tokens)
+    ck = _Checker(model, {tuple(p): (t, lg) for p, t, lg in zip(every, ref_toks, ref_logits)}, tolerance, report)
+    kernels = {"kernel_backend": kernel_backend, "interpret": interpret}
+
+    # (b) cold prefill in each chunk size + greedy decode == stateless forward; (e) one compile per bucket
+    for chunk in chunk_sizes:
+        if chunk == bt:
+            continue  # the restore engine below runs this chunk size cold first
+        name = f"stateless[chunk={chunk}]"
+        eng = _engine(model, bt, chunk, ctx, prefix=False, kernel_options=kernels)
+        ck.generate(name, eng, [base], new_tokens)
+        ck.generate(name + " batch", eng, [prompts[c] for c in cuts[:2]], new_tokens)
+        _compile_counts(f"compilations[chunk={chunk}]", eng)
+        report.checks.append(name)
+
+    # (c) restore routes on one engine (chunk = block_tokens: every boundary keeps a snapshot)
+    eng = _engine(model, bt, bt, ctx, prefix=True, kernel_options=kernels)
+    ck.generate(f"stateless[chunk={bt}]", eng, [base], new_tokens)
+    report.checks.append(f"stateless[chunk={bt}]")
+
+    def restore(route: str, cut: int, want_window: bool, want_disk: bool) -> None:
+        check = f"restore[{route}]@{cut}"
+        (g,) = ck.generate(check, eng, [prompts[cut]], new_tokens)
+        p, boundary = g.plan, cut // bt * bt
+        if p.window_recomputed is not None and r == 0:
+            raise _fail(check, f"the window-rebuild route was taken for a spec with full-attention layers: {p}")
+        got = (p.restored_tokens, p.window_recomputed, p.disk_tokens)
+        want = (
+            boundary,
+            (boundary - r, boundary) if want_window else None,
+            (0, boundary) if want_disk else None,
+        )
+        if got != want:
+            raise _fail(check, f"(restored_tokens, window_recomputed, disk_tokens) = {got}, want {want}; plan {p}")
+        report.routes.setdefault(route, []).append(cut)
+        report.checks.append(check)
+
+    for cut in cuts:  # kept snapshots
+        restore("snapshot", cut, False, False)
+
+    own_dir = None if disk_dir is not None else tempfile.TemporaryDirectory(prefix="hkv-check-model-")
+    tier = DiskTier(disk_dir if disk_dir is not None else own_dir.name)
+    try:  # from disk: write every block through, forget the device copies, restore
+        eng.disk = tier
+        _force(eng, "disk")
+        eng.write_through()
+        eng.flush_disk()
+        for cut in cuts:
+            _forget(eng, snapshots_only=False)
+            restore("disk", cut, False, True)
+        eng.flush_disk()
+    finally:
+        eng.disk = None
+        _force(eng, None)
+        tier.close()
+        if own_dir is not None:
+            own_dir.cleanup()
+
+    ck.generate("re-warm", eng, [base], new_tokens)  # every record of the base chain on device again
+    _force(eng, "window")  # rebuild the window whenever the engine may
+    try:
+        for cut in cuts:
+            _forget(eng, snapshots_only=True)
+            check = f"restore[window]@{cut}"
+            if r == 0:  # full-attention layers: the route must be refused, restoring nothing exactly
+                (g,) = ck.generate(check, eng, [prompts[cut]], new_tokens)
+                if g.plan.window_recomputed is not None or g.plan.restored_tokens != 0:
+                    raise _fail(check, f"a spec with full-attention layers restored without a snapshot: {g.plan}")
+                report.routes.setdefault("window_refused", []).append(cut)
+                report.checks.append(check)
+            elif cut // bt * bt > r:
+                restore("window", cut, True, False)
+            else:  # the boundary is inside the receptive field: nothing to rebuild from
+                ck.generate(check, eng, [prompts[cut]], new_tokens)
+    finally:
+        _force(eng, None)
+    _compile_counts("compilations[restore engine]", eng)
+    report.checks.append("compilations")
+    return report
+
+
+__all__ = ["ConformanceReport", "check_model"]
