@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .cache_spec import cache_spec
+from .cached import cached_step
 from .config import FULL, LAYER_TYPES, SLIDING, Gemma3Config
 
 # ------------------------------------------------------------------ functions
@@ -234,6 +236,20 @@ class Gemma3(nnx.Module):
         if cap is not None:
             out = jnp.tanh(out / cap) * cap
         return out.astype(jnp.float32)
+
+    # ------------------------------------------------------------ hkv.CachedModel
+    @property
+    def vocab_size(self) -> int:
+        """Token ids lie in [0, vocab_size) (`hkv.CachedModel`)."""
+        return self.cfg.vocab_size
+
+    def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):
+        """The `hkv.CacheSpec` of this model (storage dtype = the model dtype), see `cache_spec.cache_spec`."""
+        return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
+
+    def cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options):
+        """One cached step through hkv (`hkv.CachedModel.cached_step`), see `cached.cached_step`."""
+        return cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options)
 
     def check_tokens(self, tokens) -> None:
         """Raise ValueError for token ids outside [0, vocab_size) or a bad shape (host-side check)."""

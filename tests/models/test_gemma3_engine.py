@@ -1,0 +1,152 @@
+"""Gemma 3 through hkv: the cached path (`models.gemma3.cached`) equals the stateless forward.
+
+Chunked prefill + decode through `hkv.Engine` give the stateless greedy tokens (logits within 1e-4) for a
+5:1 sliding:full GQA config (10 query heads on 2 KV heads) and an MQA config with window 8; decode through
+the Pallas kernels in the interpreter agrees; warm requests restore shared prefixes from kept snapshots
+(device) and from the disk tier, and still give exactly the cold engine's tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hkv
+from models import gemma3
+from models.gemma3 import FULL, SLIDING, tiny_config
+
+BT = 16
+NEW = 3
+GQA = tiny_config(num_attention_heads=10, num_key_value_heads=2)  # 5:1 layers, window 16, 5 q heads per kv head
+MQA = tiny_config(
+    num_hidden_layers=4,
+    num_key_value_heads=1,
+    sliding_window=8,
+    layer_types=(SLIDING, SLIDING, FULL, SLIDING),
+)
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(0, GQA.vocab_size, n).tolist() for n in (83, 41)]
+BASE = RNG.integers(0, GQA.vocab_size, 150).tolist()  # the shared prefix of the prefix-cache tests
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return gemma3.init(GQA, seed=1)
+
+
+@pytest.fixture(scope="module")
+def mqa():
+    return gemma3.init(MQA, seed=2)
+
+
+@pytest.fixture(scope="module")
+def cold(gqa):
+    """The GQA model in an engine without the prefix cache (every request computed from scratch)."""
+    return hkv.Engine(gqa, hkv.CacheConfig(slots=2, max_context=192, page_size=8), block_tokens=BT, prefill_chunk=7)
+
+
+def assert_exact(model, prompts, gens, new=NEW):
+    tokens, logits = gemma3.greedy_stateless(model, prompts, new)
+    for g, t, lg in zip(gens, tokens, logits):
+        assert g.tokens == t
+        assert g.logits.shape == (new, model.vocab_size) and g.logits.dtype == np.float32
+        assert np.abs(g.logits - lg).max() < 1e-4
+
+
+def test_protocol_and_cache_spec(gqa, mqa):
+    assert isinstance(gqa, hkv.CachedModel) and gqa.vocab_size == GQA.vocab_size
+    spec = gqa.cache_spec(block_tokens=BT, model_id="tiny")
+    assert spec.dtype == "float32" and spec.block_tokens == BT and spec.model_id == "tiny"
+    assert [layer.window for layer in spec.layers] == [16] * 5 + [None]
+    assert {(layer.num_kv_heads, layer.head_dim, layer.shared_kv) for layer in spec.layers} == {(2, 16, False)}
+    assert [layer.window for layer in mqa.cache_spec().layers] == [8, 8, None, 8]
+    assert {layer.num_kv_heads for layer in mqa.cache_spec().layers} == {1}
+    assert gemma3.init(tiny_config(), 0, dtype="bfloat16").cache_spec().dtype == "bfloat16"
+
+
+def test_gqa_cold_engine_equals_stateless(gqa, cold):
+    gens = cold.generate(PROMPTS, NEW)
+    assert_exact(gqa, PROMPTS, gens)
+    assert cold.compilations == {"prefill": 1, "decode": 1}
+    hkv.check_invariants(cold.layout, cold.cache)
+
+
+# Prefill chunk sizes: GQA 7 (the cold fixture: below and not dividing the window of 16) and 32 (the
+# prefix-cache engine below: two windows per chunk); MQA 5 (below the window of 8) and 24 (three windows,
+# with the decode through the Pallas kernels below).
+def test_mqa_chunked_prefill_and_decode_equal_stateless(mqa):
+    engine = hkv.Engine(mqa, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=5)
+    assert_exact(mqa, PROMPTS, engine.generate(PROMPTS, NEW))
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_decode_through_the_pallas_kernels_in_the_interpreter(mqa):
+    # the decode attention (gqa_decode_attention, MQA rows) forced to its Pallas GPU kernel in the
+    # interpreter on CPU: the same tokens and logits as the stateless forward (and the jnp reference above)
+    engine = hkv.Engine(
+        mqa,
+        hkv.CacheConfig(slots=2, max_context=128, page_size=8),
+        prefill_chunk=24,
+        kernel_options={"kernel_backend": "gpu", "interpret": True},
+    )
+    assert_exact(mqa, PROMPTS, engine.generate(PROMPTS, NEW))
+
+
+def diverge(k: int, tail: int = 5, seed: int = 0) -> list[int]:
+    """BASE's first k tokens, then `tail` tokens that differ from BASE right at position k."""
+    rest = np.random.default_rng(100 + seed).integers(0, GQA.vocab_size, tail).tolist()
+    if k < len(BASE) and rest[0] == BASE[k]:
+        rest[0] = (rest[0] + 1) % GQA.vocab_size
+    return BASE[:k] + rest
+
+
+@pytest.fixture(scope="module")
+def warm(gqa, tmp_path_factory):
+    """A prefix-caching engine with a disk tier that has run BASE once (records at every block boundary,
+    snapshots kept every 4 blocks: at 64 and 128 tokens)."""
+    config = hkv.CacheConfig(slots=2, max_context=192, page_size=8)
+    layout = hkv.CacheLayout(gqa.cache_spec(block_tokens=BT), config)
+    pages = tuple(4 * layout.pool_pages(g) for g in range(len(layout.groups)))
+    engine = hkv.Engine(
+        gqa,
+        hkv.CacheConfig(slots=2, max_context=192, page_size=8, pool_pages=pages, prefix_records=64),
+        block_tokens=BT,
+        prefill_chunk=32,
+        retention=hkv.RetentionPolicy(every_n_blocks=4),
+        disk=hkv.DiskTier(str(tmp_path_factory.mktemp("gemma3_disk") / "tier")),
+    )
+    (g,) = engine.generate([BASE], NEW)
+    assert g.plan.restored_tokens == 0
+    assert_exact(gqa, [BASE], [g])
+    return engine
+
+
+# k: where the warm prompt leaves BASE (block boundaries and not); hit: BASE blocks it shares;
+# restored: the longest kept snapshot within them (full-attention layers have no window rebuild; 144 is a
+# record without a snapshot: BASE's last prefill chunk crossed it mid-chunk)
+@pytest.mark.parametrize(
+    "k, hit, restored",
+    [(20, 16, 0), (64, 64, 64), (70, 64, 64), (101, 96, 64), (137, 128, 128), (150, 144, 128)],
+)
+def test_warm_prefix_restores_are_exact(gqa, cold, warm, k, hit, restored):
+    prompt = diverge(k, seed=k)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.hash_hit_tokens == hit and g.plan.restored_tokens == restored, g.plan
+    assert g.plan.reason == (None if hit == restored else "swa_missing")
+    assert g.plan.window_recomputed is None and g.plan.disk_tokens is None
+    (c,) = cold.generate([prompt], NEW)
+    assert g.tokens == c.tokens and np.abs(g.logits - c.logits).max() < 1e-4
+    hkv.check_invariants(warm.layout, warm.cache)
+
+
+def test_restore_from_disk_after_device_eviction(gqa, cold, warm):
+    assert warm.write_through() > 0
+    warm.flush_disk()
+    assert warm.evict_prefixes() > 0
+    prompt = diverge(133, seed=1)
+    (g,) = warm.generate([prompt], NEW)
+    assert g.plan.restored_tokens == 128 and g.plan.disk_tokens == (0, 128), g.plan
+    (c,) = cold.generate([prompt], NEW)
+    assert g.tokens == c.tokens and np.abs(g.logits - c.logits).max() < 1e-4
+    assert warm.stats()["cache"]["prefix_disk_restored_tokens"] >= 128
+    hkv.check_invariants(warm.layout, warm.cache)
