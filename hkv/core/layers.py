@@ -216,11 +216,12 @@ def attend_rows(
     b, t, h, d = q.shape
     hkv = keys.shape[2]
     qg = q.reshape(b, t, hkv, h // hkv, d)
-    logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype)) * jnp.asarray(scale, q.dtype)
+    # scores accumulate in float32 whatever the storage dtype (as the decode kernels do)
+    logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
     if softcap is not None:
-        logits = (softcap * jnp.tanh(logits.astype(jnp.float32) / softcap)).astype(logits.dtype)
-    logits = logits + bias[:, :, None, None, :].astype(logits.dtype)
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = logits + bias[:, :, None, None, :].astype(jnp.float32)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(hkv, h // hkv)[None, None, ..., None],
                                 logits.shape[:-1] + (1,))  # fmt: skip
@@ -232,7 +233,7 @@ def attend_rows(
     probs = jnp.where(denom > 0, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(values.dtype), values)
+    out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
