@@ -82,10 +82,15 @@ class _Checker:
     def compare(self, check: str, gens, prompts) -> None:
         for g, p in zip(gens, prompts):
             want_t, want_l = self.ref[tuple(p)]
-            if g.tokens != want_t:
-                raise _fail(check, f"prompt of {len(p)} tokens: cached tokens {g.tokens} != stateless {want_t}")
-            d = float(np.abs(np.asarray(g.logits) - want_l).max()) if len(want_t) else 0.0
+            got_l = np.asarray(g.logits)
+            d = float(np.abs(got_l - want_l).max()) if got_l.shape == want_l.shape and got_l.size else 0.0
             self.report.max_abs_diff = max(self.report.max_abs_diff, d)
+            if g.tokens != want_t:
+                raise _fail(
+                    check,
+                    f"prompt of {len(p)} tokens: cached tokens {g.tokens} != stateless {want_t} "
+                    f"(max |Δ logits| = {d:.3g})",
+                )
             if not d <= self.tol:
                 raise _fail(check, f"prompt of {len(p)} tokens: max |Δ logits| = {d:.3g} > tolerance {self.tol:g}")
 

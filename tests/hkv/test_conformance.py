@@ -1,0 +1,53 @@
+"""`hkv.testing.check_model` passes on DeepSeek-V4 (tiny) and on the toy hybrid model, and fails, naming the
+check, on a toy model whose cached path attends one token too far."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hkv
+from hkv.testing import check_model
+from models import deepseek_v4, toy
+
+MIX = toy.ToyConfig(
+    layers=(toy.Attn(window=5, num_kv_heads=2), toy.Attn(window=None), toy.Compressed(ratio=4, window=4, topk=2))
+)
+
+
+def test_deepseek_v4_conforms():
+    model = deepseek_v4.init(deepseek_v4.tiny_config(), seed=3)
+    report = check_model(model, chunk_sizes=(16,), new_tokens=2)
+    assert report.window_rebuild_tokens > 0  # every DeepSeek-V4 layer is windowed: all three routes
+    assert set(report.routes) == {"snapshot", "disk", "window"}
+    assert report.max_abs_diff < 1e-4
+
+
+def test_toy_hybrid_with_full_attention_conforms(tmp_path):
+    model = toy.init(MIX, seed=0)
+    assert isinstance(model, hkv.CachedModel)
+    report = check_model(model, disk_dir=str(tmp_path / "disk"))
+    assert report.window_rebuild_tokens == 0  # a full-attention layer: the window rebuild is refused
+    assert set(report.routes) == {"snapshot", "disk", "window_refused"}
+    assert "compilations" in report.checks and report.max_abs_diff < 1e-4
+
+
+class TooFar(toy.ToyModel):
+    """Broken on purpose: its cache spec (so its cached path) attends one token further than its forward."""
+
+    def cache_spec(self, block_tokens: int = 16, model_id: str = "toy"):
+        spec = super().cache_spec(block_tokens, model_id)
+        wider = [dataclasses.replace(s, window=s.window + 1) if s.window else s for s in spec.layers]
+        return dataclasses.replace(spec, layers=tuple(wider))
+
+
+def test_check_model_fails_on_a_model_that_attends_one_token_too_far():
+    model = TooFar(toy.ToyConfig(layers=(toy.Attn(window=3), toy.Attn(window=4))), __import__("flax").nnx.Rngs(0))
+    with pytest.raises(AssertionError, match=r"check_model: stateless\[chunk=32\].*max \|Δ logits\|"):
+        check_model(model, chunk_sizes=(32,), new_tokens=1)
+
+
+def test_check_model_fails_on_something_that_is_not_a_cached_model():
+    with pytest.raises(AssertionError, match="check_model: protocol"):
+        check_model(object())
