@@ -150,3 +150,18 @@ def test_restore_from_disk_after_device_eviction(gqa, cold, warm):
     assert g.tokens == c.tokens and np.abs(g.logits - c.logits).max() < 1e-4
     assert warm.stats()["cache"]["prefix_disk_restored_tokens"] >= 128
     hkv.check_invariants(warm.layout, warm.cache)
+
+
+def test_bfloat16_prefill_attention_accumulates_in_float32():
+    """Regression: hkv's prefill attention computed bf16 scores; the logits of the prefill's last position
+    were 0.0061 / 0.0068 off the stateless forward (which accumulates scores in f32), now 0.0020 / 0.0039.
+    (Decode steps stay within bf16 rounding of it, ~0.008, either way.)"""
+    model = gemma3.init(tiny_config(), 0, dtype="bfloat16")
+    prompts = [RNG.integers(0, GQA.vocab_size, n).tolist() for n in (70, 41)]
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=16)
+    gens = engine.generate(prompts, 4)
+    tokens, logits = gemma3.greedy_stateless(model, prompts, 4)
+    assert [g.tokens for g in gens] == tokens
+    prefill = [float(np.abs(g.logits[0] - np.asarray(lg, np.float32)[0]).max()) for g, lg in zip(gens, logits)]
+    assert max(prefill) < 0.005, prefill
+    assert max(float(np.abs(g.logits - np.asarray(lg, np.float32)).max()) for g, lg in zip(gens, logits)) < 0.02
