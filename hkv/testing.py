@@ -162,8 +162,9 @@ def check_model(
       chunk_sizes: prefill chunk sizes whose cold runs are compared with the stateless forward; the
         restore checks use chunk = block_tokens (a snapshot at every boundary).
       max_context: tokens per slot (default: the longest prompt plus new tokens, rounded up to blocks).
-      prompt_tokens: length of the base prompt (default 3 blocks + 5 tokens); cut points are the block
-        boundaries 1..3 (those that fit) plus mid-block points.
+      prompt_tokens: length of the base prompt (default 3 blocks + 5 tokens, longer when the spec's
+        window rebuild needs more); cut points are the block boundaries 1..3 (those that fit), two
+        mid-block points and the first boundary past the receptive field (window rebuild).
       new_tokens: greedy tokens generated per request (>= 1).
       seed: seed of the random prompts.
       disk_dir: directory for the disk tier of the disk route (default: a temporary directory).
@@ -186,19 +187,22 @@ def check_model(
     spec = model.cache_spec(block_tokens=bt)
     r = window_rebuild_tokens(spec)
     report.window_rebuild_tokens = r
-    n = prompt_tokens or 3 * bt + 5
+    past_r = (r // bt + 1) * bt if r else 0  # the first boundary a window rebuild can restore
+    n = prompt_tokens or max(3 * bt, past_r) + 5
     tail = 3
     rng = np.random.default_rng(seed)
     base = rng.integers(0, model.vocab_size, n).tolist()
-    cuts = sorted({c for c in (bt, 2 * bt, 3 * bt, bt + bt // 2, 2 * bt + 3) if c <= n - 1})
+    cuts = sorted({c for c in (bt, 2 * bt, 3 * bt, bt + bt // 2, 2 * bt + 3, past_r) if 0 < c <= n - 1})
 
-    def diverge(cut: int) -> list[int]:
+    def diverge(cut: int, route: int) -> list[int]:
+        """base[:cut], then tokens that differ from base at `cut` and from every other route's prompt
+        (so no request's own blocks serve a later one)."""
         rest = np.random.default_rng(seed + 1000 + cut).integers(0, model.vocab_size, tail).tolist()
-        if cut < n and rest[0] == base[cut]:
-            rest[0] = (rest[0] + 1) % model.vocab_size
+        rest[0] = (base[cut] + 1 + route) % model.vocab_size if cut < n else (rest[0] + route) % model.vocab_size
         return base[:cut] + rest
 
-    prompts = {c: diverge(c) for c in cuts}
+    routes = ("snapshot", "disk", "window")
+    prompts = {(route, c): diverge(c, i) for i, route in enumerate(routes) for c in cuts}
     longest = max(n, *(len(p) for p in prompts.values())) + new_tokens
     ctx = max_context or -(-(longest + bt) // bt) * bt
     every = [base, *prompts.values()]
@@ -213,7 +217,7 @@ def check_model(
         name = f"stateless[chunk={chunk}]"
         eng = _engine(model, bt, chunk, ctx, prefix=False, kernel_options=kernels)
         ck.generate(name, eng, [base], new_tokens)
-        ck.generate(name + " batch", eng, [prompts[c] for c in cuts[:2]], new_tokens)
+        ck.generate(name + " batch", eng, [prompts["snapshot", c] for c in cuts[:2]], new_tokens)
         _compile_counts(f"compilations[chunk={chunk}]", eng)
         report.checks.append(name)
 
@@ -224,7 +228,7 @@ def check_model(
 
     def restore(route: str, cut: int, want_window: bool, want_disk: bool) -> None:
         check = f"restore[{route}]@{cut}"
-        (g,) = ck.generate(check, eng, [prompts[cut]], new_tokens)
+        (g,) = ck.generate(check, eng, [prompts[route, cut]], new_tokens)
         p, boundary = g.plan, cut // bt * bt
         if p.window_recomputed is not None and r == 0:
             raise _fail(check, f"the window-rebuild route was taken for a spec with full-attention layers: {p}")
@@ -267,7 +271,7 @@ def check_model(
             _forget(eng, snapshots_only=True)
             check = f"restore[window]@{cut}"
             if r == 0:  # full-attention layers: the route must be refused, restoring nothing exactly
-                (g,) = ck.generate(check, eng, [prompts[cut]], new_tokens)
+                (g,) = ck.generate(check, eng, [prompts["window", cut]], new_tokens)
                 if g.plan.window_recomputed is not None or g.plan.restored_tokens != 0:
                     raise _fail(check, f"a spec with full-attention layers restored without a snapshot: {g.plan}")
                 report.routes.setdefault("window_refused", []).append(cut)
@@ -275,7 +279,7 @@ def check_model(
             elif cut // bt * bt > r:
                 restore("window", cut, True, False)
             else:  # the boundary is inside the receptive field: nothing to rebuild from
-                ck.generate(check, eng, [prompts[cut]], new_tokens)
+                ck.generate(check, eng, [prompts["window", cut]], new_tokens)
     finally:
         _force(eng, None)
     _compile_counts("compilations[restore engine]", eng)

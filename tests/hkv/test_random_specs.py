@@ -5,7 +5,7 @@ full-attention layer never takes the window-rebuild route (`hkv.testing.check_mo
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from hkv.testing import check_model
@@ -25,10 +25,17 @@ def _check(layers, block_tokens):
     report = check_model(model, block_tokens=block_tokens, chunk_sizes=(block_tokens,), new_tokens=2)
     has_full = any(isinstance(k, toy.Attn) and k.window is None for k in layers)
     assert ("window" in report.routes) is (not has_full)  # rebuilt exactly when every layer is windowed
+    assert ("window_refused" in report.routes) is has_full
     assert "snapshot" in report.routes and "disk" in report.routes
 
 
-COMMON = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
+COMMON = dict(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+)  # no shrinking: each example compiles engines
 
 
 @settings(max_examples=4, **COMMON)
