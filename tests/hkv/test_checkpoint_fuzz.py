@@ -201,7 +201,7 @@ def check_restore(model, path: Path, want_leaves) -> None:
     EngineCheckpointError; within the deadline."""
     t = time.monotonic()
     try:
-        engine = hc.restore_engine(path, model)
+        engine = hkv.Engine.restore(path, model)
     except hc.EngineCheckpointError:
         engine = None
     assert time.monotonic() - t < RESTORE_DEADLINE_S
@@ -270,7 +270,7 @@ def test_the_unmutated_document_round_trips(checkpoint, tmp_path_factory):
     path = fuzz_copy(checkpoint, tmp_path_factory)
     assert check_read(path, seal(doc)) == doc
     check_restore(model, path, want)
-    assert hc.restore_engine(path, model) is not None
+    assert hkv.Engine.restore(path, model) is not None
 
 
 @pytest.mark.slow

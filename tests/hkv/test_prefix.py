@@ -166,7 +166,7 @@ def test_forced_hash_collision_is_rejected(model, monkeypatch):
     def weak_key(parent, block, extra=b""):  # collides whenever a block's first token matches
         return hashlib.blake2b(parent + int(block[0]).to_bytes(8, "little"), digest_size=16).digest()
 
-    monkeypatch.setattr(hkv.engine, "next_key", weak_key)
+    monkeypatch.setattr(hkv.engine.engine, "next_key", weak_key)
     engine = make_engine(model)
     engine.generate([BASE], NEW)
     prompt = list(BASE[:200])
@@ -311,7 +311,7 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     prompts = [a, b, b[: 7 * BT + 3], a[: 3 * BT] + b[:40]]
 
     def run(batch: int):
-        monkeypatch.setattr(hkv.engine, "RECORD_BATCH", batch)
+        monkeypatch.setattr(hkv.engine.engine, "RECORD_BATCH", batch)
         engine = hkv.Engine(
             model,
             hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=6),
