@@ -43,6 +43,9 @@ class Compressed:
 
 @dataclasses.dataclass(frozen=True)
 class ToyConfig:
+    """`layers`: one `Attn` or `Compressed` per layer; the rest are the (tiny) dimensions. `index_heads` /
+    `index_dim`: the indexer of sparse layers (`Compressed(topk=k)`)."""
+
     layers: tuple = (Attn(window=4, num_kv_heads=2), Attn(window=None), Compressed(ratio=4, window=4, topk=2))
     vocab_size: int = 64
     hidden: int = 32

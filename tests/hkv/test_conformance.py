@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from flax import nnx
 
 import hkv
 from hkv.testing import check_model
@@ -43,7 +44,7 @@ class TooFar(toy.ToyModel):
 
 
 def test_check_model_fails_on_a_model_that_attends_one_token_too_far():
-    model = TooFar(toy.ToyConfig(layers=(toy.Attn(window=3), toy.Attn(window=4))), __import__("flax").nnx.Rngs(0))
+    model = TooFar(toy.ToyConfig(layers=(toy.Attn(window=3), toy.Attn(window=4))), nnx.Rngs(0))
     with pytest.raises(AssertionError, match=r"check_model: stateless\[chunk=32\].*max \|Δ logits\|"):
         check_model(model, chunk_sizes=(32,), new_tokens=1)
 
