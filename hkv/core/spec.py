@@ -82,6 +82,11 @@ class LayerSpec:
             raise ValueError("an indexer needs a compressor on the same layer")
         if self.indexer is not None and self.indexer.ratio != self.compressor.ratio:
             raise ValueError(f"indexer ratio {self.indexer.ratio} must equal compressor ratio {self.compressor.ratio}")
+        if self.compressor is not None and self.window is None:
+            raise ValueError(
+                "a layer with a compressor needs a window (window=None keeps every row: its compressed entries "
+                "would duplicate them, and the compressed decode kernels attend over a sliding window)"
+            )
         if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1:
             raise ValueError(f"num_kv_heads={self.num_kv_heads!r} must be an integer >= 1")
         per_head = self.num_kv_heads * (1 if self.shared_kv else 2)
