@@ -1,5 +1,5 @@
-"""`hkv.testing.check_model` passes on DeepSeek-V4 (tiny) and on the toy hybrid model, and fails, naming the
-check, on a toy model whose cached path attends one token too far."""
+"""`hkv.testing.check_model` passes on DeepSeek-V4 (tiny), Gemma 3 (tiny) and the toy hybrid model, and fails,
+naming the check, on a toy model whose cached path attends one token too far."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flax import nnx
 
 import hkv
 from hkv.testing import check_model
-from models import deepseek_v4, toy
+from models import deepseek_v4, gemma3, toy
 
 MIX = toy.ToyConfig(
     layers=(toy.Attn(window=5, num_kv_heads=2), toy.Attn(window=None), toy.Compressed(ratio=4, window=4, topk=2))
@@ -22,6 +22,17 @@ def test_deepseek_v4_conforms():
     report = check_model(model, chunk_sizes=(16,), new_tokens=2)
     assert report.window_rebuild_tokens > 0  # every DeepSeek-V4 layer is windowed: all three routes
     assert set(report.routes) == {"snapshot", "disk", "window"}
+    assert report.max_abs_diff < 1e-4
+
+
+def test_gemma3_conforms(tmp_path):
+    # 2:1 sliding:full with GQA (tiny_config: 4 query heads on 2 KV heads); the full layer refuses the window rebuild
+    model = gemma3.init(
+        gemma3.tiny_config(num_hidden_layers=3, layer_types=("sliding_attention",) * 2 + ("full_attention",)), 0
+    )
+    report = check_model(model, chunk_sizes=(16,), new_tokens=2, disk_dir=str(tmp_path / "disk"))
+    assert report.window_rebuild_tokens == 0
+    assert set(report.routes) == {"snapshot", "disk", "window_refused"}
     assert report.max_abs_diff < 1e-4
 
 
