@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .attention import Attention
 from .cache_spec import cache_spec
@@ -140,22 +141,6 @@ class DeepseekV4(nnx.Module):
         for layer in self.layers:
             streams = layer(streams, tokens, positions, rope, self.freqs)
         return self.logits(streams)
-
-
-def forward_fn(model: DeepseekV4) -> Callable[[jnp.ndarray], jnp.ndarray]:
-    """A jitted stateless forward `tokens int32[B, T] -> float32[B, T, vocab]` closed over `model`'s
-    weights (one compilation per input shape). Token ids are validated on the host first."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def run(state, tokens):
-        return nnx.merge(graphdef, state)(tokens)
-
-    def call(tokens):
-        model.check_tokens(tokens)
-        return run(state, jnp.asarray(tokens, jnp.int32))
-
-    return call
 
 
 def random_tensors(cfg: DeepseekV4Config, seed: int = 0) -> dict[str, np.ndarray]:

@@ -23,12 +23,12 @@ float32 and cast to the activation dtype; attention probabilities are a float32 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .cache_spec import cache_spec
 from .cached import cached_step
@@ -278,55 +278,6 @@ class Gemma3(nnx.Module):
             cos, sin = rope[layer.layer_type]
             x = layer(x, cos, sin, masks[layer.layer_type])
         return self.logits(x)
-
-
-def forward_fn(model: Gemma3) -> Callable[[jnp.ndarray], jnp.ndarray]:
-    """A jitted stateless forward `tokens int32[B, T] -> float32[B, T, vocab]` closed over `model`'s weights
-    (one compilation per input shape). Token ids are validated on the host first."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def run(state, tokens):
-        return nnx.merge(graphdef, state)(tokens)
-
-    def call(tokens):
-        model.check_tokens(tokens)
-        return run(state, jnp.asarray(tokens, jnp.int32))
-
-    return call
-
-
-def greedy_stateless(
-    model: Gemma3, prompts: list[list[int]], max_new_tokens: int, fwd: Callable | None = None
-) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Greedy continuation of each prompt by re-running the stateless forward (the oracle for cached decoding).
-
-    Returns per prompt the `max_new_tokens` new ids and the float32[max_new_tokens, vocab] logits that chose
-    them. The buffer is padded to longest prompt + max_new_tokens so the forward compiles once (causality
-    makes the padding invisible). `fwd`: a `forward_fn(model)` to reuse."""
-    if max_new_tokens < 0:
-        raise ValueError(f"{max_new_tokens=} must be >= 0")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError(f"every prompt needs >= 1 token; got lengths {[len(p) for p in prompts]}")
-    lengths = np.array([len(p) for p in prompts])
-    buf = np.zeros((len(prompts), int(lengths.max()) + max_new_tokens), np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    fwd = fwd or forward_fn(model)
-    rows = np.arange(len(prompts))
-    cur = lengths.copy()
-    toks: list[list[int]] = [[] for _ in prompts]
-    lgts: list[list[np.ndarray]] = [[] for _ in prompts]
-    for _ in range(max_new_tokens):
-        logits = np.asarray(fwd(buf))[rows, cur - 1]
-        ids = logits.argmax(-1)
-        for i in rows:
-            toks[i].append(int(ids[i]))
-            lgts[i].append(logits[i])
-        buf[rows, cur] = ids
-        cur += 1
-    vocab = model.cfg.vocab_size
-    return toks, [np.stack(x) if x else np.zeros((0, vocab), np.float32) for x in lgts]
 
 
 # ------------------------------------------------------------------- tensors
