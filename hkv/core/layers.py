@@ -81,6 +81,12 @@ class Step:
         return self.start + self.n_valid
 
     @property
+    def kernel_lengths(self) -> jax.Array:
+        """int32[B] tokens per row including this step's, 0 for a masked row (reads nothing): the
+        `lengths` argument of the `pallas_kernels` decode ops."""
+        return self.new_len * self.mask
+
+    @property
     def decode(self) -> bool:
         """One token per row (static): the ops take their `pallas_kernels` decode path."""
         return self.positions.shape[1] == 1
@@ -281,6 +287,17 @@ class LayerCache:
             raise ValueError(f"v.shape={None if v is None else tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
         return jnp.concatenate([k.reshape(b, c, -1), v.reshape(b, c, -1).astype(k.dtype)], axis=-1)
 
+    def _entries(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array]:
+        """Prefill read of every sealed COMPRESSED / INDEXER row of this layer: (rows [B, N, D] with
+        N = max_context // ratio, unsealed rows zero; limit int32[B, C], entries each query may see)."""
+        st, m = self.step, self.ratio
+        n_max = self._layout.config.max_context // m
+        n_now = st.new_len // m
+        w = jnp.arange(n_max)[None, :]
+        rows, ok = jnp.broadcast_to(w, (st.slots.shape[0], n_max)), w < n_now[:, None]
+        entries = tr.read_rows(self._layout, cache, kind, self.layer, st.slots, rows, ok)
+        return entries, jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
+
     def _split(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         """SWA rows [B, T, kv_dim] -> (K, V) [B, T, Hkv, D]."""
         b, t = rows.shape[:2]
@@ -393,22 +410,17 @@ class LayerCache:
         """
         if not self.has_indexer:
             raise ValueError(f"layer {self.layer} has no indexer")
-        st, layout = self.step, self._layout
+        st = self.step
         gi, li = self._group(ObjectKind.INDEXER)
         g = cache.groups[gi]
         m = self.ratio
         if st.decode:
-            lengths = st.new_len * st.mask
+            lengths = st.kernel_lengths
             picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, g.page_table[st.slots], lengths, lengths // m,
                                     k=k, compress_ratio=m, index_layer=li, backend=st.backend,
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
-        n_max = layout.config.max_context // m
-        n_now = st.new_len // m
-        w = jnp.arange(n_max)[None, :]
-        rows, ok = jnp.broadcast_to(w, (q.shape[0], n_max)), w < n_now[:, None]
-        keys = tr.read_rows(layout, cache, ObjectKind.INDEXER, self.layer, st.slots, rows, ok)
-        limit = jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
+        keys, limit = self._entries(cache, ObjectKind.INDEXER)
         return select_topk(indexer_scores(q, weights, keys, q.shape[-1]), limit, k)
 
     def attend(
@@ -475,17 +487,12 @@ class LayerCache:
             seen = seen & (p > t - self.window)
         bias = jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32)
         if compressed:
-            m = self.ratio
-            n_max = layout.config.max_context // m
-            n_now = st.new_len // m
-            w = jnp.arange(n_max)[None, :]
-            rr, rok = jnp.broadcast_to(w, (b, n_max)), w < n_now[:, None]
-            entries = tr.read_rows(layout, cache, ObjectKind.COMPRESSED, self.layer, st.slots, rr, rok)
+            entries, limit = self._entries(cache, ObjectKind.COMPRESSED)
+            n_max = entries.shape[1]
             ek = entries.astype(keys.dtype)[:, :, None, :]
             keys, values = jnp.concatenate([keys, ek], axis=1), jnp.concatenate([values, ek], axis=1)
             if picks is None:
-                limit = jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
-                cbias = jnp.where(w[:, None, :] < limit[..., None], 0.0, -jnp.inf)
+                cbias = jnp.where(jnp.arange(n_max)[None, None, :] < limit[..., None], 0.0, -jnp.inf)
             else:
                 cbias = selection_bias(picks, n_max)
             bias = jnp.concatenate([bias, cbias.astype(jnp.float32)], axis=-1)
@@ -495,7 +502,7 @@ class LayerCache:
         """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D] -> [B, H, D]."""
         st = self.step
         kernels = dict(backend=st.backend, interpret=st.interpret)
-        lengths = st.new_len * st.mask  # 0 = idle row: reads nothing
+        lengths = st.kernel_lengths
         sg, sl = self._group(ObjectKind.SWA)
         swa = cache.groups[sg]
         pt = swa.page_table[st.slots]

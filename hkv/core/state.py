@@ -56,7 +56,6 @@ class HybridCache:
     counters: dict
 
 
-PREFIX_REJECTIONS = tuple(str(r) for r in Reason)  # labels, for counter names
 COUNTERS = (
     "transitions",
     "failed_no_pages",
@@ -76,7 +75,7 @@ COUNTERS = (
     "evicted_swa_snapshots",
     "evicted_tail_snapshots",
     "evicted_records",
-) + tuple(f"prefix_rejected_{r}" for r in PREFIX_REJECTIONS)
+) + tuple(f"prefix_rejected_{r}" for r in Reason)
 
 
 def init_cache(layout: CacheLayout) -> HybridCache:

@@ -666,10 +666,10 @@ class Engine:
             (vec,) = self._tx(
                 self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable)
             )
+            vec = vec.host()  # one device-to-host transfer per try
             plan = RestorePlan.from_device(vec, bt, len(ids))
             if plan.status != "NO_PAGES" or not self._make_room():
                 break
-        vec = vec.host()
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_recompute_tokens
         window_ok = (
