@@ -26,12 +26,20 @@ rows; hkv keeps the TAIL of the open window and seals every window the step clos
 own compression math) and, for sparse layers, `LayerCache.index_topk` (the learned indexer's top-k
 over the INDEXER keys), then `attend(..., compressed=True, picks=...)`.
 
+Layers of the same structure may run under one `jax.lax.scan` instead of a Python loop, so that the
+traced program (and compile time) does not grow with depth: `plan_layer_runs` splits the layers into
+runs of a repeating period, and `scan_layers(step, cache, run, body, carry, xs)` scans `body` over a
+run's repetitions, handing it `LayerCache` views that address each layer's objects in the stacked
+pools by a traced index (the decode kernels read stacked pools in place with it).
+
 Shapes: B rows (slots) per step, C tokens per row, H query heads, Hkv KV heads, D head width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +266,9 @@ class LayerCache:
         if not 0 <= layer < len(spec.layers):
             raise ValueError(f"layer={layer} must be in [0, {len(spec.layers)})")
         self.step, self.layer = step, layer
+        # kind -> traced int32 index of the layer in its group's stacked pool (inside `scan_layers`;
+        # `layer` is then the run's first layer, whose static facts every layer of the run shares)
+        self._index: dict[ObjectKind, jax.Array] = {}
         self.spec = ls = spec.layers[layer]
         self.window = ls.window
         self.num_kv_heads = ls.num_kv_heads
@@ -268,10 +279,34 @@ class LayerCache:
         self._layout = step.layout
 
     # ------------------------------------------------------------------ helpers
-    def _group(self, kind: ObjectKind) -> tuple[int, int]:
-        """(group index, this layer's index within the group's stacked pool)."""
+    def _group(self, kind: ObjectKind) -> tuple[int, int | jax.Array]:
+        """(group index, this layer's index within the group's stacked pool: an int, or a traced
+        int32 scalar inside `scan_layers`)."""
         gi = self._layout.spec.group_of(kind, self.layer)
+        if kind in self._index:
+            return gi, self._index[kind]
         return gi, self._layout.groups[gi].layers.index(self.layer)
+
+    def _read(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, valid: jax.Array) -> jax.Array:
+        """`transitions.read_rows` of this layer's `kind` rows[B, R] -> [B, R, D] (traced index too)."""
+        if kind not in self._index:
+            return tr.read_rows(self._layout, cache, kind, self.layer, self.step.slots, rows, valid)
+        gi, li = self._group(kind)
+        g = cache.groups[gi]
+        page, off, ok = tr._locate(self._layout, g, self.step.slots, rows, valid)
+        vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
+        return jnp.where(ok[..., None], vals, 0)
+
+    def _write(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, values: jax.Array, valid: jax.Array):
+        """Write values[B, R, D] at this layer's `kind` rows[B, R] where valid, at a traced pool index
+        (the `transitions` write paths take a static layer)."""
+        gi, li = self._group(kind)
+        g = cache.groups[gi]
+        page, off, _ = tr._locate(self._layout, g, self.step.slots, rows, valid)
+        pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop")
+        groups = list(cache.groups)
+        groups[gi] = g.replace(pool=pool)
+        return cache.replace(groups=tuple(groups))
 
     def _rows(self, k: jax.Array, v: jax.Array | None) -> jax.Array:
         """K [B, C, Hkv, D] (+ V) -> SWA rows [B, C, kv_dim] in the spec's row layout."""
@@ -295,7 +330,7 @@ class LayerCache:
         n_now = st.new_len // m
         w = jnp.arange(n_max)[None, :]
         rows, ok = jnp.broadcast_to(w, (st.slots.shape[0], n_max)), w < n_now[:, None]
-        entries = tr.read_rows(self._layout, cache, kind, self.layer, st.slots, rows, ok)
+        entries = self._read(cache, kind, rows, ok)
         return entries, jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
 
     def _split(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -317,7 +352,14 @@ class LayerCache:
         """
         st = self.step
         rows = self._rows(k, v)
-        return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, st.valid & st.mask[:, None])
+        valid = st.valid & st.mask[:, None]
+        if ObjectKind.SWA not in self._index:
+            return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, valid)
+        keep = self._layout.groups[self._group(ObjectKind.SWA)[0]].keep  # as `transitions.write_swa`
+        if keep is not None:
+            end = jnp.max(jnp.where(valid, st.positions + 1, 0), axis=1, keepdims=True)
+            valid = valid & (st.positions >= end - keep)
+        return self._write(cache, ObjectKind.SWA, st.positions, rows, valid)
 
     def compress(
         self,
@@ -396,8 +438,14 @@ class LayerCache:
         cache = tr.append_tail(layout, cache, tail_index, st.slots, new_kv, new_gate, ov_kv, ov_gate, st.mask)
         if st.seal:
             count = jnp.where(st.mask, count, 0)
-            write = tr.seal_compressed if which == "compressor" else tr.write_indexer
-            cache = write(layout, cache, self.layer, st.slots, first_entry, entries, count)
+            kind = ObjectKind.COMPRESSED if which == "compressor" else ObjectKind.INDEXER
+            if kind not in self._index:
+                write = tr.seal_compressed if which == "compressor" else tr.write_indexer
+                return write(layout, cache, self.layer, st.slots, first_entry, entries, count)
+            w = jnp.arange(entries.shape[1])[None, :]  # as `transitions.seal_compressed` / `write_indexer`
+            cache = self._write(cache, kind, first_entry[:, None] + w, entries, w < count[:, None])
+            if kind == ObjectKind.COMPRESSED:
+                cache = cache.replace(counters=tr._count(cache, "entries_sealed", jnp.sum(count)))
         return cache
 
     # -------------------------------------------------------------------- reads
@@ -477,7 +525,7 @@ class LayerCache:
         keep = (self.window - 1) if self.window is not None else layout.config.max_context
         past_pos = st.start[:, None] - keep + jnp.arange(keep)[None, :]
         past_ok = past_pos >= 0
-        past = tr.read_rows(layout, cache, ObjectKind.SWA, self.layer, st.slots, past_pos, past_ok)
+        past = self._read(cache, ObjectKind.SWA, past_pos, past_ok)
         keys, values = self._split(jnp.concatenate([past.astype(rows.dtype), rows], axis=1))
         k_pos = jnp.concatenate([past_pos, st.positions], axis=1)
         k_ok = jnp.concatenate([past_ok, st.valid], axis=1)
@@ -523,13 +571,149 @@ class LayerCache:
         return pk.csa_decode_attention(*args, picks[:, 0], **common)
 
 
+# ------------------------------------------------------------------------ scans over layers
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers `start + r * period + j` for r < count, j < period: a pattern of `period` layers repeated
+    `count` times (count 1: the layers run once, unrolled in Python)."""
+
+    start: int
+    period: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        """One past the run's last layer."""
+        return self.start + self.period * self.count
+
+    def layers(self, j: int) -> tuple[int, ...]:
+        """The layers at position j of the period, one per repetition."""
+        return tuple(self.start + r * self.period + j for r in range(self.count))
+
+
+def plan_layer_runs(keys: Sequence[Hashable], *, min_count: int = 2) -> tuple[LayerRun, ...]:
+    """Split layers into runs of a repeating period, so that a model traces as few layer bodies as it can.
+
+    keys[i] is layer i's structure (equal keys: the same code on same-shaped weights and the same
+    cache objects). A run of period p repeated c >= min_count times costs p traced layers (one scan
+    body); any other layer costs one. The split minimises the total (dynamic programming; ties go to
+    fewer runs), e.g. keys `a a a b c b c b c` -> [0, 1, 3) scanned, then (b c) x 3 scanned.
+
+    Returns runs covering 0..len(keys)-1 in order; layers nothing repeats around get count-1 runs
+    of period 1.
+    """
+    n = len(keys)
+    best: list[tuple[int, int, LayerRun | None]] = [(0, 0, None)] * (n + 1)  # (traced, runs, first run)
+    for i in range(n - 1, -1, -1):
+        cand = (best[i + 1][0] + 1, best[i + 1][1] + 1, LayerRun(i, 1, 1))
+        for p in range(1, (n - i) // 2 + 1):
+            c = 1
+            while i + (c + 1) * p <= n and tuple(keys[i + c * p : i + (c + 1) * p]) == tuple(keys[i : i + p]):
+                c += 1
+            for cc in range(max(min_count, 2), c + 1):
+                nxt = best[i + cc * p]
+                cand = min(cand, (nxt[0] + p, nxt[1] + 1, LayerRun(i, p, cc)), key=lambda t: t[:2])
+        best[i] = cand
+    runs, i = [], 0
+    while i < n:
+        runs.append(best[i][2])
+        i = runs[-1].stop
+    return tuple(runs)
+
+
+def scan_layers(
+    step: Step,
+    cache: HybridCache,
+    run: LayerRun,
+    body: Callable[[HybridCache, Any, tuple[LayerCache, ...], Any], tuple[HybridCache, Any]],
+    carry: Any,
+    xs: Any,
+) -> tuple[HybridCache, Any]:
+    """Run the layers of `run` as one `jax.lax.scan` over its repetitions (the traced program holds one
+    period of layers however many times it repeats).
+
+    Every repetition must have the same cache objects at each position of the period (equal
+    `LayerSpec`s, so they live in the same groups); each layer's objects are addressed by its traced
+    index in its group's stacked pools, its TAIL rows are stacked for the scan and put back after.
+
+    Args:
+      step: this step (`run_step`'s forward argument).
+      cache: the cache.
+      run: the layers (`plan_layer_runs`).
+      body: `body(cache, carry, views, x) -> (cache, carry)` for one repetition: views[j] is the
+        `LayerCache` of the repetition's layer at period position j (static facts as for any layer;
+        use only views[j] for position j), x the repetition's slice of `xs`.
+      carry: the model's loop state (e.g. residual streams).
+      xs: a pytree whose leaves have a leading axis of `run.count` (e.g. stacked layer weights).
+
+    Returns:
+      (cache, carry) after the last repetition.
+    """
+    layout = step.layout
+    spec = layout.spec
+    comps = [(l, w) for l, w, _ in spec.compressors()]
+    index: list[dict[ObjectKind, jax.Array]] = []
+    tails: list[dict[int, tuple[int, ...]]] = []  # per position: tail index of layer r=0 -> all r
+    for j in range(run.period):
+        layers = run.layers(j)
+        first = spec.layers[layers[0]]
+        for l in layers[1:]:
+            if spec.layers[l] != first:
+                raise ValueError(f"layers {layers[0]} and {l} have different cache objects: they cannot share a scan")
+        idx = {}
+        for kind in ObjectKind:
+            try:
+                gi = spec.group_of(kind, layers[0])
+            except ValueError:
+                continue
+            members = layout.groups[gi].layers
+            idx[kind] = jnp.asarray([members.index(l) for l in layers], jnp.int32)
+        index.append(idx)
+        tails.append({comps.index((layers[0], w)): tuple(comps.index((l, w)) for l in layers)
+                      for w in ("compressor", "indexer") if (layers[0], w) in comps})  # fmt: skip
+    stacked_tails = [
+        {t0: jax.tree.map(lambda *a: jnp.stack(a), *[cache.tails[t] for t in ts]) for t0, ts in pos.items()}
+        for pos in tails
+    ]
+
+    def one(state, x):
+        cache, carry = state
+        idx_r, tails_r, x_r = x
+        cache = cache.replace(tails=tuple(_put(cache.tails, {t0: tails_r[j][t0] for j in range(run.period)
+                                                              for t0 in tails_r[j]})))  # fmt: skip
+        views = []
+        for j in range(run.period):
+            v = LayerCache(step, run.start + j)
+            v._index = dict(idx_r[j])
+            views.append(v)
+        cache, carry = body(cache, carry, tuple(views), x_r)
+        new_tails = [{t0: cache.tails[t0] for t0 in pos} for pos in tails_r]
+        return (cache, carry), new_tails
+
+    (cache, carry), ys = jax.lax.scan(one, (cache, carry), (index, stacked_tails, xs))
+    out = list(cache.tails)
+    for j, pos in enumerate(tails):
+        for t0, ts in pos.items():
+            for r, t in enumerate(ts):
+                out[t] = jax.tree.map(lambda a, r=r: a[r], ys[j][t0])
+    return cache.replace(tails=tuple(out)), carry
+
+
+def _put(items: tuple, replace: dict[int, Any]) -> list:
+    """items with items[i] replaced by replace[i]."""
+    return [replace.get(i, x) for i, x in enumerate(items)]
+
+
 __all__ = [
     "LayerCache",
+    "LayerRun",
     "Step",
     "attend_rows",
     "causal_entry_limit",
     "indexer_scores",
+    "plan_layer_runs",
     "run_step",
+    "scan_layers",
     "select_topk",
     "selection_bias",
 ]
