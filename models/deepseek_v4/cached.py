@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from hkv.core.layers import LayerCache, Step, run_step
+from hkv.core.layers import scan_layers as scan_layers_
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
 
 from .compressor import compress_windows
 from .hyper_connection import merge
+from .layer_scan import layer_runs, stacked_layers
 from .norms import rms_norm
 
 
@@ -42,17 +45,15 @@ def _compress(kv_view: LayerCache, cache: HybridCache, comp, x, freqs, eps: floa
     return kv_view.compress(cache, kv, gate, math, which=which, gate_bias=comp.ape.value)
 
 
-def _attention(model, i: int, step: Step, cache: HybridCache, x, rope) -> tuple[HybridCache, jax.Array]:
-    """Layer i's cached attention; returns (cache with the layer's objects written, output [B, C, hidden])."""
-    attn = model.layers[i].attn
-    view = LayerCache(step, i)
+def _attention(attn, view: LayerCache, cache: HybridCache, x, rope, freqs) -> tuple[HybridCache, jax.Array]:
+    """One layer's cached attention (`attn` the layer's `Attention`, `view` its `LayerCache`); returns
+    (cache with the layer's objects written, output [B, C, hidden])."""
     cos, sin = rope[attn.rope_family]
     q, q_residual = attn.queries(x, cos, sin)
     k = attn.shared_kv(x, cos, sin)[:, :, None, :]  # [B, C, 1, D]: one shared K=V head
     cache = view.write_kv(cache, k)
     picks = None
     if attn.compressor is not None:
-        freqs = model.freqs["compress"]
         cache = _compress(view, cache, attn.compressor, x, freqs, attn.eps, "compressor")
         if attn.indexer is not None:
             ix = attn.indexer
@@ -62,6 +63,15 @@ def _attention(model, i: int, step: Step, cache: HybridCache, x, rope) -> tuple[
     o = view.attend(cache, q, k, sinks=attn.attn_sink.value, scale=attn.head_dim**-0.5,
                     compressed=attn.compressor is not None, picks=picks)  # fmt: skip
     return cache, attn.project_output(o, cos, sin)
+
+
+def _layer(layer, view: LayerCache, cache: HybridCache, streams, step: Step, rope, freqs):
+    """One decoder layer through the cache: streams [B, C, N, hidden] -> (cache, new streams)."""
+    post, comb, collapsed = layer.hc_attn(streams)
+    x = rms_norm(collapsed, layer.attn_norm.value, layer.eps)
+    cache, out = _attention(layer.attn, view, cache, x, rope, freqs)
+    streams = merge(post, comb, out, streams)
+    return cache, layer.ffn_block(streams, step.tokens)
 
 
 def cached_step(
@@ -75,13 +85,16 @@ def cached_step(
     kernel_backend: str | None = None,
     interpret: bool = False,
     seal: bool = True,
+    scan_layers: bool | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
     The `hkv.CachedModel.cached_step` of `models.deepseek_v4.DeepseekV4`. kernel_backend / interpret
     select the `pallas_kernels` implementation of the decode ops (None: Pallas on GPU/TPU, the jnp
     reference on CPU). seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and
-    indexer keys as they are (the prefix cache's window rebuild).
+    indexer keys as they are (the prefix cache's window rebuild). scan_layers: run repeating layers under
+    one `jax.lax.scan` (None: `layer_scan.SCAN_LAYERS`; False: a Python loop over the layers; see
+    `models.deepseek_v4.layer_scan`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
@@ -91,12 +104,20 @@ def cached_step(
     def forward(cache: HybridCache, step: Step):
         rope = model.rope_tables(step.positions)
         streams = model.embed_streams(step.tokens)
-        for i, layer in enumerate(model.layers):
-            post, comb, collapsed = layer.hc_attn(streams)
-            x = rms_norm(collapsed, layer.attn_norm.value, layer.eps)
-            cache, out = _attention(model, i, step, cache, x, rope)
-            streams = merge(post, comb, out, streams)
-            streams = layer.ffn_block(streams, step.tokens)
+        freqs = model.freqs["compress"]
+        for run in layer_runs(model, scan_layers, step.layout.spec):
+            if run.count == 1:
+                for i in range(run.start, run.stop):
+                    cache, streams = _layer(model.layers[i], LayerCache(step, i), cache, streams, step, rope, freqs)
+                continue
+            graphdefs, states = stacked_layers(model, run)
+
+            def body(cache, streams, views, x, graphdefs=graphdefs):
+                for gd, st, view in zip(graphdefs, x, views):
+                    cache, streams = _layer(nnx.merge(gd, st), view, cache, streams, step, rope, freqs)
+                return cache, streams
+
+            cache, streams = scan_layers_(step, cache, run, body, streams, states)
         return cache, model.logits(streams)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,

@@ -25,6 +25,7 @@ from .cache_spec import cache_spec
 from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
+from .layer_scan import stateless_layers
 from .moe import MoE
 from .norms import linear, rms_norm
 from .rope import cos_sin, inv_freq
@@ -126,20 +127,23 @@ class DeepseekV4(nnx.Module):
         """The `hkv.CacheSpec` of this model (storage in the model's dtype)."""
         return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
 
-    def cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options):
-        """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`."""
-        return cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options)
+    def cached_step(self, layout, cache, tokens, slots, n_valid, **options):
+        """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`
+        (options: kernel_backend, interpret, seal, scan_layers)."""
+        return cached_step(self, layout, cache, tokens, slots, n_valid, **options)
 
     # ---------------------------------------------------------------- forward
-    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
-        """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t]."""
+    def __call__(self, tokens: jnp.ndarray, *, scan_layers: bool | None = None) -> jnp.ndarray:
+        """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t].
+
+        scan_layers: run repeating layers under one `jax.lax.scan` (None: `layer_scan.SCAN_LAYERS`;
+        False: a Python loop; see `models.deepseek_v4.layer_scan`)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         rope = self.rope_tables(positions)
         streams = self.embed_streams(tokens)
-        for layer in self.layers:
-            streams = layer(streams, tokens, positions, rope, self.freqs)
+        streams = stateless_layers(self, streams, tokens, positions, rope, scan_layers)
         return self.logits(streams)
 
 

@@ -1,0 +1,118 @@
+"""Decoder layers under `jax.lax.scan` (models.deepseek_v4.layer_scan) compute what the Python loop computes.
+
+The stateless forward is bitwise equal. The cached step is equal up to float32 rounding: XLA may
+order a reduction differently inside a loop body than in straight-line code (seen: the 16-row pooling
+sum of an HCA compressor, a few ulp), so logits are compared to 1e-5 and greedy picks must match;
+the cache's bookkeeping (lengths, page tables, counters) must be identical.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hkv.core import transitions as tr
+from hkv.core.layers import LayerRun, plan_layer_runs
+from hkv.core.layout import CacheConfig, CacheLayout
+from hkv.core.state import init_cache
+from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny_config
+from models.deepseek_v4.layer_scan import layer_runs
+from models.deepseek_v4.model import init
+
+# layer 0 unrolled (sliding, hash routing), then (CSA, HCA) x 2 under one scan of period 2
+REPEATING = tiny_config(num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, HCA),
+                        mlp_layer_types=(HASH_MOE, MOE, MOE, MOE, MOE))  # fmt: skip
+# nothing repeats: every layer unrolled
+IRREGULAR = tiny_config(num_hidden_layers=3, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=(HASH_MOE, MOE, MOE))
+
+
+# ------------------------------------------------------------------------------ the plan
+@pytest.mark.parametrize(
+    "keys, want",
+    [
+        ("abcd", [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]),
+        ("aaaa", [(0, 1, 4)]),
+        ("xababab", [(0, 1, 1), (1, 2, 3)]),
+        ("aaabcbcbc", [(0, 1, 3), (3, 2, 3)]),
+        ("abcabcab", [(0, 1, 1), (1, 1, 1), (2, 3, 2)]),  # ties: the earliest layers stay unrolled
+    ],
+)
+def test_plan_covers_every_layer_and_scans_what_repeats(keys, want):
+    runs = plan_layer_runs(list(keys))
+    assert [(r.start, r.period, r.count) for r in runs] == want
+    assert [i for r in runs for i in range(r.start, r.stop)] == list(range(len(keys)))
+
+
+def test_deepseek_v4_pattern_at_43_layers_traces_three_layer_bodies():
+    cfg = tiny_config(num_hidden_layers=43, layer_types=(), mlp_layer_types=())
+    keys = list(zip(cfg.layer_types, cfg.mlp_layer_types))
+    assert plan_layer_runs(keys) == (LayerRun(0, 1, 3), LayerRun(3, 2, 20))
+
+
+def test_model_runs_follow_the_layer_structure():
+    model = init(REPEATING, 0)
+    spec = model.cache_spec()
+    assert layer_runs(model, True, spec) == (LayerRun(0, 1, 1), LayerRun(1, 2, 2))
+    assert layer_runs(model, False, spec) == tuple(LayerRun(i, 1, 1) for i in range(5))
+    assert all(r.count == 1 for r in layer_runs(init(IRREGULAR, 0), True))
+
+
+# ------------------------------------------------------------------------------ stateless
+@pytest.mark.parametrize("cfg", [REPEATING, IRREGULAR], ids=["repeating", "irregular"])
+def test_stateless_forward_scanned_equals_unrolled(cfg):
+    model = init(cfg, 1)
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 37)), jnp.int32)
+    fwd = jax.jit(lambda s, t, scan: nnx.merge(graphdef, s)(t, scan_layers=scan), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(fwd(state, tokens, True)), np.asarray(fwd(state, tokens, False)))
+
+
+# --------------------------------------------------------------------------------- cached
+def _run_cached(model, scan: bool, chunks):
+    """Run `chunks` [(tokens int32[2, C], n_valid int32[2])] as consecutive steps of slots 0 and 1.
+    Returns (cache, [float32[2, C, vocab] logits per step])."""
+    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=3, max_context=64, page_size=4))
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def step(cache, weights, toks, slots, n_valid):
+        return nnx.merge(graphdef, weights).cached_step(layout, cache, toks, slots, n_valid, scan_layers=scan)
+
+    cache = init_cache(layout)
+    for _ in range(2):
+        cache, _, _ = tr.claim_slot(layout, cache)
+    slots = jnp.array([0, 1], jnp.int32)
+    logits = []
+    for toks, n_valid in chunks:
+        cache, lg, st = step(cache, weights, toks, slots, jnp.asarray(n_valid, jnp.int32))
+        assert int(st) == 0
+        logits.append(np.asarray(lg))
+    return cache, logits
+
+
+def _assert_same(model, chunks):
+    cache_s, scanned = _run_cached(model, True, chunks)
+    cache_u, unrolled = _run_cached(model, False, chunks)
+    for s, u in zip(scanned, unrolled):
+        np.testing.assert_allclose(s, u, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(s.argmax(-1), u.argmax(-1))
+    for a, b in zip(jax.tree.leaves(cache_s), jax.tree.leaves(cache_u)):
+        if jnp.issubdtype(a.dtype, jnp.floating):  # pools and tails (overlap gates hold -inf)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+        else:  # lengths, page tables, refcounts, counters, the state table
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cached_prefill_scanned_equals_unrolled():
+    """Two chunks of 16 (row 1's second chunk ends mid compression window): CSA and HCA entries sealed."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, REPEATING.vocab_size, (2, 32)), jnp.int32)
+    _assert_same(init(REPEATING, 2), [(tokens[:, :16], [16, 16]), (tokens[:, 16:], [16, 11])])
+
+
+def test_cached_decode_scanned_equals_unrolled():
+    """18 decode steps from an empty cache (row 1 idle on odd steps): the Pallas-path ops (jnp reference
+    on CPU) with the traced pool index; CSA entries sealed every 4 tokens, one HCA entry at 16."""
+    tokens = np.random.default_rng(2).integers(0, REPEATING.vocab_size, (2, 18))
+    chunks = [(jnp.asarray(tokens[:, d : d + 1], jnp.int32), [1, 1 - d % 2]) for d in range(18)]
+    _assert_same(init(REPEATING, 3), chunks)
