@@ -688,10 +688,13 @@ def scan_layers(
             views.append(v)
         cache, carry = body(cache, carry, tuple(views), x_r)
         new_tails = [{t0: cache.tails[t0] for t0 in pos} for pos in tails_r]
-        return (cache, carry), new_tails
+        return (cache.replace(tails=no_tails), carry), new_tails
 
-    (cache, carry), ys = jax.lax.scan(one, (cache, carry), (index, stacked_tails, xs))
+    # TAILs do not travel in the loop's carry: the body's come in through xs and leave through ys, the
+    # rest stay outside the loop (fewer carried arrays: faster compiles)
     out = list(cache.tails)
+    no_tails = (None,) * len(out)
+    (cache, carry), ys = jax.lax.scan(one, (cache.replace(tails=no_tails), carry), (index, stacked_tails, xs))
     for j, pos in enumerate(tails):
         for t0, ts in pos.items():
             for r, t in enumerate(ts):
