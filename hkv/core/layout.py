@@ -36,6 +36,7 @@ class Status(enum.IntEnum):
     SLOT_INACTIVE = 5
     ORPHAN_BLOCK = 6  # a prefix record whose parent record is gone is not created
     BAD_REQUEST = 7  # a slot twice in one batch, or a length that would shrink
+    BAD_TOKEN = 8  # a token id outside [0, vocab_size) (hkv.decode_loop with check=True)
 
 
 @dataclasses.dataclass(frozen=True)
