@@ -6,6 +6,8 @@
     cache, slot, status = transitions.claim_slot(layout, cache)
     check_invariants(layout, cache)                  # declared state == actual state
     engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
+    handle    = engine.submit(prompt, 64, sampling=Sampling(temperature=0.7, seed=0)); list(handle)
+    cache, new, n, status = decode_loop(model, layout, cache, last, slots, steps=32)   # in your jax.jit
 
 Packages (dependencies point one way: models -> hkv.engine -> hkv.core -> pallas_kernels, and
 hkv.engine -> hkv.store): `hkv.core` is pure and jittable (spec, layout, the cache pytree,
@@ -13,6 +15,8 @@ transitions, prefix index, the model-facing layer API), `hkv.engine` runs on the
 prefix manager, offload, warm restart), `hkv.store` is the disk tier. See docs/design.md.
 """
 
+from .core import transitions
+from .core.decode import DecodeOutput, decode_loop, decode_steps, step_and_sample
 from .core.invariants import InvariantError, check_invariants
 from .core.layers import LayerCache, Step, run_step
 from .core.layout import CacheConfig, CacheLayout, Residency, Status
@@ -21,11 +25,14 @@ from .core.plan import DevicePlan, RestorePlan
 from .core.policy import RetentionPolicy
 from .core.protocol import CachedModel
 from .core.reasons import Reason
+from .core.sampling import Sampling, SamplingParams
 from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .core.state import HybridCache, init_cache
 from .core.weights import weights_digest
 from .engine.checkpoint import EngineCheckpointError
-from .engine.engine import CacheCapacityError, Engine, Generation
+from .engine.engine import CacheCapacityError, Engine
+from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
+from .engine.requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 from .store.tier import DiskTier, DiskTierClosedError
 
 __all__ = [
@@ -35,10 +42,12 @@ __all__ = [
     "CacheSpec",
     "CachedModel",
     "CompressorSpec",
+    "DecodeOutput",
     "DevicePlan",
     "DiskTier",
     "DiskTierClosedError",
     "Engine",
+    "EngineBusyError",
     "EngineCheckpointError",
     "Generation",
     "Group",
@@ -47,17 +56,29 @@ __all__ = [
     "LayerCache",
     "LayerSpec",
     "ObjectKind",
+    "PrefixQuery",
     "Reason",
+    "RequestCancelledError",
+    "RequestHandle",
     "Residency",
     "RestorePlan",
     "RetentionPolicy",
+    "Sampling",
+    "SamplingParams",
     "Status",
     "Step",
     "architectural_minimum",
     "check_invariants",
+    "decode_loop",
+    "decode_steps",
+    "evict_cached",
     "init_cache",
     "memory_report",
+    "record_prefix",
+    "restore_prefix",
     "run_step",
+    "step_and_sample",
+    "transitions",
     "uniform_full_kv_bytes",
     "weights_digest",
 ]

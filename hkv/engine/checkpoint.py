@@ -191,11 +191,11 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     """
     path = Path(os.fspath(path)).absolute()
     started = time.time()
-    running = getattr(engine, "_running", {})
+    running = sorted(q.slot for q in engine._live())
     if running:
         raise EngineCheckpointError(
-            f"cannot save while {len(running)} sequence(s) are running (slots {sorted(running)}); "
-            f"save between generate() calls"
+            f"cannot save while {len(running)} sequence(s) are running (slots {running}); "
+            f"save between steps or generate() calls"
         )
     replacing = path.exists() or path.is_symlink()
     if replacing:

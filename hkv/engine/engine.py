@@ -1,29 +1,42 @@
-"""`Engine`: batched generation over the hybrid cache — chunked prefill, jitted batched decode.
+"""`Engine`: generation over the hybrid cache — continuous batching, on-device sampling and decode.
 
 The engine owns one `HybridCache` value and replaces it with the result of each jitted transition
 (the cache argument is donated). The model implements `hkv.CachedModel` (vocab_size, cache_spec,
 cached_step; see hkv.core.protocol) and is an `nnx.Module` (its weights are passed to the jitted
-step as data, not baked in as constants).
+steps as data, not baked in as constants). Compiled steps are shared by every engine built on the
+same model structure, layout and kernel options in a process (`hkv.engine.compiled`), and JAX's
+persistent compilation cache is on by default, so a second process does not compile again.
 
-Scheduling: prompts are admitted into free slots; each is prefilled in chunks of `prefill_chunk`
-tokens (one compilation, the last chunk padded); all decoding slots then advance together in one
-decode step of static batch `slots` (one compilation for every length). If the pools run out of
-pages (`Status.NO_PAGES`, cache unchanged), the most recently admitted sequence is preempted: its
-slot is released and it is re-queued with the tokens it has generated, to be recomputed later —
-greedy decoding is deterministic, so its output does not change.
+Three ways to generate, one semantics (DESIGN §10):
+- `generate(prompts, max_new_tokens, ...)`: a batch, returned when every prompt is done;
+- `submit(prompt, ...) -> RequestHandle` (thread-safe, also while the engine runs) and `step()` /
+  `run_until_idle()`; a handle streams its tokens and has `.result()`;
+- `hkv.decode_loop` inside the caller's own `jax.jit` (the engine runs the same loop).
+
+Scheduling (`step`): queued requests are admitted into free slots (claim, prefix lookup and
+restore); every request still prefilling then runs its next chunk of `prefill_chunk` tokens — up to
+`prefill_batch` of them in one batched step — and every decoding request advances by up to
+`decode_steps` tokens in one on-device loop (sampling, stop ids, budgets on device; only the chosen
+ids and their logprobs cross to the host). A long prompt therefore never stalls decoding: decode
+dispatches run between its chunks. With the prefix cache on, a decode dispatch stops each row at its
+next block boundary, where the boundary is recorded (and its snapshot kept, per the retention policy).
+If the pools run out of pages (`Status.NO_PAGES`, cache unchanged), cached prefixes give way first;
+then the most recently admitted request is preempted: its slot is released and it is re-queued with
+the tokens it has generated, to be recomputed later. Every token is drawn from (seed, position), so a
+preempted request continues exactly as it would have.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import itertools
 import signal
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,21 +45,26 @@ import numpy as np
 from flax import nnx
 
 from ..core import prefix as px
-from ..core import transitions as tr
 from ..core.layout import CacheConfig, CacheLayout, Status
 from ..core.memory import architectural_minimum, memory_report
 from ..core.plan import RestorePlan
 from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
 from ..core.protocol import check_protocol
 from ..core.reasons import STAGES, Reason
+from ..core.sampling import GREEDY, SEED_RANGE, Sampling, SamplingParams
 from ..core.state import init_cache
 from ..core.weights import weights_digest
 from ..store.tier import DiskTier, DiskTierClosedError
 from . import offload as swap
 from .block_keys import ROOT, key_bytes, key_words, next_key
 from .checkpoint import restore_engine, save_engine
+from .compiled import compiled_steps, enable_compilation_cache, transitions
+from .progress import Bars
+from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 
 RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
+
+__all__ = ["CacheCapacityError", "Engine", "EngineBusyError", "Generation", "RequestCancelledError", "RequestHandle"]
 
 
 class CacheCapacityError(RuntimeError):
@@ -92,23 +110,25 @@ class _DeferredInterrupt:
 
 
 @dataclasses.dataclass
-class Generation:
-    """One prompt's result: `tokens` the new ids, `logits` float32[len(tokens), vocab] that chose them."""
-
-    tokens: list[int]
-    logits: np.ndarray
-    plan: Any = None
-
-
-@dataclasses.dataclass
 class _Seq:
-    index: int
+    index: int  # position in a generate call, or the request id of a submitted request
     prompt: list[int]
     max_new: int
+    sampling: Sampling = GREEDY
+    seed: int = 0  # resolved seed (the request's own, or drawn by the engine)
+    stop_ids: tuple[int, ...] = ()
+    keep_logits: bool = False
+    handle: RequestHandle | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
     slot: int = -1
     admitted_at: int = 0
+    t_admit: float = 0.0
+    ids: list[int] = dataclasses.field(default_factory=list)  # prompt + tokens at admission (what prefill runs)
     fed: int = 0  # tokens written into the cache
     keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
     parent_record: int = -1  # prefix record of the last recorded block
@@ -122,7 +142,43 @@ class _Seq:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_new
+        return self.finish_reason is not None or len(self.tokens) >= self.max_new
+
+    @property
+    def over(self) -> bool:
+        """Finished, failed or cancelled: nothing more will happen to it."""
+        return self.done or self.error is not None or self.cancelled
+
+    def generation(self, vocab: int) -> Generation:
+        logits = None
+        if self.keep_logits:
+            logits = np.stack(self.logits) if self.logits else np.zeros((0, vocab), np.float32)
+        return Generation(
+            tokens=list(self.tokens),
+            logprobs=np.asarray(self.logprobs, np.float32),
+            finish_reason=self.finish_reason or "length",
+            plan=self.plan or RestorePlan.cold(len(self.prompt)),
+            logits=logits,
+            seed=None if self.sampling.greedy else self.seed,
+        )
+
+
+def _codec(tokenizer):
+    """A `TextCodec` from a codec, a folder with tokenizer.json, or a tokenizer.json path (None: None)."""
+    if tokenizer is None:
+        return None
+    from pathlib import Path
+
+    from .text import TextCodec
+
+    if isinstance(tokenizer, TextCodec):
+        return tokenizer
+    path = Path(tokenizer)
+    return TextCodec.from_pretrained(path) if path.is_dir() else TextCodec.from_file(path)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class Engine:
@@ -130,8 +186,11 @@ class Engine:
 
     model: see the module docstring (e.g. `models.deepseek_v4.DeepseekV4`).
     config: static cache capacities. block_tokens: state-table / prefix block size.
-    prefill_chunk: tokens per prefill step. model_id: a display label (the ABI fingerprint covers the
-    weights themselves, `hkv.weights_digest`).
+    prefill_chunk: tokens per prefill step. prefill_batch: most requests prefilled in one step
+    (default min(slots, 4); batches are padded to a power of two, one compilation each).
+    decode_steps: tokens per decode dispatch (the on-device loop's bound; the host syncs once per
+    dispatch). model_id: a display label (the ABI fingerprint covers the weights themselves,
+    `hkv.weights_digest`).
     kernel_options: keyword arguments for the model's cached step, e.g. {"kernel_backend": "gpu",
     "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
     retention: where SWA + TAIL snapshots are kept (prefix cache on when config.prefix_records > 0).
@@ -139,6 +198,14 @@ class Engine:
     disk: an `hkv.DiskTier`: cached blocks the eviction policy moves out of device memory are written
     there (write-behind, never waited on by a step) and restored from there on a later hit, after
     verification (needs the prefix cache).
+    seed: seeds the engine's draws of per-request seeds for sampled requests without their own.
+    compilation_cache: JAX's persistent compilation cache (see `hkv.engine.compiled`): None = on in
+    the default directory unless $HKV_COMPILATION_CACHE=0, False = leave off, a path = that directory.
+    progress: a callable receiving one-line messages (admissions, restores, evictions, compiles).
+    tokenizer: for `generate_text`: an `hkv.engine.text.TextCodec`, a checkpoint folder holding
+    `tokenizer.json`, or the path of a tokenizer.json (None: token ids only).
+    progress_bars: tqdm bars for compilations and long `generate` calls (None: when stderr is a
+    terminal or in a notebook; see `hkv.engine.progress`).
     """
 
     def __init__(
@@ -148,15 +215,26 @@ class Engine:
         *,
         block_tokens: int = 16,
         prefill_chunk: int = 32,
+        prefill_batch: int = 1,
+        decode_steps: int = 8,
         model_id: str = "unknown",
         progress: Callable[[str], None] | None = None,
         kernel_options: dict | None = None,
         retention: RetentionPolicy | None = None,
         cache_salt: bytes = b"",
         disk: DiskTier | None = None,
+        seed: int | None = None,
+        compilation_cache: bool | str | None = None,
+        tokenizer=None,
+        progress_bars: bool | None = None,
     ):
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"{prefill_chunk=} must be a positive integer")
+        def positive(name, v):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+            return int(v)
+
+        prefill_chunk = positive("prefill_chunk", prefill_chunk)
+        decode_steps = positive("decode_steps", decode_steps)
         if config.prefix_records and prefill_chunk % block_tokens:
             raise ValueError(
                 f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
@@ -170,6 +248,9 @@ class Engine:
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
         check_protocol(model)
+        self.compilation_cache = enable_compilation_cache(compilation_cache)
+        self.tokenizer = _codec(tokenizer)
+        self._bars = Bars(progress_bars)
         self.model = model
         self.disk = disk
         self._graphdef, weights = nnx.split(model)
@@ -180,141 +261,239 @@ class Engine:
         self.layout = CacheLayout(self.spec, config)
         self.cache = init_cache(self.layout)
         self.prefill_chunk = prefill_chunk
+        self.prefill_batch = positive("prefill_batch", prefill_batch)
+        self.decode_steps = decode_steps
         self.progress = progress
-        self.compilations = {"prefill": 0, "decode": 0}
         self._stats = {
             "prompts": 0,
             "prefill_tokens": 0,
             "prefill_steps": 0,
             "decode_steps": 0,
+            "decode_dispatches": 0,
             "generated_tokens": 0,
             "preemptions": 0,
             "prefill_seconds": 0.0,
             "decode_seconds": 0.0,
+            "compile_seconds": 0.0,
         }
-        graphdef = self._graphdef
-        kernels = dict(kernel_options or {})
-
-        def make_step(kind: str):
-            def step(layout, cache, weights, tokens, slots, n_valid):
-                self.compilations[kind] += 1  # runs at trace time only: counts compilations
-                return nnx.merge(graphdef, weights).cached_step(layout, cache, tokens, slots, n_valid, **kernels)
-
-            return jax.jit(step, static_argnums=0, donate_argnums=1)
-
-        self._prefill = make_step("prefill")
-        self._decode = make_step("decode")
-        self._claim = jax.jit(tr.claim_slot, static_argnums=0, donate_argnums=1)
-        self._release = jax.jit(tr.release_slot, static_argnums=0, donate_argnums=1)
+        self._steps = compiled_steps(self._graphdef, kernel_options)
+        self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
+        self._prefill = self._steps.prefill
+        self._decode = self._steps.decode
+        self._restore_window = self._steps.restore_window
+        t = transitions()
+        self._claim, self._release = t["claim"], t["release"]
         self.prefix_enabled = config.prefix_records > 0
         self.retention = retention or RetentionPolicy()
         self.cache_salt = bytes(cache_salt)
-        self._restore = jax.jit(functools.partial(px.restore, count=False), static_argnums=0, donate_argnums=1)
-        self._count_plan = jax.jit(px.count_plan, static_argnums=0, donate_argnums=1)
-        self._record_many = jax.jit(px.record_many, static_argnums=0, donate_argnums=1)
-        self._evict = jax.jit(px.evict, static_argnums=0, donate_argnums=1)
+        self._restore, self._count_plan = t["restore"], t["count_plan"]
+        self._record_many, self._evict = t["record_many"], t["evict"]
+        self._swap_in, self._mark_on_disk = t["swap_in"], t["mark_on_disk"]
         self.window_recompute_tokens = window_rebuild_tokens(self.spec)  # 0: no exact rebuild route
-
-        def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
-            """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
-            and TAIL by running tokens [L - R, L) without sealing (hkv.core.prefix.restore(recompute=R))."""
-            r = self.window_recompute_tokens
-            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r, count=False)
-            length = plan.byte_blocks * layout.spec.block_tokens
-            ok = (plan.status == Status.OK) & (length > 0)
-            window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
-            model = nnx.merge(graphdef, weights)
-
-            def run(c):
-                c, _, st = model.cached_step(
-                    layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **kernels
-                )
-                return c, st
-
-            cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
-            return cache, plan, st
-
-        self._restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
         self._stats.update(
             ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0, disk_blocks_offloaded=0
         )
-        self._swap_in = jax.jit(swap.swap_in, static_argnums=0, donate_argnums=1)
-        self._mark_on_disk = jax.jit(swap.mark_on_disk, static_argnums=0, donate_argnums=1)
         self._disk_futures: list = []
         self._disk_inflight: set[tuple[bytes, bool]] = set()
-        self._running: dict[int, _Seq] = {}
-        self._admitting: _Seq | None = None  # the sequence being prefilled (its chain is pinned too)
+        # scheduler state (touched only by the driving thread, except `_inbox`, guarded by `_inbox_lock`)
+        self._queue: deque[_Seq] = deque()  # waiting for a slot, oldest first
+        self._prefilling: dict[int, _Seq] = {}  # slot -> request still running its prompt
+        self._running: dict[int, _Seq] = {}  # slot -> decoding request
+        self._inbox: list[_Seq] = []
+        self._inbox_lock = threading.Lock()
+        self._drive_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+        self._clock = 0
         self._interrupt: _DeferredInterrupt | None = None  # set while a public call runs transitions
         self._record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
         # measured costs for restore choices: seconds per prefill chunk, seconds per token from disk
         self._cost = {"chunk": None, "disk_token": None}
 
     # ---------------------------------------------------------------------------------- api
-    def generate(self, prompts, max_new_tokens: int) -> list[Generation]:
-        """Greedy continuation of each prompt (lengths may differ).
+    @property
+    def compilations(self) -> dict[str, int]:
+        """Compilations of each compiled step this engine has used, e.g. {"prefill[1x32]": 1,
+        "decode[8]": 1}: one per bucket (steps are shared with other engines of the same model,
+        layout and kernel options, so a second engine reports the first one's single compilation)."""
+        return {n: self._steps.traces[(self.layout, n)] for n in sorted(self._names)}
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        stop_token_ids: Sequence[int] = (),
+        return_logits: bool = False,
+    ) -> list[Generation]:
+        """Continue each prompt (lengths may differ).
 
         Args:
           prompts: a non-empty list of token-id sequences (lists, tuples or 1-D integer arrays) or a
             2-D integer array [batch, tokens]; ids in [0, vocab_size).
           max_new_tokens: an integer >= 0 (Python or numpy; not a bool).
+          sampling: an `hkv.Sampling` for every prompt (None: greedy, exact against the stateless
+            forward). Sampled prompts without a seed get one each from the engine's generator.
+          stop_token_ids: ids that end a prompt's generation (the stop id is its last token,
+            finish_reason "stop").
+          return_logits: also return each token's float32[vocab] logits (`Generation.logits`).
         Returns:
           one `Generation` per prompt, in order.
 
         Inputs are validated before anything runs: an invalid request raises `ValueError` and leaves
-        the cache untouched. An exception or interrupt while it runs (a raising progress callback,
-        Ctrl-C / a notebook's stop button) propagates after the engine has released the aborted
-        requests' slots and pages; `engine.cache` stays a live, consistent value and the next call
-        works. A SIGINT in the main thread is deferred to the next point between two transitions.
-        Raises `CacheCapacityError` when a prompt cannot fit the pools even with nothing else running
-        and every cached prefix evicted (the message says what holds each pool's pages).
+        the cache untouched. Requests submitted with `submit` run alongside. An exception or
+        interrupt while it runs (a raising progress callback, Ctrl-C / a notebook's stop button)
+        propagates after the engine has released the aborted requests' slots and pages;
+        `engine.cache` stays a live, consistent value and the next call works. A SIGINT in the main
+        thread is deferred to the next point between two transitions. Raises `CacheCapacityError`
+        when a prompt cannot fit the pools even with nothing else running and every cached prefix
+        evicted (the message says what holds each pool's pages), `EngineBusyError` when another
+        thread is driving the engine.
         """
         prompts, max_new_tokens = self._validate(prompts, max_new_tokens)
-        if self.disk is not None and self.disk.closed:
-            raise DiskTierClosedError(
-                f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
-                "with an open hkv.DiskTier (or disk=None) to generate"
-            )
-        with self._guard():
-            return self._generate(prompts, max_new_tokens)
+        sampling, stops = self._validate_options(sampling, stop_token_ids, return_logits)
+        with self._drive():
+            seqs = [self._new_seq(i, p, max_new_tokens, sampling, stops, return_logits) for i, p in enumerate(prompts)]
+            self._queue.extend(seqs)
+            self._run(seqs)
+        return [s.generation(self.model.vocab_size) for s in seqs]
 
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        queue = deque(_Seq(i, p, max_new_tokens) for i, p in enumerate(prompts))
-        done: dict[int, _Seq] = {}
-        running: dict[int, _Seq] = {}
-        self._running = running
-        clock = 0
-        while queue or running:
-            self._poll_disk()
-            # admit while slots are free
-            while queue and len(running) < self.layout.slots:
-                seq = queue.popleft()
-                if seq.done:
-                    done[seq.index] = seq
-                    continue
-                clock += 1
-                if not self._admit(seq, clock):
-                    queue.appendleft(seq)
-                    if not running:  # nothing else holds pages but cached prefixes, and they gave way
-                        raise CacheCapacityError(
-                            f"prompt {seq.index} ({len(seq.prompt) + len(seq.tokens)} tokens) does not fit in the "
-                            f"cache's pools even alone, with every cached prefix evicted; raise "
-                            f"CacheConfig.pool_pages or lower max_context. Pools now: {self._pool_report()}"
-                        )
-                    break
-                running[seq.slot] = seq
-                if seq.done:
-                    self._finish(seq, running, done)
-            if running:
-                self._decode_all(running, queue, done)
-        self._running = {}
-        return [
-            Generation(
-                tokens=d.tokens,
-                logits=np.stack(d.logits) if d.logits else np.zeros((0, self.model.vocab_size), np.float32),
-                plan=d.plan or RestorePlan.cold(len(d.prompt)),
-            )
-            for d in [done[i] for i in range(len(prompts))]
-        ]
+    def _run(self, seqs: list[_Seq], after_step: Callable[[], None] | None = None) -> None:
+        """Step until every one of `seqs` is over (a progress bar over their tokens when long); the
+        first request error is raised; an exception abandons them all (`_abort` frees their slots)."""
+        total = sum(len(s.prompt) + s.max_new for s in seqs)
+        bar = self._bars.tokens(total, f"hkv: {len(seqs)} request(s)")
+        shown = 0
+        try:
+            while not all(s.over for s in seqs):
+                self._step()
+                for s in seqs:
+                    if s.error is not None:
+                        raise s.error
+                if after_step is not None:
+                    after_step()
+                if bar is not None:
+                    done = sum(len(s.prompt) if s.tokens else min(s.fed, len(s.prompt)) for s in seqs)
+                    done += sum(len(s.tokens) for s in seqs)
+                    bar.update(max(done - shown, 0))
+                    shown = max(done, shown)
+            self._reap()
+        except BaseException:
+            for s in seqs:
+                s.cancelled = True  # the call is abandoned: `_abort` drops them, frees their slots
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        stop_token_ids: Sequence[int] = (),
+        return_logits: bool = False,
+    ) -> RequestHandle:
+        """Queue one request; returns its `RequestHandle` at once (nothing runs here).
+
+        Thread-safe: any thread may submit at any time, also while another thread is inside `step`,
+        `run_until_idle` or `generate` (the request joins at the next step). Arguments as in
+        `generate`, for one prompt (a sequence of token ids). Invalid input raises `ValueError`.
+        """
+        (prompt,), max_new = self._validate([prompt], max_new_tokens)
+        sampling, stops = self._validate_options(sampling, stop_token_ids, return_logits)
+        rid = next(self._ids)
+        handle = RequestHandle(self, rid)
+        seq = self._new_seq(rid, prompt, max_new, sampling, stops, return_logits, handle)
+        with self._inbox_lock:
+            self._inbox.append(seq)
+        return handle
+
+    def step(self) -> bool:
+        """Advance every request once: admit waiting requests into free slots (with their prefix
+        restores), run one prefill chunk for the requests still prefilling, and up to `decode_steps`
+        tokens for the decoding ones. Returns True while requests remain (queued or running).
+
+        Raises `EngineBusyError` if another thread is driving the engine. An exception or interrupt
+        inside frees the slots of the requests in flight and re-queues them (they are recomputed
+        exactly by a later step); a request that cannot fit fails alone (its handle raises
+        `CacheCapacityError`)."""
+        with self._drive():
+            return self._step()
+
+    def run_until_idle(self) -> None:
+        """Call `step` until no request is queued or running."""
+        with self._drive():
+            while self._step():
+                pass
+
+    def generate_text(
+        self,
+        texts: Sequence[str],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] | None = None,
+        include_stop: bool = False,
+    ) -> list[Generation]:
+        """Text in, text out (needs `Engine(tokenizer=...)`): each text is encoded, continued and decoded.
+
+        Args:
+          texts: a non-empty list of strings.
+          max_new_tokens, sampling: as in `generate`.
+          stop: strings that end a text's generation as soon as they appear in its decoded output; the
+            request stops there (its slot is freed at once) and its text ends before the stop string
+            (with it when include_stop). Tokens are cut after the one that completed it.
+          stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids.
+        Returns:
+          one `Generation` per text with `.text` set (finish_reason "stop" for a stop string or id).
+        """
+        from .text import StopStrings
+
+        if self.tokenizer is None:
+            raise ValueError("generate_text needs a tokenizer: hkv.Engine(..., tokenizer=<checkpoint folder>)")
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+            raise ValueError(f"texts must be a non-empty list of strings; got {type(texts).__name__}")
+        if isinstance(stop, str) or any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop={stop!r} must be a list of non-empty strings")
+        prompts, max_new = self._validate(self.tokenizer.encode(list(texts)), max_new_tokens)
+        ids = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
+        sampling, stops = self._validate_options(sampling, ids, False)
+        with self._drive():
+            seqs = [self._new_seq(i, p, max_new, sampling, stops, False) for i, p in enumerate(prompts)]
+            readers = [StopStrings(self.tokenizer, list(stop), include_stop=include_stop) for _ in seqs]
+            fed = [0] * len(seqs)
+            self._queue.extend(seqs)
+
+            def read():
+                for j, s in enumerate(seqs):
+                    if len(s.tokens) > fed[j] and not readers[j].stopped:
+                        readers[j].feed(s.tokens[fed[j] :])
+                        fed[j] = len(s.tokens)
+                        if readers[j].stopped and not s.done:
+                            s.cancelled = True  # a stop string: free the slot now
+
+            self._run(seqs, read)
+        out = []
+        for s, r in zip(seqs, readers):
+            r.finish()
+            s.cancelled = False
+            g = s.generation(self.model.vocab_size)
+            if r.stopped:
+                g.tokens, g.logprobs, g.finish_reason = g.tokens[: r.consumed], g.logprobs[: r.consumed], "stop"
+            g.text = r.text
+            out.append(g)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted or queued and not yet finished."""
+        with self._inbox_lock:
+            inbox = len(self._inbox)
+        return inbox + len(self._queue) + len(self._prefilling) + len(self._running)
 
     def write_through(self) -> int:
         """Copy every cached block that ends in an SWA + TAIL snapshot (and the blocks of its chain
@@ -327,8 +506,8 @@ class Engine:
     def evict_prefixes(self) -> int:
         """Evict every cached prefix record from device memory (between `generate` calls), writing the
         snapshot blocks the disk tier lacks first when there is one. Returns the records evicted."""
-        if self._running:
-            raise ValueError(f"evict_prefixes while {len(self._running)} sequences run; call it between generate calls")
+        if self._live():
+            raise ValueError(f"evict_prefixes while {len(self._live())} sequences run; call it between steps")
         if not self.prefix_enabled:
             return 0
         p = jax.device_get(self.cache.prefix)
@@ -357,7 +536,7 @@ class Engine:
         save_engine(self, path, overwrite=overwrite)
 
     @classmethod
-    def restore(cls, path, model, **engine_kwargs) -> "Engine":
+    def restore(cls, path, model, **engine_kwargs) -> Engine:
         """An engine rebuilt from `save(path)` with its device cache verified (per-array checksums,
         ABI fingerprint, `check_invariants`) before use. engine_kwargs override the saved settings or
         add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
@@ -436,6 +615,297 @@ class Engine:
             out.append(arr.tolist())
         return out, max_new
 
+    def _validate_options(self, sampling, stop_token_ids, return_logits) -> tuple[Sampling, tuple[int, ...]]:
+        """(sampling, stop ids as a tuple of ints), or `ValueError` naming the bad value."""
+        if sampling is None:
+            sampling = GREEDY
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling={sampling!r} must be an hkv.Sampling or None")
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray, set)):
+            raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
+        vocab = self.model.vocab_size
+        stops = []
+        for t in stop_token_ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"stop token id {t!r} must be an integer in [0, vocab_size={vocab})")
+            stops.append(int(t))
+        if not isinstance(return_logits, (bool, np.bool_)):
+            raise ValueError(f"return_logits={return_logits!r} must be a bool")
+        return sampling, tuple(dict.fromkeys(stops))
+
+    def _new_seq(self, index, prompt, max_new, sampling, stops, keep_logits, handle=None) -> _Seq:
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(0, SEED_RANGE))
+        return _Seq(index, prompt, max_new, sampling, seed, stops, bool(keep_logits), handle)
+
+    @contextlib.contextmanager
+    def _drive(self):
+        """Scope of a call that advances the engine: one thread at a time (`EngineBusyError`
+        otherwise), a live disk tier, and `_guard`'s exception safety."""
+        if not self._drive_lock.acquire(blocking=False):
+            raise EngineBusyError(
+                "another thread is driving this engine (step / generate / run_until_idle / a handle's "
+                "stream); drive it from one thread and submit() from any"
+            )
+        try:
+            if self.disk is not None and self.disk.closed:
+                raise DiskTierClosedError(
+                    f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
+                    "with an open hkv.DiskTier (or disk=None) to generate"
+                )
+            with self._guard():
+                yield
+        finally:
+            self._drive_lock.release()
+
+    def _try_step(self) -> bool:
+        """One `step` if no other thread drives the engine (a handle waiting for its tokens); False if busy."""
+        try:
+            with self._drive():
+                self._step()
+            return True
+        except EngineBusyError:
+            return False
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        """Mark the handle's request cancelled; the driving thread drops it at its next step."""
+        with self._inbox_lock:
+            for seq in itertools.chain(self._inbox, self._queue, self._prefilling.values(), self._running.values()):
+                if seq.handle is handle:
+                    seq.cancelled = True
+
+    def _live(self) -> list[_Seq]:
+        """Requests holding a slot (prefilling or decoding), oldest admission first."""
+        return sorted([*self._prefilling.values(), *self._running.values()], key=lambda q: q.admitted_at)
+
+    # ------------------------------------------------------------------------------ scheduler
+    def _step(self) -> bool:
+        self._poll_disk()
+        with self._inbox_lock:
+            self._queue.extend(self._inbox)
+            self._inbox.clear()
+        self._reap()
+        self._admit_waiting()
+        if self._prefilling:
+            self._prefill_step()
+        if self._running:
+            self._decode_step()
+        self._reap()
+        return bool(self._queue or self._prefilling or self._running)
+
+    def _reap(self) -> None:
+        """Drop cancelled requests: queued ones leave the queue, live ones release their slots."""
+        for seq in [q for q in self._queue if q.cancelled]:
+            self._queue.remove(seq)
+            self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+        for seq in [q for q in self._live() if q.cancelled]:
+            self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+
+    def _admit_waiting(self) -> None:
+        """Claim a slot for each waiting request while slots are free, and restore its prefix."""
+        while self._queue and len(self._prefilling) + len(self._running) < self.layout.slots:
+            seq = self._queue[0]
+            if seq.done:
+                self._queue.popleft()
+                self._close(seq)
+                continue
+            slot, status = self._tx(self._claim)  # interrupted here, seq is still queued
+            if int(status) != Status.OK:  # no free slot after all (should not happen): try later
+                return
+            self._queue.popleft()
+            self._clock += 1
+            seq.slot, seq.fed, seq.keys, seq.parent_record = int(slot), 0, [], -1
+            seq.ids, seq.admitted_at, seq.t_admit = seq.prompt + seq.tokens, self._clock, time.perf_counter()
+            self._prefilling[seq.slot] = seq  # pinned while it restores (`_make_room`)
+            if self.prefix_enabled:
+                before = seq.slot
+                seq.fed = self._lookup(seq, seq.ids)
+                if seq.slot != before:  # a window rebuild re-claimed the slot
+                    self._prefilling.pop(before, None)
+                    self._prefilling[seq.slot] = seq
+
+    def _timed(self, fn, *args, name: str) -> tuple[tuple, float, bool]:
+        """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
+        stats["compile_seconds"], with a progress message on the first use of a bucket."""
+        self._names.add(name)
+        fresh = self._steps.traces[(self.layout, name)] == 0
+        if fresh:
+            self._say(f"compiling {name} (once per process; cached on disk)")
+        t0 = time.perf_counter()
+        with self._bars.compiling(name) if fresh else contextlib.nullcontext():
+            out = self._tx(fn, *args)
+            jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+        if fresh:
+            self._stats["compile_seconds"] += dt
+        return out, dt, fresh
+
+    def _prefill_step(self) -> None:
+        """One chunk for up to `prefill_batch` prefilling requests, in one batched step."""
+        rows = self._live_prefilling()[: self.prefill_batch]
+        c = self.prefill_chunk
+        while rows:
+            b = _pow2(len(rows))
+            tokens = np.zeros((b, c), np.int32)
+            slots = np.zeros((b,), np.int32)
+            n_valid = np.zeros((b,), np.int32)
+            for j, seq in enumerate(rows):
+                chunk = seq.ids[seq.fed : seq.fed + c]
+                tokens[j, : len(chunk)], slots[j], n_valid[j] = chunk, seq.slot, len(chunk)
+            params = SamplingParams.stack(
+                [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
+            )
+            keep = any(q.keep_logits for q in rows)
+            name = f"prefill[{b}x{c}]" + ("+logits" if keep else "")
+            out, dt, fresh = self._timed(self._prefill, self._weights, tokens, slots, n_valid, params, keep, name=name)
+            tok, lp, status = out[0], out[1], int(out[2])
+            if status == Status.OK:
+                break
+            if status == Status.NO_PAGES and self._make_room():
+                continue
+            if status != Status.NO_PAGES:
+                err = CacheCapacityError(f"prefill step failed: {Status(status).name}")
+                for seq in rows:
+                    self._close(seq, err)
+                return
+            live = self._live()
+            if len(live) == 1:  # alone, with every cached prefix evicted: it can never fit
+                seq = rows[0]
+                self._close(
+                    seq,
+                    CacheCapacityError(
+                        f"prompt {seq.index} ({len(seq.ids)} tokens) does not fit in the cache's pools even alone, "
+                        f"with every cached prefix evicted; raise CacheConfig.pool_pages or lower max_context. "
+                        f"Pools now: {self._pool_report()}"
+                    ),
+                )
+                return
+            victim = live[-1]
+            self._preempt(victim)
+            rows = [q for q in rows if q is not victim]
+        if not rows:
+            return
+        if not fresh:
+            self._measure("chunk", dt)
+        self._stats["prefill_steps"] += 1
+        self._stats["prefill_seconds"] += 0.0 if fresh else dt
+        tok, lp = jax.device_get((tok, lp))  # [b] ids and logprobs: all that crosses by default
+        last = np.asarray(out[3]) if keep else None
+        for j, seq in enumerate(rows):
+            seq.fed += int(n_valid[j])
+            self._after_step(seq)
+            if seq.fed < len(seq.ids):
+                continue
+            self._stats["prefill_tokens"] += len(seq.ids) - (seq.plan.restored_tokens if seq.plan else 0)
+            if not seq.tokens:
+                self._stats["prompts"] += 1
+                self._stats["ttft_seconds"].append(time.perf_counter() - seq.t_admit)
+            self._prefilling.pop(seq.slot)
+            self._running[seq.slot] = seq
+            self._say(f"prefilled prompt {seq.index} ({len(seq.ids)} tokens) into slot {seq.slot}")
+            self._emit(seq, [int(tok[j])], [float(lp[j])], None if last is None else last[j : j + 1])
+            if seq.done:
+                self._close(seq)
+
+    def _live_prefilling(self) -> list[_Seq]:
+        return sorted(self._prefilling.values(), key=lambda q: q.admitted_at)
+
+    def _decode_step(self) -> None:
+        """Up to `decode_steps` tokens for every decoding request, in one on-device loop."""
+        s, k = self.layout.slots, self.decode_steps
+        bt = self.spec.block_tokens
+        rows = list(self._running.values())
+        tokens = np.zeros((s,), np.int32)
+        budget = np.zeros((s,), np.int32)
+        sampling, seeds = [GREEDY] * s, [0] * s
+        n_stop = _pow2(max([len(q.stop_ids) for q in rows] + [1]))
+        stop_ids = np.full((s, n_stop), -1, np.int32)
+        for q in rows:
+            room = q.max_new - len(q.tokens)
+            if self.prefix_enabled:  # stop at the next block boundary: it is recorded there
+                room = min(room, bt - q.fed % bt)
+            tokens[q.slot], budget[q.slot] = q.tokens[-1], min(k, room)
+            sampling[q.slot], seeds[q.slot] = q.sampling, q.seed
+            stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
+        keep = any(q.keep_logits for q in rows)
+        name = f"decode[{k}]" + ("+logits" if keep else "")
+        out, dt, fresh = self._timed(
+            self._decode,
+            self._weights,
+            tokens,
+            np.arange(s, dtype=np.int32),
+            SamplingParams.stack(sampling, seeds),
+            budget,
+            stop_ids,
+            k,
+            keep,
+            name=name,
+        )
+        toks, lps, n_new, _, status = jax.device_get(out[:5])
+        lg = out[5]
+        status = int(status)
+        produced = int(np.sum(n_new))
+        self._stats["decode_dispatches"] += 1
+        self._stats["decode_steps"] += int(np.max(n_new)) if produced else 0
+        self._stats["decode_seconds"] += 0.0 if fresh else dt
+        if keep and produced:
+            lg = np.asarray(lg)
+        for q in rows:
+            n = int(n_new[q.slot])
+            if n:  # fed: its last token and the first n - 1 new ones
+                self._emit(q, toks[q.slot, :n].tolist(), lps[q.slot, :n].tolist(), lg[q.slot, :n] if keep else None)
+                q.fed += n
+                self._after_step(q)
+            if q.done:
+                self._close(q)
+        if status == Status.NO_PAGES and not self._make_room() and self._running:
+            victim = self._live()[-1]  # the youngest request gives way; it is recomputed later
+            self._preempt(victim)
+        elif status not in (Status.OK, Status.NO_PAGES):
+            raise CacheCapacityError(f"decode step failed: {Status(status).name}")
+
+    def _emit(self, seq: _Seq, tokens: list[int], logprobs: list[float], logits) -> None:
+        """Append new tokens (the stop id that ends a request is kept as its last token)."""
+        for j, t in enumerate(tokens):
+            seq.tokens.append(t)
+            seq.logprobs.append(logprobs[j])
+            if seq.keep_logits:
+                seq.logits.append(np.asarray(logits[j], np.float32))
+            if t in seq.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= seq.max_new:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                tokens = tokens[: j + 1]
+                break
+        self._stats["generated_tokens"] += len(tokens)
+        if seq.handle is not None:
+            seq.handle._push(tokens)
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Release seq's slot and re-queue it first, with the tokens it has (recomputed exactly later)."""
+        self._tx(self._release, jnp.int32(seq.slot))
+        self._prefilling.pop(seq.slot, None)
+        self._running.pop(seq.slot, None)
+        seq.slot = -1
+        self._queue.appendleft(seq)
+        self._stats["preemptions"] += 1
+        self._say(f"preempted prompt {seq.index}: pools full")
+
+    def _close(self, seq: _Seq, error: BaseException | None = None) -> None:
+        """Finish seq (error None: done) — release its slot, hand its result or error to its handle."""
+        if seq.slot >= 0:  # released first: interrupted here, it is still live and `_abort` re-queues it
+            self._tx(self._release, jnp.int32(seq.slot))
+            self._prefilling.pop(seq.slot, None)
+            self._running.pop(seq.slot, None)
+            seq.slot = -1
+        if error is not None and seq.error is None and not (seq.cancelled and seq.handle is None):
+            seq.error = error
+        if seq.handle is not None:
+            if error is None:
+                seq.handle._finish(seq.generation(self.model.vocab_size))
+            else:
+                seq.handle._finish(None, error)
+
     # ------------------------------------------------------------------ transitions and safety
     def _tx(self, fn, *args) -> tuple:
         """Run the donating transition `fn(layout, cache, *args)` and install its cache at once, so the
@@ -468,14 +938,24 @@ class Engine:
         return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
 
     def _abort(self) -> None:
-        """After an exception inside a call: drop the host state of its requests and release every
-        active slot (between calls no slot is active), so their pages return to the pools and cached
-        prefixes stay as they are. If `engine.cache` was lost (an interrupt landed between a donating
-        transition and its result, or a transition failed after its input was donated), a fresh cache
-        replaces it: cached prefixes on device are dropped (the disk tier keeps its blocks), with a
-        `RuntimeWarning`."""
-        self._running = {}
-        self._admitting = None
+        """After an exception inside a call: release every active slot (pages return to the pools,
+        cached prefixes stay as they are) and re-queue the requests that held them, first and in
+        admission order, to be recomputed exactly by a later step (those of an abandoned `generate`
+        call, and cancelled ones, are dropped). If `engine.cache` was lost (an interrupt landed
+        between a donating transition and its result, or a transition failed after its input was
+        donated), a fresh cache replaces it: cached prefixes on device are dropped (the disk tier
+        keeps its blocks), with a `RuntimeWarning`."""
+        live = self._live()
+        self._prefilling, self._running = {}, {}
+        for seq in reversed(live):
+            seq.slot = -1
+            if seq.cancelled:
+                self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+            else:
+                self._queue.appendleft(seq)
+        for seq in [q for q in self._queue if q.cancelled]:
+            self._queue.remove(seq)
+            self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
         try:
             if self._cache_alive():
                 for slot in np.nonzero(np.asarray(self.cache.active))[0]:
@@ -519,110 +999,6 @@ class Engine:
     def _say(self, msg: str) -> None:
         if self.progress is not None:
             self.progress(msg)
-
-    def _admit(self, seq: _Seq, clock: int) -> bool:
-        """Claim a slot and prefill prompt (+ tokens generated before a preemption). False if the
-        pools cannot hold it now (slot released again, cache as before)."""
-        slot, status = self._tx(self._claim)
-        if int(status) != Status.OK:
-            return False
-        slot = int(slot)
-        ids = seq.prompt + seq.tokens
-        t0 = time.perf_counter()
-        seq.slot, seq.fed, seq.keys, seq.parent_record = slot, 0, [], -1
-        self._admitting = seq
-        try:
-            return self._prefill_seq(seq, ids, clock, t0)
-        finally:
-            self._admitting = None
-
-    def _prefill_seq(self, seq: _Seq, ids: list[int], clock: int, t0: float) -> bool:
-        c = self.prefill_chunk
-        start0 = self._lookup(seq, ids) if self.prefix_enabled else 0
-        slot = seq.slot  # a window rebuild may have re-claimed the slot
-        last = None
-        for start in range(start0, len(ids), c):
-            chunk = ids[start : start + c]
-            buf = np.zeros((1, c), np.int32)
-            buf[0, : len(chunk)] = chunk
-            while True:
-                t1, compiled = time.perf_counter(), self.compilations["prefill"]
-                logits, status = self._tx(
-                    self._prefill,
-                    self._weights,
-                    jnp.asarray(buf),
-                    jnp.array([slot], jnp.int32),
-                    jnp.array([len(chunk)], jnp.int32),
-                )
-                st = int(status)
-                if compiled == self.compilations["prefill"]:
-                    self._measure("chunk", time.perf_counter() - t1)
-                if st != Status.NO_PAGES or not self._make_room():
-                    break
-            if st != Status.OK:
-                self._tx(self._release, jnp.int32(slot))
-                seq.slot = -1
-                if st == Status.NO_PAGES:
-                    return False
-                raise CacheCapacityError(f"prefill of prompt {seq.index} failed: {Status(st).name}")
-            seq.fed = start + len(chunk)
-            self._after_step(seq)
-            last = np.asarray(logits[0, len(chunk) - 1])
-            self._stats["prefill_steps"] += 1
-        self._stats["prefill_tokens"] += len(ids) - start0
-        if not seq.tokens:
-            self._stats["ttft_seconds"].append(time.perf_counter() - t0)
-        self._stats["prompts"] += 0 if seq.tokens else 1
-        self._stats["prefill_seconds"] += time.perf_counter() - t0
-        seq.admitted_at = clock
-        self._emit(seq, last)
-        self._say(f"prefilled prompt {seq.index} ({len(ids)} tokens) into slot {slot}")
-        return True
-
-    def _emit(self, seq: _Seq, logits: np.ndarray) -> None:
-        seq.logits.append(logits.astype(np.float32))
-        seq.tokens.append(int(np.argmax(logits)))
-        self._stats["generated_tokens"] += 1
-
-    def _finish(self, seq: _Seq, running: dict, done: dict) -> None:
-        self._tx(self._release, jnp.int32(seq.slot))
-        running.pop(seq.slot)
-        done[seq.index] = seq
-
-    def _decode_all(self, running: dict, queue: deque, done: dict) -> None:
-        s = self.layout.slots
-        tokens = np.zeros((s, 1), np.int32)
-        n_valid = np.zeros((s,), np.int32)
-        for slot, seq in running.items():
-            tokens[slot, 0] = seq.tokens[-1]
-            n_valid[slot] = 1
-        t0 = time.perf_counter()
-        logits, status = self._tx(
-            self._decode, self._weights, jnp.asarray(tokens), jnp.arange(s, dtype=jnp.int32), jnp.asarray(n_valid)
-        )
-        st = int(status)
-        if st == Status.NO_PAGES and self._make_room():
-            return  # cached prefixes gave way; the same step is retried
-        if st == Status.NO_PAGES:  # preempt the youngest sequence; it is recomputed later
-            victim = max(running.values(), key=lambda q: q.admitted_at)
-            self._tx(self._release, jnp.int32(victim.slot))
-            running.pop(victim.slot)
-            victim.slot = -1
-            queue.appendleft(victim)
-            self._stats["preemptions"] += 1
-            self._say(f"preempted prompt {victim.index}: pools full")
-            return
-        if st != Status.OK:
-            raise CacheCapacityError(f"decode step failed: {Status(st).name}")
-        logits = np.asarray(logits[:, 0])
-        self._stats["decode_steps"] += 1
-        self._stats["decode_seconds"] += time.perf_counter() - t0
-        for slot, seq in list(running.items()):
-            seq.fed += 1
-            self._after_step(seq)
-            self._emit(seq, logits[slot])
-            if seq.done:
-                self._finish(seq, running, done)
 
     # ------------------------------------------------------------------------- prefix cache
     def _measure(self, what: str, seconds: float) -> None:
@@ -827,7 +1203,7 @@ class Engine:
             k: np.asarray(getattr(p, k))
             for k in ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
         }
-        live = list(self._running.values()) + ([self._admitting] if self._admitting is not None else [])
+        live = self._live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
         order = [
             (k, r)
@@ -838,7 +1214,7 @@ class Engine:
         if (
             not order
             and pinned
-            and not self._running
+            and len(live) == 1
             and "record" in kinds
             and used_before is None
             and shorter_than is None
@@ -1064,7 +1440,7 @@ class Engine:
         held = {}
         for gi, grp in enumerate(self.layout.groups):
             rows = np.asarray(p.pages[gi])[state == px.RecordState.ALIVE]
-            held[grp.kind.name] = held.get(grp.kind.name, 0) + int(len(np.unique(rows[rows >= 0])))
+            held[grp.kind.name] = held.get(grp.kind.name, 0) + len(np.unique(rows[rows >= 0]))
         hh, rt = c["prefix_hash_hit_tokens"], c["prefix_restored_tokens"]
         return {
             "lookups": c["prefix_lookups"],

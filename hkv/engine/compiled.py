@@ -1,0 +1,166 @@
+"""Compiled steps shared by every `Engine` of a process, and JAX's persistent compilation cache.
+
+`compiled_steps(graphdef, kernel_options)` returns one `CompiledSteps` per (model structure, kernel
+options): its jitted functions take the layout as a static argument and the weights as data, so a
+second engine built on the same model, layout and options reuses every compilation of the first
+(jax.jit caches per function object, layout and argument shapes). `traces` counts compilations per
+(layout, step name), which `Engine.compilations` reports.
+
+`enable_compilation_cache(setting)` turns on JAX's persistent compilation cache so a second process
+starts decoding without compiling again: by default in `$HKV_COMPILATION_CACHE` or
+`~/.cache/hkv/jax` (`$XDG_CACHE_HOME/hkv/jax`); `HKV_COMPILATION_CACHE=0` (or `Engine(...,
+compilation_cache=False)`) turns it off. A directory the user already configured
+(`jax.config.update("jax_compilation_cache_dir", ...)`) is left alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..core import prefix as px
+from ..core import transitions as tr
+from ..core.decode import decode_steps, step_and_sample
+from ..core.layout import Status
+from ..core.policy import window_rebuild_tokens
+from . import offload
+
+ENV = "HKV_COMPILATION_CACHE"
+_LOCK = threading.Lock()
+_SHARED: dict = {}
+
+
+def default_cache_dir() -> Path:
+    """`$HKV_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/hkv/jax`, else `~/.cache/hkv/jax`."""
+    env = os.environ.get(ENV)
+    if env and env.lower() not in ("0", "off", "false", "no"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hkv" / "jax"
+
+
+def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) -> Path | None:
+    """Turn on JAX's persistent compilation cache; returns the directory in use (None: off).
+
+    Args:
+      setting: None — on in `default_cache_dir()` unless `$HKV_COMPILATION_CACHE` is 0/off/false/no;
+        True — on in `default_cache_dir()`; False — leave it off; a path — on in that directory.
+    A directory already configured in `jax.config` wins over every setting but False.
+    """
+    if setting is False:
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return Path(current)
+    if setting is None and os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+        return None
+    path = default_cache_dir() if setting in (None, True) else Path(os.fspath(setting)).expanduser()
+    if not isinstance(setting, (type(None), bool, str, os.PathLike)):
+        raise ValueError(f"compilation_cache={setting!r} must be None, a bool or a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable home: run without the cache rather than fail
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class CompiledSteps:
+    """The jitted transitions of engines on one model structure and one set of kernel options.
+
+    Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
+    Attributes:
+      traces: Counter {(layout, name): compilations}; names are "prefill[rows x chunk]",
+        "decode[steps]" (with "+logits" when logits are kept) and "restore_window".
+    """
+
+    def __init__(self, graphdef, kernels: tuple):
+        self.traces: collections.Counter = collections.Counter()
+        opts = dict(kernels)
+
+        def count(layout, name: str) -> None:
+            self.traces[(layout, name)] += 1  # runs at trace time only
+
+        def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits):
+            count(layout, f"prefill[{tokens.shape[0]}x{tokens.shape[1]}]" + ("+logits" if keep_logits else ""))
+            model = nnx.merge(graphdef, weights)
+            return step_and_sample(
+                model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, **opts
+            )
+
+        def decode(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits):
+            count(layout, f"decode[{steps}]" + ("+logits" if keep_logits else ""))
+            model = nnx.merge(graphdef, weights)
+            o = decode_steps(
+                model, layout, cache, tokens, slots, params, budget, stop_ids, steps=steps, keep_logits=keep_logits,
+                **opts,
+            )  # fmt: skip
+            return o.cache, o.tokens, o.logprobs, o.n_new, o.stopped, o.status, o.logits
+
+        def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
+            """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
+            and TAIL by running tokens [L - R, L) without sealing (hkv.core.prefix.restore(recompute=R))."""
+            count(layout, "restore_window")
+            r = window_rebuild_tokens(layout.spec)
+            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r, count=False)
+            length = plan.byte_blocks * layout.spec.block_tokens
+            ok = (plan.status == Status.OK) & (length > 0)
+            window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
+            model = nnx.merge(graphdef, weights)
+
+            def run(c):
+                c, _, st = model.cached_step(
+                    layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **opts
+                )
+                return c, st
+
+            cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
+            return cache, plan, st
+
+        self.prefill = jax.jit(prefill, static_argnums=(0, 7), donate_argnums=1)
+        self.decode = jax.jit(decode, static_argnums=(0, 8, 9), donate_argnums=1)
+        self.restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
+
+
+@functools.cache
+def transitions() -> dict:
+    """The model-independent jitted transitions (claim, release, restore, record, evict, offload),
+    one set per process."""
+
+    def jit(fn):
+        return jax.jit(fn, static_argnums=0, donate_argnums=1)
+
+    return {
+        "claim": jit(tr.claim_slot),
+        "release": jit(tr.release_slot),
+        "restore": jit(functools.partial(px.restore, count=False)),
+        "count_plan": jit(px.count_plan),
+        "record_many": jit(px.record_many),
+        "evict": jit(px.evict),
+        "swap_in": jit(offload.swap_in),
+        "mark_on_disk": jit(offload.mark_on_disk),
+    }
+
+
+def compiled_steps(graphdef, kernel_options: dict | None) -> CompiledSteps:
+    """The process-wide `CompiledSteps` for this model structure and these kernel options."""
+    kernels = tuple(sorted((kernel_options or {}).items()))
+    try:
+        key = (graphdef, kernels)
+        hash(key)
+    except TypeError:  # unhashable options or graph: no sharing
+        return CompiledSteps(graphdef, kernels)
+    with _LOCK:
+        steps = _SHARED.get(key)
+        if steps is None:
+            steps = _SHARED[key] = CompiledSteps(graphdef, kernels)
+        return steps
