@@ -577,13 +577,13 @@ def engine_benchmark(args, root: str) -> dict:
 
     t = time.perf_counter()
     wp = rng.integers(0, cfg.vocab_size, 2 * chunk + 3).tolist()
-    engine.generate([wp], 1)
+    engine.generate([wp], 1, return_logits=True)
     forget()
-    cold.generate([wp], 1)
+    cold.generate([wp], 1, return_logits=True)
     say(f"warm-up (compile prefill, record, restore, evict on both engines): {time.perf_counter() - t:.1f} s")
 
     t = time.perf_counter()
-    engine.generate([base_prompt], 1)
+    engine.generate([base_prompt], 1, return_logits=True)
     ttft0 = engine.stats()["ttft_seconds"][-1]
     say(
         f"prefix engine, cold {kmax}-token prompt (records + snapshots every {chunk} tokens): TTFT {ttft0:.2f} s "
@@ -606,7 +606,7 @@ def engine_benchmark(args, root: str) -> dict:
         row = {"k": k}
         # the first restore compiles swap_in for this K's row buckets; the recompute engine is compiled
         c0 = time.process_time()
-        (gc,) = cold.generate([prompt], 1)
+        (gc,) = cold.generate([prompt], 1, return_logits=True)
         rec, rec_cpu = [cold.stats()["ttft_seconds"][-1]], [time.process_time() - c0]
         say(f"  K={k}: recompute (no prefix cache) 1/{args.repeats}: TTFT {rec[-1]:.3f} s (CPU {rec_cpu[-1]:.2f} s)")
 
@@ -617,7 +617,7 @@ def engine_benchmark(args, root: str) -> dict:
                 drop_page_cache(store)
             TimedTier.read_seconds = 0.0
             t, c0 = time.perf_counter(), time.process_time()
-            (g,) = engine.generate([prompt], 1)
+            (g,) = engine.generate([prompt], 1, return_logits=True)
             wall, cpu = time.perf_counter() - t, time.process_time() - c0
             ttft = engine.stats()["ttft_seconds"][-1]
             p = g.plan
@@ -640,7 +640,7 @@ def engine_benchmark(args, root: str) -> dict:
         for i in range(args.repeats):  # interleaved, so machine load hits every kind alike
             if i:
                 c0 = time.process_time()
-                (g2,) = cold.generate([prompt], 1)
+                (g2,) = cold.generate([prompt], 1, return_logits=True)
                 rec.append(cold.stats()["ttft_seconds"][-1])
                 rec_cpu.append(time.process_time() - c0)
                 if g2.tokens != gc.tokens:

@@ -1,12 +1,13 @@
-"""`make demo`: greedy generation with the built-in tiny DeepSeek-V4 through the hkv cache.
+"""`make demo`: generation with the built-in tiny DeepSeek-V4 through the hkv cache.
 
 A tiny random DeepSeek-V4 (every layer type: sliding, CSA with lightning indexer, HCA) generates for a
-batch of prompts of different lengths with `hkv.Engine` (chunked prefill, one batched decode step per
-token), then checks every token and logit against the stateless forward (no cache, O(T) per token).
+batch of prompts of different lengths with `hkv.Engine` (chunked prefill, batched decode in an on-device
+loop), then checks every token and logit against the stateless forward (no cache, O(T) per token).
 A second conversation turn then restores the first turn's prefix from the cache (a verified
 restoration plan) and is checked against the stateless forward too. Finally the device prefix cache
 is evicted to the on-disk tier (a temporary directory) and a third turn restores its prefix from
-disk, verified before use, and is checked the same way.
+disk, verified before use, and is checked the same way. Last, a sampled continuation is streamed
+token by token (`Engine.submit`) and reproduced from its seed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .greedy import greedy_stateless
 def _checked_turn(engine: hkv.Engine, model, prompt: list[int], label: str):
     """One more conversation turn through the engine, checked token for token against the stateless forward."""
     t0 = time.perf_counter()
-    (g,) = engine.generate([prompt], 8)
+    (g,) = engine.generate([prompt], 8, return_logits=True)
     plan = g.plan
     print(
         f"{label} ({len(prompt)} tokens) in {time.perf_counter() - t0:.2f}s: hash hit {plan.hash_hit_tokens} "
@@ -61,14 +62,14 @@ def main() -> None:
         disk=hkv.DiskTier(store.name),
     )
     t0 = time.perf_counter()
-    gens = engine.generate(prompts, new)
+    gens = engine.generate(prompts, new, return_logits=True)
     dt = time.perf_counter() - t0
     for p, g in zip(prompts, gens):
         print(f"prompt of {len(p):>3} tokens -> {g.tokens}")
     st = engine.stats()
     print(
         f"hkv engine: {len(prompts)} prompts x {new} tokens in {dt:.1f}s, 2 slots; {st['prefill_steps']} prefill "
-        f"chunks, {st['decode_steps']} batched decode steps; compilations {st['compilations']}"
+        f"chunks, {st['decode_steps']} batched decode steps in {st['decode_dispatches']} dispatches; compilations {st['compilations']}"
     )
     mem = engine.memory_report()["allocated"]
     print("cache allocation (bytes): " + ", ".join(f"{k} {v:,}" for k, v in mem.items()))
@@ -97,6 +98,17 @@ def main() -> None:
         raise SystemExit("the third turn's prefix did not come from the disk tier")
     print(f"disk tier: {engine.disk.stats()['stored_bytes']:,} bytes stored")
     store.cleanup()
+    # sampling, streamed token by token as the engine produces them; the same seed reproduces it
+    hot = hkv.Sampling(temperature=0.8, top_p=0.9, seed=7)
+    print(f"sampled continuation of prompt 1 ({hot}), streamed:\n  ", end="", flush=True)
+    handle = engine.submit(prompts[1], 16, sampling=hot, return_logits=True)  # the compiled steps above
+    for token in handle:  # iterating drives the engine
+        print(token, end=" ", flush=True)
+    again = engine.generate([prompts[1]], 16, sampling=hot, return_logits=True)[0]
+    same = again.tokens == handle.result().tokens
+    print(f"\nsame seed, second run (its prefix now restored from the cache): identical tokens = {same}")
+    if not same:
+        raise SystemExit("seeded sampling is not reproducible")
     print("prefix metrics (Prometheus):")
     print("\n".join("  " + line for line in engine.metrics_text().splitlines() if not line.startswith("#"))[:1500])
 

@@ -63,7 +63,7 @@ def model():
 def saved(model, tmp_path_factory):
     """(original engine after turn 1, its generation, the checkpoint path, host copy of the saved cache)."""
     engine = make_engine(model)
-    (gen,) = engine.generate([PROMPT], NEW)
+    (gen,) = engine.generate([PROMPT], NEW, return_logits=True)
     path = tmp_path_factory.mktemp("ckpt") / "engine"
     engine.save(path)  # the public wrapper of hc.save_engine
     return engine, gen, path, host_leaves(engine.cache)
@@ -115,8 +115,8 @@ def test_restored_cache_is_bit_identical_and_invariant_clean(saved, restored):
 def test_second_turn_restores_its_prefix_and_matches_the_original(saved, restored):
     engine, gen, _, _ = saved
     turn2 = PROMPT + gen.tokens + [5, 17, 99, 3]
-    (a,) = engine.generate([turn2], 4)
-    (b,) = restored.generate([turn2], 4)
+    (a,) = engine.generate([turn2], 4, return_logits=True)
+    (b,) = restored.generate([turn2], 4, return_logits=True)
     assert b.plan.restored_tokens > 0
     assert b.plan.restored_tokens == a.plan.restored_tokens
     assert b.tokens == a.tokens
@@ -259,7 +259,7 @@ def test_save_refuses_while_running_and_overwrite_needs_consent(model, saved, re
 
     restored.progress = try_save
     try:
-        restored.generate([PROMPT[:40], PROMPT[:20]], 2)
+        restored.generate([PROMPT[:40], PROMPT[:20]], 2, return_logits=True)
     finally:
         restored.progress = None
     assert errors and not (tmp_path / "mid").exists()

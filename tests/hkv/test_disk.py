@@ -61,10 +61,10 @@ def fill(engine, tier):
     """Store BASE's blocks in `tier` as two segments ([0, CUT) then the rest); device forgets them."""
     engine.disk = tier
     forget_device(engine)
-    engine.generate([BASE[: CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW, return_logits=True)
     assert engine.write_through() == CUT // BT
     engine.flush_disk()
-    engine.generate([BASE], NEW)  # restores [0, CUT) from device, records the rest
+    engine.generate([BASE], NEW, return_logits=True)  # restores [0, CUT) from device, records the rest
     assert engine.write_through() == len(BASE) // BT - CUT // BT
     engine.flush_disk()
     forget_device(engine, check=True)
@@ -107,7 +107,7 @@ def test_round_trip_every_block_boundary(model, engine, tmp_path, kind, ks):
     gens = []
     for k, prompt in zip(ks, prompts):
         forget_device(engine)
-        (g,) = engine.generate([prompt], NEW)
+        (g,) = engine.generate([prompt], NEW, return_logits=True)
         assert g.plan.restored_tokens == g.plan.hash_hit_tokens == k * BT, (k, g.plan)
         assert g.plan.disk_tokens == ((0, k * BT) if k else None)
         assert g.plan.reason in (None, "no_hash_match")
@@ -208,7 +208,7 @@ def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, st
     damage, reason = FAULTS[fault]
     damage(root, abi, seg)
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=7)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == len(BASE) // BT * BT
     assert g.plan.restored_tokens == CUT and g.plan.disk_tokens == (0, CUT), g.plan
     assert g.plan.reason == reason
@@ -235,7 +235,7 @@ def test_foreign_abi_blocks_are_reported_not_restored(model, engine, stored, tmp
     engine.disk = DiskTier(str(root))
     forget_device(engine)
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=8)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.restored_tokens == CUT and g.plan.reason == "disk_abi" and g.plan.first_failed_stage == "abi"
     assert_same([g], reference(model, [prompt]))
 
@@ -252,14 +252,14 @@ def test_write_behind_marks_residency_only_after_the_manifest_commit(model, engi
     tier._write_segment = slow
     engine.disk = tier
     forget_device(engine)
-    engine.generate([BASE[: CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW, return_logits=True)
     p = jax.device_get(engine.cache.prefix)
     mine = np.asarray(p.state) == px.RecordState.ALIVE
     assert mine.sum() == CUT // BT
     assert engine.write_through() == CUT // BT
     # the write is in flight: nothing is marked on disk, and generation goes on without waiting
     other = np.random.default_rng(9).integers(0, CFG.vocab_size, 40).tolist()
-    (g,) = engine.generate([other], NEW)
+    (g,) = engine.generate([other], NEW, return_logits=True)
     assert g.tokens == reference(model, [other])[0][0]
     assert not np.asarray(engine.cache.prefix.on_disk)[mine].any()
     assert tier.stats()["segments"] == 0
@@ -273,12 +273,12 @@ def test_eviction_under_pressure_writes_behind_and_restores_from_disk(model, tmp
     engine = make_engine(model, scale=1, records=24, disk=DiskTier(str(tmp_path / "pressure")))
     first = BASE[: CUT + 1]
     other = diverge(16, tail=290, seed=11)
-    engine.generate([first, other], NEW)  # 31 boundaries > 24 records: the policy evicts to disk
+    engine.generate([first, other], NEW, return_logits=True)  # 31 boundaries > 24 records: the policy evicts to disk
     engine.flush_disk()
     st = engine.stats()
     assert st["disk_blocks_offloaded"] > 0 and st["prefix"]["evictions"]["records"] > 0
     again = diverge(CUT, tail=3, seed=12)
-    (g,) = engine.generate([again], NEW)
+    (g,) = engine.generate([again], NEW, return_logits=True)
     assert g.plan.restored_tokens == CUT and g.plan.disk_tokens is not None
     assert_same([g], reference(model, [again]))
     hkv.check_invariants(engine.layout, engine.cache)
@@ -302,7 +302,7 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
 
     tier._write_segment, tier.write_async = slow_first, counted
     engine = make_engine(model, scale=1, records=24, disk=tier)
-    engine.generate([BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW)  # eviction passes queue offloads
+    engine.generate([BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW, return_logits=True)  # eviction passes queue offloads
     assert len(offloads) >= 3 and tier.counters["segments_written"] == 0  # nothing waited for the disk
     gate.set()
     engine.flush_disk()
@@ -313,7 +313,7 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
         and tier.counters["blocks_written"] == engine.stats()["disk_blocks_offloaded"]
     )
     again = diverge(CUT, tail=3, seed=12)
-    (g,) = engine.generate([again], NEW)
+    (g,) = engine.generate([again], NEW, return_logits=True)
     assert g.plan.restored_tokens == CUT and g.plan.disk_tokens is not None
     assert_same([g], reference(model, [again]))
     assert "hkv_disk_writes_dropped_total 0" in engine.metrics_text()
@@ -324,7 +324,7 @@ def test_a_new_engine_on_the_same_store_finds_its_blocks(model, stored, tmp_path
     shutil.copytree(stored, root)
     fresh = make_engine(model, disk=DiskTier(str(root)))  # a restarted process: empty device cache
     prompt = diverge(CUT + 2 * BT, tail=3, seed=13)
-    (g,) = fresh.generate([prompt], NEW)
+    (g,) = fresh.generate([prompt], NEW, return_logits=True)
     assert g.plan.disk_tokens == (0, CUT + 2 * BT) and g.plan.reason is None
     assert_same([g], reference(model, [prompt]))
     assert "hkv_prefix_disk_restored_tokens_total" in fresh.metrics_text()
@@ -339,7 +339,7 @@ def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, store
 
     engine.disk.find_chain = offline
     prompt = diverge(CUT, tail=3, seed=17)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.restored_tokens == 0 and g.plan.reason == "disk_missing"
     assert_same([g], reference(model, [prompt]))
 
@@ -347,12 +347,12 @@ def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, store
 def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp_path):
     engine.disk = DiskTier(str(tmp_path / "evict"))
     forget_device(engine)
-    engine.generate([BASE[: CUT + 1]], NEW)
+    engine.generate([BASE[: CUT + 1]], NEW, return_logits=True)
     assert engine.evict_prefixes() == CUT // BT
     engine.flush_disk()
     assert engine.stats()["prefix"]["occupancy"]["records"] == 0
     prompt = diverge(CUT, tail=3, seed=18)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.disk_tokens == (0, CUT)
     assert_same([g], reference(model, [prompt]))
 
@@ -371,7 +371,7 @@ def test_warm_restart_keeps_disk_residency_and_reopens_the_store(model, engine, 
     back = hkv.Engine.restore(tmp_path / "ckpt", model, disk=DiskTier(str(root)))
     assert np.array_equal(np.asarray(back.cache.prefix.on_disk), np.asarray(engine.cache.prefix.on_disk))
     prompt = diverge(CUT, tail=3, seed=14)
-    (g,) = back.generate([prompt], NEW)
+    (g,) = back.generate([prompt], NEW, return_logits=True)
     assert g.plan.disk_tokens == (0, CUT)
     assert_same([g], reference(model, [prompt]))
 
@@ -504,7 +504,7 @@ def test_writer_killed_with_sigkill_mid_write_leaves_a_restorable_prefix(model, 
     engine.disk = tier
     forget_device(engine)
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=15)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.disk_tokens == (0, CUT)
     assert g.plan.reason == "disk_missing"  # the tombstones say those blocks went to disk; that store lacks them
     assert_same([g], reference(model, [prompt]))
@@ -524,7 +524,7 @@ def test_two_processes_writing_the_same_blocks_to_one_store(model, engine, paylo
     engine.disk = tier
     forget_device(engine)
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=16)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.disk_tokens == (0, len(BASE) // BT * BT) and g.plan.reason is None
     assert_same([g], reference(model, [prompt]))
 
@@ -588,7 +588,7 @@ def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(
     engine.disk = tier or DiskTier(str(root), key=key)
     forget_device(engine)
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=9)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     report = DiskTier(str(root), key=key).verify()
     if not keyed:  # the threat model without a key: undetected
         assert g.plan.restored_tokens == len(BASE) // BT * BT and g.plan.reason is None
@@ -612,6 +612,6 @@ def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(
     for k, want in ((KEY, len(BASE) // BT * BT), (b"", 0), (b"y" * 32, 0)):
         engine.disk = DiskTier(str(stored_keyed), key=k)
         forget_device(engine)
-        (g,) = engine.generate([prompt], NEW)
+        (g,) = engine.generate([prompt], NEW, return_logits=True)
         assert g.plan.restored_tokens == want, (k, g.plan)
         assert_same([g], reference(model, [prompt]))

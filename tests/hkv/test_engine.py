@@ -48,13 +48,13 @@ def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
     engine = hkv.Engine(
         model, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=chunk, block_tokens=16
     )
-    gens = engine.generate(PROMPTS, NEW)
+    gens = engine.generate(PROMPTS, NEW, return_logits=True)
     for g, toks, lg in zip(gens, *oracle):
         assert g.tokens == toks
         assert g.logits.shape == (NEW, CFG.vocab_size) and g.logits.dtype == np.float32
         assert np.abs(g.logits - lg).max() < 1e-4
     # one compilation of the decode step across every length, window and compression boundary
-    assert engine.compilations == {"prefill": 1, "decode": 1}
+    assert set(engine.compilations.values()) == {1} and len(engine.compilations) == 2
     hkv.check_invariants(engine.layout, engine.cache)
     st = engine.stats()
     assert st["generated_tokens"] == NEW * len(PROMPTS) and st["active_slots"] == 0
@@ -62,10 +62,12 @@ def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
 
 
 def test_preemption_under_page_pressure_keeps_outputs_exact(model):
-    # 301 + 64 tokens: the long prompt takes 10 pages of the CSA compressed pool (8 entries = 32 tokens
-    # per page), the short one 2; when the short one's decode crosses into a 3rd page the 12-page pool
-    # is full, so the younger sequence is preempted, waits, and is recomputed from its tokens.
-    prompts = [PROMPTS[0], np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()]
+    # 64 + 100 tokens, then 301 + 6: the long prompt takes 10 pages of the CSA compressed pool (8
+    # entries = 32 tokens per page) as it prefills, one chunk per step, while the short one decodes 8
+    # tokens per step and grows from 2 pages to 6; the 12-page pool runs out, so the younger request
+    # (the long one) is preempted, waits, and is recomputed from its tokens. Greedy and seeded
+    # sampling both come out as if nothing had happened.
+    short = np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()
     config = hkv.CacheConfig(slots=2, max_context=320, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(), config)
     pages = [2 * layout.pool_pages(g) for g in range(len(layout.groups))]
@@ -74,14 +76,26 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     engine = hkv.Engine(
         model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages)), prefill_chunk=32
     )
-    gens = engine.generate(prompts, NEW)
+    hs = engine.submit(short, 100, return_logits=True)
+    hl = engine.submit(PROMPTS[0], NEW, return_logits=True)
+    engine.run_until_idle()
     assert engine.stats()["preemptions"] >= 1
     assert engine.stats()["cache"]["failed_no_pages"] >= 1
-    tokens, logits = greedy_stateless(model, prompts, NEW)
-    for g, toks, lg in zip(gens, tokens, logits):
-        assert g.tokens == toks
-        assert np.abs(g.logits - lg).max() < 1e-4
+    for h, p, n in ((hs, short, 100), (hl, PROMPTS[0], NEW)):
+        (toks,), (lg,) = greedy_stateless(model, [p], n)
+        assert h.result().tokens == toks
+        assert np.abs(h.result().logits - lg).max() < 1e-4
     hkv.check_invariants(engine.layout, engine.cache)
+    # seeded sampling under the same pressure equals the same request run alone on a roomy engine
+    hot = hkv.Sampling(temperature=1.0, top_k=20, seed=3)
+    before = engine.stats()["preemptions"]
+    hs, hl = engine.submit(short, 100, sampling=hot), engine.submit(PROMPTS[0], NEW, sampling=hot)
+    engine.run_until_idle()
+    assert engine.stats()["preemptions"] > before
+    roomy = hkv.Engine(model, config, prefill_chunk=32)
+    assert [h.result().tokens for h in (hs, hl)] == [
+        g.tokens for g in roomy.generate([short], 100, sampling=hot) + roomy.generate([PROMPTS[0]], NEW, sampling=hot)
+    ]
 
 
 def test_request_larger_than_the_pools_is_a_named_error(model):
@@ -89,7 +103,7 @@ def test_request_larger_than_the_pools_is_a_named_error(model):
     pages = tuple(2 for _ in layout.groups)
     engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=320, page_size=8, pool_pages=pages))
     with pytest.raises(hkv.CacheCapacityError, match="does not fit in the cache's pools even alone"):
-        engine.generate([PROMPTS[0]], 2)
+        engine.generate([PROMPTS[0]], 2, return_logits=True)
     hkv.check_invariants(engine.layout, engine.cache)
 
 
@@ -103,7 +117,7 @@ def test_matches_transformers_generate(tmp_path):
     save_hf_model(hf, tmp_path)
     ours = load(tmp_path, dtype=jnp.float32)
     engine = hkv.Engine(ours, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=32)
-    gens = engine.generate(PROMPTS, 8)
+    gens = engine.generate(PROMPTS, 8, return_logits=True)
     for prompt, g in zip(PROMPTS, gens):
         ids = torch.tensor([prompt])
         out = hf.generate(
@@ -133,10 +147,10 @@ def test_matches_transformers_generate(tmp_path):
 )
 def test_bad_input_raises_named_error_and_leaves_cache_unchanged(model, prompts, new, match):
     engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8))
-    engine.generate([[5, 6, 7]], 1)  # some history in the counters
+    engine.generate([[5, 6, 7]], 1, return_logits=True)  # some history in the counters
     before = _snapshot(engine.cache)
     with pytest.raises(ValueError, match=match):
-        engine.generate(prompts, new)
+        engine.generate(prompts, new, return_logits=True)
     _assert_same(before, _snapshot(engine.cache))
 
 
@@ -181,7 +195,7 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
         prefill_chunk=32,
         kernel_options={"kernel_backend": "gpu", "interpret": True},
     )
-    gens = engine.generate(prompts, 4)
+    gens = engine.generate(prompts, 4, return_logits=True)
     tokens, logits = greedy_stateless(model, prompts, 4)
     for g, toks, lg in zip(gens, tokens, logits):
         assert g.tokens == toks

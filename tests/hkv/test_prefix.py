@@ -76,7 +76,7 @@ def masks(engine, idx=(), kind="swa"):
 @pytest.fixture
 def warm(model):
     engine = make_engine(model)
-    engine.generate([BASE], NEW)
+    engine.generate([BASE], NEW, return_logits=True)
     hkv.check_invariants(engine.layout, engine.cache)
     return engine
 
@@ -84,7 +84,7 @@ def warm(model):
 def test_reuse_at_every_block_boundary_is_exact(model, warm):
     ks = list(range(0, len(BASE) // BT + 1))
     prompts = [diverge(k * BT, seed=k) for k in ks] + [diverge(5 * BT + 7, seed=99)]  # last: diverges mid-block
-    gens = warm.generate(prompts, NEW)
+    gens = warm.generate(prompts, NEW, return_logits=True)
     for k, g in zip(ks, gens):
         assert g.plan.hash_hit_tokens == g.plan.restored_tokens == k * BT, (k, g.plan)
         assert g.plan.first_failed_stage in ("hash", None)
@@ -102,7 +102,7 @@ def test_evicted_window_or_tail_shrinks_to_the_previous_complete_boundary(model,
     warm.cache = px.evict(warm.layout, warm.cache, *masks(warm, [r], kind))
     hkv.check_invariants(warm.layout, warm.cache)
     prompt = diverge(160 + 5)
-    (g,) = warm.generate([prompt], NEW)
+    (g,) = warm.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 160 and g.plan.tokens_after_stage["abi"] == 160
     assert g.plan.tokens_after_stage["intersection"] == g.plan.restored_tokens == 144
     assert (g.plan.first_failed_stage, g.plan.reason) == ("intersection", reason)
@@ -113,7 +113,7 @@ def test_evicted_window_or_tail_shrinks_to_the_previous_complete_boundary(model,
 def test_indexer_version_bump_invalidates_every_record(model, warm):
     warm.cache = px.bump_indexer_version(warm.cache)
     prompt = diverge(200)
-    (g,) = warm.generate([prompt], NEW)
+    (g,) = warm.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 0
     assert (g.plan.first_failed_stage, g.plan.reason) == ("intersection", "indexer_version")
     assert_exact(model, [prompt], [g])
@@ -124,7 +124,7 @@ def test_abi_mismatch_stops_at_the_foreign_block(model, warm):
     p = warm.cache.prefix
     warm.cache = warm.cache.replace(prefix=p.replace(abi=p.abi.at[r].set(p.abi[r] ^ jnp.uint32(1))))
     prompt = diverge(200)
-    (g,) = warm.generate([prompt], NEW)
+    (g,) = warm.generate([prompt], NEW, return_logits=True)
     assert g.plan.tokens_after_stage["lifecycle"] == 192
     assert g.plan.tokens_after_stage["abi"] == g.plan.restored_tokens == 144
     assert (g.plan.first_failed_stage, g.plan.reason) == ("abi", "abi_mismatch")
@@ -141,21 +141,21 @@ def _evict_from(engine, boundary):
 def test_freed_block_is_rejected_at_lifecycle(model, warm):
     _evict_from(warm, 160)  # leaves first: the records of 160.. and all their descendants
     prompt = diverge(200)
-    (g,) = warm.generate([prompt], NEW)
+    (g,) = warm.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 144
     assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "freed")
     assert_exact(model, [prompt], [g])
     # recomputing re-recorded those blocks: the next request restores them, alive records winning
-    (g2,) = warm.generate([diverge(200, seed=1)], NEW)
+    (g2,) = warm.generate([diverge(200, seed=1)], NEW, return_logits=True)
     assert g2.plan.restored_tokens == 192
 
 
 def test_freed_block_whose_page_was_reused_by_another_sequence(model, warm):
     _evict_from(warm, 160)
     # another sequence takes the freed pages (lowest free ids first): the tombstones' pages are reused
-    warm.generate([np.random.default_rng(5).integers(0, CFG.vocab_size, 300).tolist()], 1)
+    warm.generate([np.random.default_rng(5).integers(0, CFG.vocab_size, 300).tolist()], 1, return_logits=True)
     prompt = diverge(200)
-    (g,) = warm.generate([prompt], NEW)
+    (g,) = warm.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 192 and g.plan.restored_tokens == 144
     assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "page_reused")
     assert_exact(model, [prompt], [g])
@@ -168,10 +168,10 @@ def test_forced_hash_collision_is_rejected(model, monkeypatch):
 
     monkeypatch.setattr(hkv.engine.engine, "next_key", weak_key)
     engine = make_engine(model)
-    engine.generate([BASE], NEW)
+    engine.generate([BASE], NEW, return_logits=True)
     prompt = list(BASE[:200])
     prompt[5 * BT + 3] = (prompt[5 * BT + 3] + 1) % CFG.vocab_size  # same first token, other content
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 192  # the naive hash says "hit"
     assert g.plan.restored_tokens == 5 * BT
     assert (g.plan.first_failed_stage, g.plan.reason) == ("lifecycle", "collision")
@@ -180,7 +180,7 @@ def test_forced_hash_collision_is_rejected(model, monkeypatch):
 
 def test_retention_every_n_blocks_and_request_end(model):
     engine = make_engine(model, retention=RetentionPolicy(every_n_blocks=4))
-    engine.generate([BASE], NEW)
+    engine.generate([BASE], NEW, return_logits=True)
     p = jax.device_get(engine.cache.prefix)
     alive = np.asarray(p.state) == px.RecordState.ALIVE
     with_snap = sorted(np.asarray(p.length)[alive & np.asarray(p.swa_held)].tolist())
@@ -188,7 +188,7 @@ def test_retention_every_n_blocks_and_request_end(model):
     assert with_snap == sorted({b for b in range(64, final + 1, 64)} | {final})
     assert sorted(np.asarray(p.length)[alive].tolist()) == list(range(BT, final + 1, BT))
     prompt = diverge(5 * BT + 3)  # the gap to the last snapshot (16) is below R (28): shrink
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == 5 * BT and g.plan.restored_tokens == 4 * BT
     assert g.plan.reason == "swa_missing" and g.plan.window_recomputed is None
     assert_exact(model, [prompt], [g])
@@ -197,7 +197,7 @@ def test_retention_every_n_blocks_and_request_end(model):
 def test_pressure_evicts_cached_prefixes_by_cost_and_stays_exact(model):
     engine = make_engine(model, scale=1, records=24)  # pools sized for live sequences only
     prompts = [BASE, diverge(100, tail=150, seed=3), diverge(250, tail=40, seed=4)]
-    gens = engine.generate(prompts, NEW)
+    gens = engine.generate(prompts, NEW, return_logits=True)
     ev = engine.stats()["prefix"]["evictions"]
     assert ev["swa_snapshots"] > 0 and ev["records"] > 0
     assert_exact(model, prompts, gens)
@@ -205,7 +205,7 @@ def test_pressure_evicts_cached_prefixes_by_cost_and_stays_exact(model):
 
 
 def test_metrics_text_and_stats(model, warm):
-    warm.generate([diverge(64)], NEW)
+    warm.generate([diverge(64)], NEW, return_logits=True)
     text = warm.metrics_text()
     assert "# TYPE hkv_prefix_lookups_total counter" in text
     assert "hkv_prefix_lookups_total 2" in text
@@ -226,9 +226,9 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
     # the compressed entries at 112 and re-runs [84, 112) to rebuild SWA and TAIL.
     engine = make_engine(model, retention=RetentionPolicy(every_n_blocks=4))
     assert engine.window_recompute_tokens == CFG.num_hidden_layers * (CFG.sliding_window - 1)
-    engine.generate([BASE], NEW)
+    engine.generate([BASE], NEW, return_logits=True)
     prompt = diverge(7 * BT + 3)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     r = engine.window_recompute_tokens
     assert g.plan.hash_hit_tokens == 7 * BT and g.plan.restored_tokens == 7 * BT
     assert g.plan.window_recomputed == (7 * BT - r, 7 * BT)
@@ -251,18 +251,18 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
         block_tokens=BT,
         prefill_chunk=4 * BT,
     )
-    engine.generate([BASE], NEW)
+    engine.generate([BASE], NEW, return_logits=True)
     p = jax.device_get(engine.cache.prefix)
     alive = np.asarray(p.state) == px.RecordState.ALIVE
     assert sorted(np.asarray(p.length)[alive].tolist())[:4] == [16, 32, 48, 64]
     assert not np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 48)].any()
     assert np.asarray(p.swa_held)[alive & (np.asarray(p.length) == 64)].all()
     prompt = diverge(6 * BT + 3, tail=30)
-    (g,) = engine.generate([prompt], NEW)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == g.plan.restored_tokens == 6 * BT
     assert g.plan.window_recomputed == (6 * BT - engine.window_recompute_tokens, 6 * BT)
     # with the gap [64, 96) and the rest [96, 108) inside one chunk each, shrinking is cheaper
-    (g2,) = engine.generate([diverge(6 * BT + 3, seed=5)], NEW)
+    (g2,) = engine.generate([diverge(6 * BT + 3, seed=5)], NEW, return_logits=True)
     assert g2.plan.restored_tokens == 4 * BT and g2.plan.window_recomputed is None
     assert_exact(model, [prompt], [g])
     hkv.check_invariants(engine.layout, engine.cache)
@@ -284,15 +284,15 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
     rng = np.random.default_rng(0)
     a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
     b = rng.integers(0, CFG.vocab_size, 8 * BT + 1).tolist()
-    engine.generate([a], 1)
-    engine.generate([b], 1)
+    engine.generate([a], 1, return_logits=True)
+    engine.generate([b], 1, return_logits=True)
     p = jax.device_get(engine.cache.prefix)
     alive = np.asarray(p.state) == px.RecordState.ALIVE
     lengths, parents = np.asarray(p.length), np.asarray(p.parent)
     assert sorted(lengths[alive].tolist()) == [k * BT for k in range(1, 7)]
     for r in np.nonzero(alive)[0]:
         assert (parents[r] < 0) if lengths[r] == BT else (lengths[parents[r]] == lengths[r] - BT)
-    (g,) = engine.generate([b[: 7 * BT + 3]], 1)
+    (g,) = engine.generate([b[: 7 * BT + 3]], 1, return_logits=True)
     assert g.plan.restored_tokens == 6 * BT
     hkv.check_invariants(engine.layout, engine.cache)
 
@@ -318,7 +318,7 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
             block_tokens=BT,
             prefill_chunk=4 * BT,
         )
-        gens = [engine.generate([p], NEW)[0] for p in prompts]
+        gens = [engine.generate([p], NEW, return_logits=True)[0] for p in prompts]
         hkv.check_invariants(engine.layout, engine.cache)
         return engine, gens
 
@@ -347,7 +347,7 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
         prefill_chunk=2 * BT,
     )
     rng = np.random.default_rng(6)
-    engine.generate([rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1)  # 4 records: index full
+    engine.generate([rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1, return_logits=True)  # 4 records: index full
     captured, real = {}, engine._record_many
 
     def spy(layout, cache, slot, *args):
@@ -356,7 +356,7 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
         return real(layout, cache, slot, *args)
 
     engine._record_many = spy
-    engine.generate([rng.integers(0, CFG.vocab_size, 3 * BT).tolist()], 1)
+    engine.generate([rng.integers(0, CFG.vocab_size, 3 * BT).tolist()], 1, return_logits=True)
     cache, slot = captured["cache"], captured["slot"]
     assert bool(np.all(np.asarray(cache.prefix.state) == px.RecordState.ALIVE))
     key, toks = jnp.arange(4, dtype=jnp.uint32), jnp.zeros((BT,), jnp.int32)

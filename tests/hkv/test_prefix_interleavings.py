@@ -37,7 +37,7 @@ def test_random_interleavings_keep_invariants_and_outputs(model, seed):
                 base[: int(rng.integers(1, 200))] + rng.integers(0, CFG.vocab_size, int(rng.integers(1, 40))).tolist()
             )
         new = int(rng.integers(1, 4))
-        gens = engine.generate(prompts, new)
+        gens = engine.generate(prompts, new, return_logits=True)
         tokens, logits = greedy_stateless(model, prompts, new, pad_to=256)
         for g, t, lg in zip(gens, tokens, logits):
             assert g.tokens == t

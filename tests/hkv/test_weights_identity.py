@@ -187,14 +187,14 @@ def test_store_written_by_other_weights_restores_nothing(seed0, seed1, tmp_path)
     the store's tokens (same default model_id "unknown") and generated wrong tokens."""
     store = str(tmp_path / "store")
     writer = make_engine(seed0, disk=hkv.DiskTier(store))
-    writer.generate([PROMPT], 1)
+    writer.generate([PROMPT], 1, return_logits=True)
     assert writer.evict_prefixes() == len(PROMPT) // 16
     writer.flush_disk()
     reader = make_engine(seed1, disk=hkv.DiskTier(store))
     abis = hkv.DiskTier(store).stats()["abis"]
     assert abis[writer.spec.fingerprint()]["blocks"] == len(PROMPT) // 16  # the store holds the prompt ...
     assert reader.spec.fingerprint() not in abis  # ... under the writer's weights only
-    (g,) = reader.generate([PROMPT], 1)
+    (g,) = reader.generate([PROMPT], 1, return_logits=True)
     assert g.plan.restored_tokens == 0 and g.plan.disk_tokens is None, g.plan
     tokens, logits = greedy_stateless(seed1, [PROMPT], 1)  # a cold run of the seed-1 weights
     assert g.tokens == tokens[0]

@@ -1,0 +1,380 @@
+"""Generation that users drive (DESIGN §10): sampling, stop ids, logprobs, `submit`/`step`/streaming,
+`decode_loop` in the user's own jit with prefix reuse, thread safety and interrupt safety.
+
+Every engine here has the same model and layout, so they share one set of compiled steps."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hkv
+from hkv.core.layout import Status
+from models.deepseek_v4 import init, tiny_config
+from models.deepseek_v4.greedy import greedy_stateless
+
+CFG = tiny_config()
+BT = 16
+RNG = np.random.default_rng(7)
+A = RNG.integers(0, CFG.vocab_size, 70).tolist()
+B = RNG.integers(0, CFG.vocab_size, 41).tolist()
+C = RNG.integers(0, CFG.vocab_size, 100).tolist()
+CONFIG = hkv.CacheConfig(slots=2, max_context=160, page_size=8, prefix_records=32)
+HOT = hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=5)
+
+
+@pytest.fixture(scope="module")
+def truth(model):
+    """Greedy continuations (8 tokens) and their logits from the stateless forward."""
+    toks, logits = greedy_stateless(model, [A, B, C], 8)
+    return {tuple(p): (t, lg) for p, t, lg in zip([A, B, C], toks, logits)}
+
+
+def _engine(model, **kw):
+    kw.setdefault("decode_steps", 4)
+    return hkv.Engine(model, CONFIG, block_tokens=BT, prefill_chunk=16, **kw)
+
+
+def _idle_ok(engine):
+    hkv.check_invariants(engine.layout, engine.cache)
+    assert int(np.asarray(engine.cache.active).sum()) == 0
+    assert not engine._running and not engine._prefilling and engine.pending == 0
+
+
+# ------------------------------------------------------------------------- greedy, logprobs, stop
+def test_greedy_is_exact_with_logprobs_of_the_chosen_tokens(model, truth):
+    engine = _engine(model)
+    gens = engine.generate([A, B], 8)
+    for g, p in zip(gens, [A, B]):
+        toks, lg = truth[tuple(p)]
+        assert g.tokens == toks and g.finish_reason == "length" and g.logits is None and g.seed is None
+        want = jax.nn.log_softmax(jnp.asarray(lg), axis=-1)[np.arange(8), toks]
+        np.testing.assert_allclose(g.logprobs, want, atol=1e-4)
+    # one compilation per bucket; a second engine on the same model and layout compiles nothing
+    assert set(engine.compilations.values()) == {1}
+    other = _engine(model)
+    assert [g.tokens for g in other.generate([B], 8)] == [truth[tuple(B)][0]]
+    assert set(other.compilations.values()) == {1}
+    _idle_ok(engine)
+
+
+def test_stop_ids_end_a_request_with_the_stop_token_last(model, truth):
+    toks, _ = truth[tuple(A)]
+    stop = toks[3]
+    first = toks.index(stop)
+    engine = _engine(model)
+    ga, gb = engine.generate([A, B], 8, stop_token_ids=[stop])
+    assert ga.tokens == toks[: first + 1] and ga.finish_reason == "stop"
+    want_b = truth[tuple(B)][0]
+    cut = want_b.index(stop) + 1 if stop in want_b else 8
+    assert gb.tokens == want_b[:cut]
+    _idle_ok(engine)
+
+
+# ------------------------------------------------------------------------------------ sampling
+def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
+    engine = _engine(model)
+    alone = engine.generate([A], 10, sampling=HOT)[0]
+    with_b = engine.generate([B, A], 10, sampling=HOT)[1]
+    later = engine.generate([C, A], 10, sampling=HOT)[1]  # A restored from the prefix cache this time
+    assert later.plan.restored_tokens > 0
+    assert alone.tokens == with_b.tokens == later.tokens and alone.seed == 1234
+    greedy = engine.generate([A], 10)[0]
+    assert alone.tokens != greedy.tokens  # temperature 1.3 over 128 ids: a greedy match is vanishingly rare
+    other_seed = engine.generate([A], 10, sampling=hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1))[0]
+    assert other_seed.tokens != alone.tokens
+    np.testing.assert_allclose(alone.logprobs, with_b.logprobs, atol=1e-5)
+
+
+def test_unseeded_requests_get_a_seed_that_reproduces_them(model):
+    engine = _engine(model, seed=0)
+    g = engine.generate([B], 6, sampling=hkv.Sampling(temperature=1.0))[0]
+    assert g.seed is not None
+    again = engine.generate([B], 6, sampling=hkv.Sampling(temperature=1.0, seed=g.seed))[0]
+    assert again.tokens == g.tokens
+
+
+def test_sample_truncation_rules():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 512, jnp.float32))
+    pos = jnp.arange(512, dtype=jnp.int32)
+
+    def draw(**kw):
+        params = hkv.SamplingParams.broadcast(hkv.Sampling(temperature=1.0, seed=3, **kw), 512)
+        return set(np.asarray(hkv.core.sampling.sample(logits, params, pos)[0]).tolist())
+
+    assert draw(top_k=1) == {0}
+    assert draw(top_k=2) == {0, 1}
+    assert draw(top_p=0.6) == {0, 1}  # 0.5 < 0.6: the second token is needed to reach it
+    assert draw(min_p=0.5) == {0, 1}  # 0.15 < 0.5 * 0.5
+    assert draw() == {0, 1, 2, 3}
+    toks, lps = hkv.core.sampling.sample(logits, hkv.SamplingParams.broadcast(None, 512), pos, vocab_size=3)
+    assert set(np.asarray(toks).tolist()) == {0}
+    np.testing.assert_allclose(lps, np.log(0.5 / 0.95), rtol=1e-5)  # vocab_size=3: the 4th id is padding
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(seed=2**32), "seed"),
+        (dict(temperature=float("nan")), "finite"),
+    ],
+)
+def test_sampling_rejects_bad_values_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        hkv.Sampling(**kw)
+
+
+# ----------------------------------------------------------------- submit, step, streaming
+def test_submit_streams_tokens_in_order_and_results_match_generate(model, truth):
+    engine = _engine(model)
+    ha = engine.submit(A, 8)
+    hb = engine.submit(np.asarray(B, np.int64), np.int64(8), sampling=HOT)
+    streamed = list(ha)  # drives the engine (no other thread does)
+    assert streamed == truth[tuple(A)][0] == ha.result().tokens
+    gb = hb.result()
+    assert gb.tokens == engine.generate([B], 8, sampling=HOT)[0].tokens
+    assert ha.done and hb.done
+    _idle_ok(engine)
+
+
+def test_a_long_prompt_does_not_stall_decoding(model, truth):
+    engine = _engine(model)
+    short = engine.submit(B, 8)
+    while not short.tokens:
+        engine.step()
+    long = engine.submit(C, 8)  # 100 tokens: 7 chunks of 16
+    engine.step()  # admits it and runs its first chunk; the short request decodes in the same step
+    assert len(engine._prefilling) == 1 and len(short.tokens) > 1
+    engine.run_until_idle()
+    assert short.result().tokens == truth[tuple(B)][0] and long.result().tokens == truth[tuple(C)][0]
+    _idle_ok(engine)
+
+
+def test_batched_prefill_of_several_requests_is_exact(model, truth):
+    engine = _engine(model, prefill_batch=2)
+    gens = engine.generate([A, C], 8)
+    assert [g.tokens for g in gens] == [truth[tuple(A)][0], truth[tuple(C)][0]]
+    assert any(n.startswith("prefill[2x") for n in engine.compilations)
+
+
+def test_abandoned_stream_frees_its_slot(model, truth):
+    engine = _engine(model)
+    h = engine.submit(C, 8)
+    for i, _ in enumerate(h):
+        if i == 1:
+            break  # closing the iterator cancels the request
+    assert h.cancelled
+    with pytest.raises(hkv.RequestCancelledError):
+        h.result()
+    engine.step()
+    _idle_ok(engine)
+    assert engine.generate([A], 8)[0].tokens == truth[tuple(A)][0]
+
+
+def test_a_second_driving_thread_gets_engine_busy_while_submit_still_works(model, truth):
+    entered, release = threading.Event(), threading.Event()
+
+    def progress(msg):
+        if msg.startswith("prefilled"):
+            entered.set()
+            release.wait(30)
+
+    engine = _engine(model, progress=progress)
+    results = {}
+    worker = threading.Thread(target=lambda: results.setdefault("a", engine.generate([A], 8)))
+    worker.start()
+    assert entered.wait(60)
+    with pytest.raises(hkv.EngineBusyError):
+        engine.generate([B], 2)
+    with pytest.raises(hkv.EngineBusyError):
+        engine.step()
+    h = engine.submit(B, 8)  # thread-safe while the worker drives
+    release.set()
+    worker.join(60)
+    engine.progress = None
+    assert results["a"][0].tokens == truth[tuple(A)][0]
+    assert h.result().tokens == truth[tuple(B)][0]
+    _idle_ok(engine)
+
+
+def test_handles_fed_by_a_driving_thread(model, truth):
+    engine = _engine(model)
+    handles = [engine.submit(p, 8) for p in (A, B, C)]
+    stop = threading.Event()
+
+    def drive():
+        while not stop.is_set():
+            try:
+                engine.run_until_idle()
+            except hkv.EngineBusyError:  # a handle in this thread drove meanwhile
+                pass
+
+    t = threading.Thread(target=drive)
+    t.start()
+    try:
+        got = [h.result(timeout=300).tokens for h in handles]
+    finally:
+        stop.set()
+        t.join(60)
+    assert got == [truth[tuple(p)][0] for p in (A, B, C)]
+
+
+# --------------------------------------------------------------------------- interrupt safety
+def _interrupt_after(engine, name, n):
+    real = getattr(engine, name)
+    calls = {"n": 0}
+
+    def wrapped(*args, **kw):
+        out = real(*args, **kw)
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return out
+
+    setattr(engine, name, wrapped)
+    return lambda: setattr(engine, name, real)
+
+
+@pytest.mark.parametrize(
+    "name, n", [("_claim", 2), ("_prefill", 3), ("_decode", 2), ("_release", 1), ("_record_many", 2)]
+)
+def test_interrupted_step_requeues_its_requests_and_the_next_step_is_exact(model, truth, name, n):
+    engine = _engine(model)
+    handles = [engine.submit(A, 8), engine.submit(B, 8, sampling=HOT)]
+    undo = _interrupt_after(engine, name, n)
+    try:
+        with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="re-initialised"):
+            engine.run_until_idle()
+    finally:
+        undo()
+    assert int(np.asarray(engine.cache.active).sum()) == 0 and engine.pending == 2
+    engine.run_until_idle()
+    assert handles[0].result().tokens == truth[tuple(A)][0]
+    assert handles[1].result().tokens == _engine(model).generate([B], 8, sampling=HOT)[0].tokens
+    _idle_ok(engine)
+
+
+# --------------------------------------------------------------------------- input validation
+def test_generate_accepts_arrays_and_numpy_scalars_and_refuses_bad_input(model, truth):
+    engine = _engine(model)
+    arr = np.asarray([A[:41], B])
+    assert [g.tokens for g in engine.generate(arr, np.int32(2))] == [g.tokens for g in engine.generate([A[:41], B], 2)]
+    for bad, match in [
+        (dict(prompts=[A], max_new_tokens=True), "max_new_tokens"),
+        (dict(prompts=[[True, False]], max_new_tokens=2), "integer token ids"),
+        (dict(prompts=[[1, 2], [3, [4]]], max_new_tokens=2), "prompt 1"),
+        (dict(prompts=[A], max_new_tokens=2, stop_token_ids=[CFG.vocab_size]), "stop token id"),
+        (dict(prompts=[A], max_new_tokens=2, sampling=0.5), "sampling"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.generate(**bad)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        _engine(model, decode_steps=0)
+
+
+# ----------------------------------------------------------------- your own jit + prefix reuse
+def test_user_jit_loop_with_prefix_restore_and_record(model, truth):
+    """The README's example: restore a prefix, prefill to the last block boundary and record it (the
+    snapshot is taken where the slot's length ends), prefill the rest, decode on device."""
+    layout = hkv.CacheLayout(
+        hkv.Engine(model, CONFIG, block_tokens=BT, compilation_cache=False).spec, CONFIG
+    )  # the engine's spec: the ABI fingerprint covers the weights
+    graphdef, weights = nnx.split(model)
+    traces = {"prefill": 0, "decode": 0}
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def prefill(layout, cache, weights, chunk, slot, n_valid):
+        traces["prefill"] += 1
+        m = nnx.merge(graphdef, weights)
+        return hkv.step_and_sample(m, layout, cache, chunk[None], slot[None], n_valid[None], sampling=HOT)
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def decode(layout, cache, weights, first, slot):
+        traces["decode"] += 1
+        m = nnx.merge(graphdef, weights)
+        return hkv.decode_loop(m, layout, cache, first, slot[None], steps=7, sampling=HOT)
+
+    def run(cache, ids, slot):
+        buf = np.zeros(128, np.int32)
+        buf[: len(ids)] = ids
+        cache, first, _, st = prefill(layout, cache, weights, jnp.asarray(buf), slot, jnp.int32(len(ids)))
+        assert int(st) == Status.OK
+        return cache, first
+
+    def serve(cache, prompt):
+        q = hkv.PrefixQuery.of(prompt, layout)
+        cache, slot, _ = hkv.transitions.claim_slot(layout, cache)
+        cache, dplan = jax.jit(hkv.restore_prefix, static_argnums=0)(layout, cache, slot, *q.args)
+        plan = q.plan(dplan)
+        edge = (len(prompt) - 1) // BT * BT  # the last block boundary before the prompt's end
+        if plan.restored_tokens < edge:
+            cache, _ = run(cache, prompt[plan.restored_tokens : edge], slot)
+            cache, last = hkv.record_prefix(layout, cache, slot, prompt[:edge])  # snapshot at `edge`
+            assert last >= 0
+        cache, first = run(cache, prompt[max(edge, plan.restored_tokens) :], slot)
+        cache, new, n_new, st = decode(layout, cache, weights, first, slot)
+        assert int(st) == Status.OK
+        cache, _ = hkv.transitions.release_slot(layout, cache, slot)
+        return cache, plan, [int(first[0])] + np.asarray(new[0, : int(n_new[0])]).tolist()
+
+    cache = hkv.init_cache(layout)
+    cache, cold, toks = serve(cache, C)
+    cache, warm, again = serve(cache, C + [1, 2, 3])
+    assert cold.restored_tokens == 0 and warm.restored_tokens == 96
+    engine = _engine(model)
+    assert toks == engine.generate([C], 8, sampling=HOT)[0].tokens
+    assert again == engine.generate([C + [1, 2, 3]], 8, sampling=HOT)[0].tokens
+    assert traces == {"prefill": 1, "decode": 1}  # one compilation each for every request
+    hkv.check_invariants(layout, cache)
+
+
+def test_decode_loop_refuses_out_of_vocabulary_tokens(model):
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=32, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = hkv.transitions.claim_slot(layout, cache)
+    lengths = np.asarray(cache.lengths).copy()
+    cache, new, n, st = hkv.decode_loop(model, layout, cache, jnp.array([CFG.vocab_size]), slot[None], steps=2)
+    assert int(st) == Status.BAD_TOKEN and int(n[0]) == 0
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+
+
+# --------------------------------------------------------------------------------- text in, text out
+def test_generate_text_with_a_checkpoint_tokenizer_and_stop_strings(model, tmp_path):
+    from hkv.engine.text import tiny_tokenizer
+
+    codec = tiny_tokenizer(CFG.vocab_size)
+    codec.save(tmp_path)
+    engine = _engine(model, tokenizer=tmp_path)  # a checkpoint folder with tokenizer.json
+    prompt = "the quick brown fox jumps over the lazy dog and the cat"
+    (full,) = engine.generate_text([prompt], 12, stop_token_ids=[])
+    ids = codec.encode([prompt])[0]
+    greedy = engine.generate([ids], 12)[0].tokens
+    assert full.tokens == greedy and full.text == codec.decode(greedy) and full.finish_reason == "length"
+    # a stop string taken from the middle of that output: the text ends before it, tokens after the
+    # token that completed it, and the request stops there
+    cut = next(i for i in range(3, 12) if codec.decode(greedy[:i]).strip())
+    stop = codec.decode(greedy[:cut])[-1]
+    (g,) = engine.generate_text([prompt], 12, stop=[stop], stop_token_ids=[])
+    assert g.finish_reason == "stop" and stop not in g.text and full.text.startswith(g.text)
+    assert g.tokens == greedy[: len(g.tokens)] and len(g.tokens) <= cut
+    with pytest.raises(ValueError, match="texts"):
+        engine.generate_text("not a list", 4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        _engine(model).generate_text(["x"], 4)
+    _idle_ok(engine)
