@@ -1,0 +1,98 @@
+"""Compile time against depth: DeepSeek-V4-shaped tiny models at 4 and 43 layers, layers unrolled vs scanned.
+
+The configs keep V4's layer pattern (transformers' default: HCA bootstrap layers, then CSA/HCA
+interleaved; hash-routed MoE on the first 3 layers) and its structure (hyper-connections, shared
+K=V MQA, overlapping CSA compressor, a 16-head lightning indexer) at tiny widths, so that compile
+time, not arithmetic, dominates. For each depth and each mode (`scan_layers=False`: the Python loop
+over layers; `True`: repeating layers under `jax.lax.scan`, see `models.deepseek_v4.layer_scan`) it
+prints the seconds of the first call (trace + compile + one run) of:
+
+* `prefill`: the jitted `cached_step` on a chunk of 16 tokens for 2 slots,
+* `decode`:  the jitted `cached_step` on one token for 2 slots,
+* `forward`: the jitted stateless forward on [2, 32] tokens,
+
+and the ratio 43 layers / 4 layers per mode.
+
+    python benchmarks/compile_depth.py                       # both depths, both modes (~10 min on 2 CPU cores)
+    python benchmarks/compile_depth.py --depths 4 43 --modes scan
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hkv.core import transitions as tr
+from hkv.core.layout import CacheConfig, CacheLayout
+from hkv.core.state import init_cache
+from models.deepseek_v4.config import tiny_config
+from models.deepseek_v4.layer_scan import layer_runs
+from models.deepseek_v4.model import init
+
+
+def v4_shaped(layers: int):
+    """A tiny-width config with DeepSeek-V4's default layer and MoE pattern at `layers` layers."""
+    return tiny_config(num_hidden_layers=layers, layer_types=(), mlp_layer_types=(), index_n_heads=16)
+
+
+def first_call_seconds(fn, *args) -> float:
+    """Seconds of fn(*args) including tracing and compiling (blocks on the result)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def measure(layers: int, scan: bool) -> dict[str, float]:
+    """{"prefill" | "decode" | "forward": first-call seconds} for one depth and mode."""
+    model = init(v4_shaped(layers), seed=0)
+    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=2, max_context=128, page_size=16))
+    graphdef, weights = nnx.split(model)
+
+    def step(cache, weights, tokens, slots, n_valid):
+        return nnx.merge(graphdef, weights).cached_step(layout, cache, tokens, slots, n_valid, scan_layers=scan)
+
+    def forward(weights, tokens):
+        return nnx.merge(graphdef, weights)(tokens, scan_layers=scan)
+
+    cache = init_cache(layout)
+    for _ in range(2):
+        cache, _, _ = tr.claim_slot(layout, cache)
+    rng = np.random.default_rng(0)
+    slots = jnp.array([0, 1], jnp.int32)
+    chunk = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (2, 16)), jnp.int32)
+    one = chunk[:, :1]
+    out = {}
+    out["prefill"] = first_call_seconds(jax.jit(step), cache, weights, chunk, slots, jnp.array([16, 16], jnp.int32))
+    out["decode"] = first_call_seconds(jax.jit(step), cache, weights, one, slots, jnp.array([1, 1], jnp.int32))
+    out["forward"] = first_call_seconds(jax.jit(forward), weights, jnp.concatenate([chunk, chunk], axis=1))
+    runs = layer_runs(model, scan, layout.spec)
+    traced = sum(r.period for r in runs)
+    print(f"layers={layers:3d} mode={'scan' if scan else 'loop'}  traced layer bodies={traced:3d}  "
+          + "  ".join(f"{k} {v:7.2f} s" for k, v in out.items()), flush=True)  # fmt: skip
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[4, 43])
+    ap.add_argument("--modes", nargs="+", choices=["loop", "scan"], default=["loop", "scan"])
+    args = ap.parse_args(argv)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}", flush=True)
+    results = {}
+    for mode in args.modes:
+        for depth in args.depths:
+            results[mode, depth] = measure(depth, mode == "scan")
+    lo, hi = min(args.depths), max(args.depths)
+    if lo != hi:
+        for mode in args.modes:
+            ratios = "  ".join(f"{k} {results[mode, hi][k] / results[mode, lo][k]:5.2f}x" for k in results[mode, hi])
+            print(f"ratio {hi}/{lo} layers, {mode}: {ratios}")
+
+
+if __name__ == "__main__":
+    main()
