@@ -7,8 +7,20 @@ import os
 import tempfile
 
 import jax
+import pytest
 
 _CACHE_DIR = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "hkv-test-xla-cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop in-memory compiled programs after each test module (the persistent cache keeps them on
+    disk). Compiled steps are shared process-wide (`hkv.engine.compiled`), and a session holding every
+    program of ~600 tests' engines crashed inside XLA's executable (de)serialization after ~140 tests."""
+    yield
+    from hkv.engine import compiled
+
+    compiled.clear()

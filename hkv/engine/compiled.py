@@ -4,7 +4,9 @@
 options): its jitted functions take the layout as a static argument and the weights as data, so a
 second engine built on the same model, layout and options reuses every compilation of the first
 (jax.jit caches per function object, layout and argument shapes). `traces` counts compilations per
-(layout, step name), which `Engine.compilations` reports.
+(layout, step name), which `Engine.compilations` reports. Compiled programs stay in memory for the
+life of the process (that is what lets a later engine reuse them); `clear()` drops them all, e.g.
+in a long process that builds engines of many different layouts (the persistent cache still has them).
 
 `enable_compilation_cache(setting)` turns on JAX's persistent compilation cache so a second process
 starts decoding without compiling again: by default in `$HKV_COMPILATION_CACHE` or
@@ -149,6 +151,15 @@ def transitions() -> dict:
         "swap_in": jit(offload.swap_in),
         "mark_on_disk": jit(offload.mark_on_disk),
     }
+
+
+def clear() -> None:
+    """Forget every shared compiled step and JAX's in-memory compilation caches (`jax.clear_caches`);
+    engines built before keep working (they recompile, or read the persistent cache, on next use)."""
+    with _LOCK:
+        _SHARED.clear()
+    transitions.cache_clear()
+    jax.clear_caches()
 
 
 def compiled_steps(graphdef, kernel_options: dict | None) -> CompiledSteps:

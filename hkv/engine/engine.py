@@ -187,7 +187,7 @@ class Engine:
     model: see the module docstring (e.g. `models.deepseek_v4.DeepseekV4`).
     config: static cache capacities. block_tokens: state-table / prefix block size.
     prefill_chunk: tokens per prefill step. prefill_batch: most requests prefilled in one step
-    (default min(slots, 4); batches are padded to a power of two, one compilation each).
+    (default 1; larger batches are padded to a power of two, one compilation each).
     decode_steps: tokens per decode dispatch (the on-device loop's bound; the host syncs once per
     dispatch). model_id: a display label (the ABI fingerprint covers the weights themselves,
     `hkv.weights_digest`).
@@ -667,11 +667,8 @@ class Engine:
             return False
 
     def _cancel(self, handle: RequestHandle) -> None:
-        """Mark the handle's request cancelled; the driving thread drops it at its next step."""
-        with self._inbox_lock:
-            for seq in itertools.chain(self._inbox, self._queue, self._prefilling.values(), self._running.values()):
-                if seq.handle is handle:
-                    seq.cancelled = True
+        """Called by `RequestHandle.cancel` (any thread): the handle's flag is all it sets; the driving
+        thread drops the request at its next step (`_reap`), so no other thread touches the queues."""
 
     def _live(self) -> list[_Seq]:
         """Requests holding a slot (prefilling or decoding), oldest admission first."""
@@ -694,6 +691,9 @@ class Engine:
 
     def _reap(self) -> None:
         """Drop cancelled requests: queued ones leave the queue, live ones release their slots."""
+        for seq in itertools.chain(self._queue, self._live()):
+            if seq.handle is not None and seq.handle.cancelled:
+                seq.cancelled = True
         for seq in [q for q in self._queue if q.cancelled]:
             self._queue.remove(seq)
             self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
@@ -946,6 +946,9 @@ class Engine:
         donated), a fresh cache replaces it: cached prefixes on device are dropped (the disk tier
         keeps its blocks), with a `RuntimeWarning`."""
         live = self._live()
+        for seq in itertools.chain(self._queue, live):
+            if seq.handle is not None and seq.handle.cancelled:
+                seq.cancelled = True
         self._prefilling, self._running = {}, {}
         for seq in reversed(live):
             seq.slot = -1
