@@ -302,7 +302,9 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
 
     tier._write_segment, tier.write_async = slow_first, counted
     engine = make_engine(model, scale=1, records=24, disk=tier)
-    engine.generate([BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW, return_logits=True)  # eviction passes queue offloads
+    engine.generate(
+        [BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW, return_logits=True
+    )  # eviction passes queue offloads
     assert len(offloads) >= 3 and tier.counters["segments_written"] == 0  # nothing waited for the disk
     gate.set()
     engine.flush_disk()

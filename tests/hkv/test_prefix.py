@@ -347,7 +347,9 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
         prefill_chunk=2 * BT,
     )
     rng = np.random.default_rng(6)
-    engine.generate([rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1, return_logits=True)  # 4 records: index full
+    engine.generate(
+        [rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1, return_logits=True
+    )  # 4 records: index full
     captured, real = {}, engine._record_many
 
     def spy(layout, cache, slot, *args):
