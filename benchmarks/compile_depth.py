@@ -11,15 +11,22 @@ prints the seconds of the first call (trace + compile + one run) of:
 * `decode`:  the jitted `cached_step` on one token for 2 slots,
 * `forward`: the jitted stateless forward on [2, 32] tokens,
 
-and the ratio 43 layers / 4 layers per mode.
+and the ratio 43 layers / 4 layers per mode. Each (depth, mode) runs in a fresh Python process, so
+that no figure depends on what compiled before it in the same process (JAX's in-memory caches, the
+allocator, a process grown by the loop's 43-layer programs); JAX's persistent compilation cache is turned off.
+Per program it also prints where the first call went: trace + lower (Python: tracing the model,
+stacking weights, emitting StableHLO) vs XLA compile.
 
-    python benchmarks/compile_depth.py                       # both depths, both modes (~10 min on 2 CPU cores)
+    python benchmarks/compile_depth.py                       # both depths, both modes (~15 min on 2 CPU cores)
     python benchmarks/compile_depth.py --depths 4 43 --modes scan
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import jax
@@ -40,15 +47,20 @@ def v4_shaped(layers: int):
     return tiny_config(num_hidden_layers=layers, layer_types=(), mlp_layer_types=(), index_n_heads=16)
 
 
-def first_call_seconds(fn, *args) -> float:
-    """Seconds of fn(*args) including tracing and compiling (blocks on the result)."""
+def first_call_seconds(fn, *args) -> tuple[float, float, float]:
+    """(total, trace + lower, compile) seconds of the first call fn(*args) of a jitted fn: trace and
+    lower, compile, run once (blocks on the result)."""
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - t0, t1 - t0, t2 - t1
 
 
 def measure(layers: int, scan: bool) -> dict[str, float]:
-    """{"prefill" | "decode" | "forward": first-call seconds} for one depth and mode."""
+    """{"prefill" | "decode" | "forward": first-call seconds} for one depth and mode (in this process)."""
     model = init(v4_shaped(layers), seed=0)
     layout = CacheLayout(model.cache_spec(), CacheConfig(slots=2, max_context=128, page_size=16))
     graphdef, weights = nnx.split(model)
@@ -66,27 +78,44 @@ def measure(layers: int, scan: bool) -> dict[str, float]:
     slots = jnp.array([0, 1], jnp.int32)
     chunk = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (2, 16)), jnp.int32)
     one = chunk[:, :1]
-    out = {}
-    out["prefill"] = first_call_seconds(jax.jit(step), cache, weights, chunk, slots, jnp.array([16, 16], jnp.int32))
-    out["decode"] = first_call_seconds(jax.jit(step), cache, weights, one, slots, jnp.array([1, 1], jnp.int32))
-    out["forward"] = first_call_seconds(jax.jit(forward), weights, jnp.concatenate([chunk, chunk], axis=1))
+    parts = {}
+    parts["prefill"] = first_call_seconds(jax.jit(step), cache, weights, chunk, slots, jnp.array([16, 16], jnp.int32))
+    parts["decode"] = first_call_seconds(jax.jit(step), cache, weights, one, slots, jnp.array([1, 1], jnp.int32))
+    parts["forward"] = first_call_seconds(jax.jit(forward), weights, jnp.concatenate([chunk, chunk], axis=1))
     runs = layer_runs(model, scan, layout.spec)
     traced = sum(r.period for r in runs)
     print(f"layers={layers:3d} mode={'scan' if scan else 'loop'}  traced layer bodies={traced:3d}  "
-          + "  ".join(f"{k} {v:7.2f} s" for k, v in out.items()), flush=True)  # fmt: skip
-    return out
+          + "  ".join(f"{k} {v[0]:7.2f} s" for k, v in parts.items())
+          + "   (trace+lower / compile: " + "  ".join(f"{k} {v[1]:.1f}/{v[2]:.1f}" for k, v in parts.items()) + ")",
+          flush=True)  # fmt: skip
+    return {k: v[0] for k, v in parts.items()}
+
+
+def measure_fresh(layers: int, mode: str) -> dict[str, float]:
+    """`measure` in a fresh Python process (prints its line; returns its figures)."""
+    cmd = [sys.executable, __file__, "--one", str(layers), mode]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    lines = out.splitlines()
+    for line in lines[:-1]:
+        print(line, flush=True)
+    return json.loads(lines[-1])
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 43])
     ap.add_argument("--modes", nargs="+", choices=["loop", "scan"], default=["loop", "scan"])
+    ap.add_argument("--one", nargs=2, metavar=("DEPTH", "MODE"), help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
+    if args.one:
+        jax.config.update("jax_enable_compilation_cache", False)
+        print(json.dumps(measure(int(args.one[0]), args.one[1] == "scan")))
+        return
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}", flush=True)
     results = {}
     for mode in args.modes:
         for depth in args.depths:
-            results[mode, depth] = measure(depth, mode == "scan")
+            results[mode, depth] = measure_fresh(depth, mode)
     lo, hi = min(args.depths), max(args.depths)
     if lo != hi:
         for mode in args.modes:
