@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def test_readme_shows_the_tested_cached_path():
     assert method in source, "README's cached_step differs from models/toy/model.py: copy the method again"
 
 
+@pytest.mark.slow  # ~80 s on 2 cores: it compiles its own layout; test_generation covers the same calls
 def test_readme_generation_examples_run(capsys):
     """The "Generating: three ways" section's code blocks run as written (engine, streaming, your own
     jit loop with prefix reuse), and the user loop's second request restores the first one's prefix."""

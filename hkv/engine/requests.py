@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class EngineBusyError(RuntimeError):
@@ -65,7 +62,8 @@ class RequestHandle:
     thread is driving it; otherwise it waits for the driving thread.
     """
 
-    def __init__(self, engine: Engine, request_id: int):
+    def __init__(self, engine: Any, request_id: int):
+        """engine: the `hkv.Engine` that runs the request (not imported here: the engine imports this module)."""
         self._engine = engine
         self.request_id = request_id
         self._cond = threading.Condition()
