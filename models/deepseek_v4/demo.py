@@ -97,10 +97,10 @@ def main() -> None:
     if not g3.plan.disk_tokens:
         raise SystemExit("the third turn's prefix did not come from the disk tier")
     print(f"disk tier: {engine.disk.stats()['stored_bytes']:,} bytes stored")
-    store.cleanup()
     # sampling, streamed token by token as the engine produces them; the same seed reproduces it
     hot = hkv.Sampling(temperature=0.8, top_p=0.9, seed=7)
     print(f"sampled continuation of prompt 1 ({hot}), streamed:\n  ", end="", flush=True)
+    engine.progress = None  # keep the stream on one line
     handle = engine.submit(prompts[1], 16, sampling=hot, return_logits=True)  # the compiled steps above
     for token in handle:  # iterating drives the engine
         print(token, end=" ", flush=True)
@@ -111,6 +111,7 @@ def main() -> None:
         raise SystemExit("seeded sampling is not reproducible")
     print("prefix metrics (Prometheus):")
     print("\n".join("  " + line for line in engine.metrics_text().splitlines() if not line.startswith("#"))[:1500])
+    store.cleanup()
 
 
 if __name__ == "__main__":
