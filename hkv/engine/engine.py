@@ -130,6 +130,7 @@ class _Seq:
     t_admit: float = 0.0
     ids: list[int] = dataclasses.field(default_factory=list)  # prompt + tokens at admission (what prefill runs)
     fed: int = 0  # tokens written into the cache
+    start: int = 0  # tokens this admission restored (its prefill runs ids[start:])
     keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
     parent_record: int = -1  # prefix record of the last recorded block
     plan: RestorePlan | None = None
@@ -722,6 +723,7 @@ class Engine:
                 if seq.slot != before:  # a window rebuild re-claimed the slot
                     self._prefilling.pop(before, None)
                     self._prefilling[seq.slot] = seq
+            seq.start = seq.fed  # where this admission's prefill begins (after its restore)
 
     def _timed(self, fn, *args, name: str) -> tuple[tuple, float, bool]:
         """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
@@ -795,7 +797,7 @@ class Engine:
             self._after_step(seq)
             if seq.fed < len(seq.ids):
                 continue
-            self._stats["prefill_tokens"] += len(seq.ids) - (seq.plan.restored_tokens if seq.plan else 0)
+            self._stats["prefill_tokens"] += len(seq.ids) - seq.start
             if not seq.tokens:
                 self._stats["prompts"] += 1
                 self._stats["ttft_seconds"].append(time.perf_counter() - seq.t_admit)

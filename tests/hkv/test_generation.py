@@ -378,3 +378,14 @@ def test_generate_text_with_a_checkpoint_tokenizer_and_stop_strings(model, tmp_p
     with pytest.raises(ValueError, match="tokenizer"):
         _engine(model).generate_text(["x"], 4)
     _idle_ok(engine)
+
+
+def test_stats_count_prefilled_tokens_after_each_admissions_restore(model):
+    """prefill_tokens counts what an admission ran: the prompt minus what its restore brought back."""
+    engine = _engine(model)
+    engine.generate([C], 2)
+    before = engine.stats()["prefill_tokens"]
+    (g,) = engine.generate([C + [4, 5]], 2)
+    assert g.plan.restored_tokens == 96
+    assert engine.stats()["prefill_tokens"] - before == len(C) + 2 - 96
+    assert engine.stats()["compile_seconds"] >= 0 and engine.stats()["decode_dispatches"] >= 2
