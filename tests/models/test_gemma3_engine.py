@@ -15,6 +15,8 @@ import hkv
 from models import gemma3
 from models.gemma3 import FULL, SLIDING, tiny_config
 
+from ..oracle import oracle_for
+
 BT = 16
 NEW = 3
 GQA = tiny_config(num_attention_heads=10, num_key_value_heads=2)  # 5:1 layers, window 16, 5 q heads per kv head
@@ -46,7 +48,9 @@ def cold(gqa):
 
 
 def assert_exact(model, prompts, gens, new=NEW):
-    tokens, logits = gemma3.greedy_stateless(model, prompts, new)
+    """The generations equal the stateless greedy oracle (its forward compiled once per model and
+    shared by every test: `tests.oracle`)."""
+    tokens, logits = oracle_for(model, pad_to=192)(prompts, new)
     for g, t, lg in zip(gens, tokens, logits):
         assert g.tokens == t
         assert g.logits.shape == (new, model.vocab_size) and g.logits.dtype == np.float32
