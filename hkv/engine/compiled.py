@@ -82,7 +82,8 @@ class CompiledSteps:
     Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
     Attributes:
       traces: Counter {(layout, name): compilations}; names are "prefill[rows x chunk]",
-        "decode[steps]" (with "+logits" when logits are kept) and "restore_window".
+        "decode[steps]" (with "+stopsN" for N stop-id columns > 1, "+logits" when logits are kept)
+        and "restore_window".
     """
 
     def __init__(self, graphdef, kernels: tuple):
@@ -100,7 +101,11 @@ class CompiledSteps:
             )
 
         def decode(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits):
-            count(layout, f"decode[{steps}]" + ("+logits" if keep_logits else ""))
+            n_stop = stop_ids.shape[1]
+            count(
+                layout,
+                f"decode[{steps}]" + (f"+stops{n_stop}" if n_stop > 1 else "") + ("+logits" if keep_logits else ""),
+            )
             model = nnx.merge(graphdef, weights)
             o = decode_steps(
                 model, layout, cache, tokens, slots, params, budget, stop_ids, steps=steps, keep_logits=keep_logits,

@@ -829,7 +829,7 @@ class Engine:
             sampling[q.slot], seeds[q.slot] = q.sampling, q.seed
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
-        name = f"decode[{k}]" + ("+logits" if keep else "")
+        name = f"decode[{k}]" + (f"+stops{n_stop}" if n_stop > 1 else "") + ("+logits" if keep else "")
         out, dt, fresh = self._timed(
             self._decode,
             self._weights,

@@ -389,3 +389,13 @@ def test_stats_count_prefilled_tokens_after_each_admissions_restore(model):
     assert g.plan.restored_tokens == 96
     assert engine.stats()["prefill_tokens"] - before == len(C) + 2 - 96
     assert engine.stats()["compile_seconds"] >= 0 and engine.stats()["decode_dispatches"] >= 2
+
+
+def test_compilations_name_every_bucket_once(model, truth):
+    """Stop-id tables of more columns are another program: each is named, and compiled once."""
+    engine = _engine(model)
+    toks = truth[tuple(B)][0]
+    engine.generate([B], 8, stop_token_ids=[toks[5], toks[6], toks[7]])  # 3 ids -> a 4-column table
+    engine.generate([B], 8, stop_token_ids=[toks[7], toks[6], toks[5], toks[4]])
+    names = engine.compilations
+    assert "decode[4]+stops4" in names and set(names.values()) == {1}
