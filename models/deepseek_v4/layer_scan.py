@@ -22,7 +22,9 @@ Exactness: the scan body runs the same ops on the same values as the loop (the c
 each layer's pool by a traced index: `hkv.core.layers.scan_layers`), so logits are equal
 (tests/models/test_scan_layers.py checks scanned against unrolled, cached and stateless).
 
-`SCAN_LAYERS` is the default of every `scan_layers=None` argument; set it False to force the loop.
+`SCAN_LAYERS` is the default of every `scan_layers=None` argument (True / False force the scan / the
+loop); its own default None scans only models whose layers' weights total at most `SCAN_MAX_BYTES`
+(1 GiB), so a real checkpoint keeps the loop until its weights are held stacked.
 """
 
 from __future__ import annotations
@@ -33,12 +35,27 @@ from flax import nnx
 
 from hkv.core.layers import LayerRun, plan_layer_runs
 
-SCAN_LAYERS = True
+SCAN_LAYERS: bool | None = None  # None: scan when the layers' weights are small (`SCAN_MAX_BYTES`)
+SCAN_MAX_BYTES = 1 << 30  # the per-call stacking copy is cheap below this; a real checkpoint is far above it
 
 
-def use_scan(scan_layers: bool | None) -> bool:
-    """`scan_layers`, or the module default `SCAN_LAYERS` when None."""
-    return SCAN_LAYERS if scan_layers is None else bool(scan_layers)
+def layer_weight_bytes(model) -> int:
+    """Bytes of every decoder layer's weights (what a scan stacks on each call)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model.layers)))
+
+
+def use_scan(scan_layers: bool | None, model=None) -> bool:
+    """Whether repeating layers run under a scan.
+
+    scan_layers True / False decide; None defers to `SCAN_LAYERS`, and when that is None too, scans
+    only if the layers' weights total at most `SCAN_MAX_BYTES`: the scan stacks them inside jit on
+    every call (a copy), which costs nothing next to a small model's compile time but would double a
+    real checkpoint's weight traffic and memory per step (the weights are not held stacked yet).
+    """
+    choice = SCAN_LAYERS if scan_layers is None else scan_layers
+    if choice is None:
+        return model is None or layer_weight_bytes(model) <= SCAN_MAX_BYTES
+    return bool(choice)
 
 
 def layer_key(layer: nnx.Module, layer_spec=None) -> tuple:
@@ -60,7 +77,7 @@ def layer_runs(model, scan_layers: bool | None = None, spec=None) -> tuple[Layer
       `LayerRun`s covering every layer in order.
     """
     n = len(model.layers)
-    if not use_scan(scan_layers):
+    if not use_scan(scan_layers, model):
         return tuple(LayerRun(i, 1, 1) for i in range(n))
     keys = [layer_key(layer, None if spec is None else spec.layers[i]) for i, layer in enumerate(model.layers)]
     return plan_layer_runs(keys)

@@ -116,3 +116,17 @@ def test_cached_decode_scanned_equals_unrolled():
     tokens = np.random.default_rng(2).integers(0, REPEATING.vocab_size, (2, 18))
     chunks = [(jnp.asarray(tokens[:, d : d + 1], jnp.int32), [1, 1 - d % 2]) for d in range(18)]
     _assert_same(init(REPEATING, 3), chunks)
+
+
+def test_auto_scan_only_for_small_layer_weights(monkeypatch):
+    """SCAN_LAYERS None (the default) scans only when the layers' weights are small: the scan stacks
+    them inside jit on every call, a copy a real checkpoint should not pay."""
+    from models.deepseek_v4 import layer_scan
+
+    model = init(REPEATING, 0)
+    spec = model.cache_spec()
+    assert layer_scan.SCAN_LAYERS is None and layer_scan.layer_weight_bytes(model) > 0
+    assert any(r.count > 1 for r in layer_runs(model, None, spec))
+    monkeypatch.setattr(layer_scan, "SCAN_MAX_BYTES", layer_scan.layer_weight_bytes(model) - 1)
+    assert all(r.count == 1 for r in layer_runs(model, None, spec))
+    assert any(r.count > 1 for r in layer_runs(model, True, spec))  # an explicit choice still wins
