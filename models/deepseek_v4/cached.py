@@ -93,8 +93,8 @@ def cached_step(
     select the `pallas_kernels` implementation of the decode ops (None: Pallas on GPU/TPU, the jnp
     reference on CPU). seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and
     indexer keys as they are (the prefix cache's window rebuild). scan_layers: run repeating layers under
-    one `jax.lax.scan` (None: `layer_scan.use_scan` decides, scanning small models; False: a Python loop over the layers; see
-    `models.deepseek_v4.layer_scan`).
+    one `jax.lax.scan` (None: `layer_scan.use_scan` decides, scanning small models; False: a Python
+    loop over the layers; see `models.deepseek_v4.layer_scan`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache

@@ -136,8 +136,8 @@ class DeepseekV4(nnx.Module):
     def __call__(self, tokens: jnp.ndarray, *, scan_layers: bool | None = None) -> jnp.ndarray:
         """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t].
 
-        scan_layers: run repeating layers under one `jax.lax.scan` (None: `layer_scan.use_scan` decides, scanning small models;
-        False: a Python loop; see `models.deepseek_v4.layer_scan`)."""
+        scan_layers: run repeating layers under one `jax.lax.scan` (None: `layer_scan.use_scan`
+        decides, scanning small models; False: a Python loop; see `models.deepseek_v4.layer_scan`)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
