@@ -69,7 +69,8 @@ def main() -> None:
     st = engine.stats()
     print(
         f"hkv engine: {len(prompts)} prompts x {new} tokens in {dt:.1f}s, 2 slots; {st['prefill_steps']} prefill "
-        f"chunks, {st['decode_steps']} batched decode steps in {st['decode_dispatches']} dispatches; compilations {st['compilations']}"
+        f"chunks, {st['decode_steps']} batched decode steps in {st['decode_dispatches']} dispatches; "
+        f"compilations {st['compilations']}"
     )
     mem = engine.memory_report()["allocated"]
     print("cache allocation (bytes): " + ", ".join(f"{k} {v:,}" for k, v in mem.items()))
