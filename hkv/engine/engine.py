@@ -207,6 +207,7 @@ class Engine:
     `tokenizer.json`, or the path of a tokenizer.json (None: token ids only).
     progress_bars: tqdm bars for compilations and long `generate` calls (None: when stderr is a
     terminal or in a notebook; see `hkv.engine.progress`).
+    warmup: call `warmup()` at the end of construction (compile every step now, not on first use).
     """
 
     def __init__(
@@ -228,6 +229,7 @@ class Engine:
         compilation_cache: bool | str | None = None,
         tokenizer=None,
         progress_bars: bool | None = None,
+        warmup: bool = False,
     ):
         def positive(name, v):
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -310,6 +312,8 @@ class Engine:
         self._record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
         # measured costs for restore choices: seconds per prefill chunk, seconds per token from disk
         self._cost = {"chunk": None, "disk_token": None}
+        if warmup:
+            self.warmup()
 
     # ---------------------------------------------------------------------------------- api
     @property
@@ -488,6 +492,74 @@ class Engine:
             g.text = r.text
             out.append(g)
         return out
+
+    def warmup(self, *, logits: bool = False, stop_ids: int = 1) -> dict[str, float]:
+        """Compile every step a request can use (or load it from the persistent compilation cache)
+        by running each once on the live cache with inputs that change nothing (idle rows, zero
+        budgets, empty masks, a slot claimed and released), so the first request pays only its own
+        work. Only while the engine is idle. Not warmed: the disk tier's install step (its shapes
+        follow the blocks read) and the per-request metrics update (a few ms).
+
+        Args:
+          logits: also compile the `return_logits=True` variants.
+          stop_ids: also compile the decode step for requests with up to this many stop ids.
+        Returns:
+          seconds per compiled step name (what `compilations` will list).
+        """
+        with self._drive():
+            if self._live() or self._queue:
+                raise ValueError("warmup() needs an idle engine (no request queued or running)")
+            before = dict(self._stats)
+            times: dict[str, float] = {}
+            s, c, bt = self.layout.slots, self.prefill_chunk, self.spec.block_tokens
+
+            def run(fn, *args, name):
+                t0 = time.perf_counter()
+                out = self._tx(fn, *args)
+                jax.block_until_ready(out)
+                times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+                return out
+
+            keeps = (False, True) if logits else (False,)
+            rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
+            for keep in keeps:
+                for b in rows:
+                    name = f"prefill[{b}x{c}]" + ("+logits" if keep else "")
+                    self._names.add(name)
+                    z = np.zeros((b,), np.int32)
+                    run(self._prefill, self._weights, np.zeros((b, c), np.int32), z, z,
+                        SamplingParams.stack([GREEDY] * b), keep, name=name)  # fmt: skip
+                for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
+                    name = f"decode[{self.decode_steps}]" + (f"+stops{n_stop}" if n_stop > 1 else "")
+                    name += "+logits" if keep else ""
+                    self._names.add(name)
+                    z = np.zeros((s,), np.int32)
+                    run(self._decode, self._weights, z, np.arange(s, dtype=np.int32),
+                        SamplingParams.stack([GREEDY] * s), z, np.full((s, n_stop), -1, np.int32),
+                        self.decode_steps, keep, name=name)  # fmt: skip
+            slot, status = run(self._claim, name="claim")
+            slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
+            if self.prefix_enabled:  # device arrays, as requests pass them (numpy inputs are another jit key)
+                nb = self.layout.config.max_context // bt
+                keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
+                run(self._restore, slot, keys, toks, jnp.int32(0), name="restore")
+                if self.window_recompute_tokens:
+                    ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
+                    run(self._restore_window, self._weights, slot, keys, toks, jnp.int32(0), ids, name="restore_window")
+                for k in (1, 16, RECORD_BATCH):
+                    run(self._record_many, slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1),
+                        jnp.zeros((k, bt), jnp.int32), jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32),
+                        jnp.arange(k) < 0, name="record_many")  # fmt: skip
+                none = jnp.zeros((self.layout.config.prefix_records,), bool)
+                run(self._evict, none, none, none, name="evict")
+                if self.disk is not None:
+                    for k in (1, 2, 4, 8):
+                        run(self._mark_on_disk, jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0, name="mark_on_disk")
+            run(self._release, slot, name="release")
+            self._stats.update({k: v for k, v in before.items() if k != "compile_seconds"})
+            self._stats["compile_seconds"] += sum(times.values())
+            self._say(f"warmed up {len(times)} steps in {sum(times.values()):.1f}s")
+            return times
 
     @property
     def pending(self) -> int:

@@ -399,3 +399,25 @@ def test_compilations_name_every_bucket_once(model, truth):
     engine.generate([B], 8, stop_token_ids=[toks[7], toks[6], toks[5], toks[4]])
     names = engine.compilations
     assert "decode[4]+stops4" in names and set(names.values()) == {1}
+
+
+def test_warmup_compiles_every_step_and_changes_nothing(model, truth):
+    """After warmup() a request compiles nothing: prefill, decode, claim, release, restore, record and
+    evict programs exist for this layout; the warmup itself leaves the cache's contents as they were."""
+    engine = _engine(model, compilation_cache=False)
+    before = jax.device_get(engine.cache)
+    times = engine.warmup(logits=True)
+    assert {"prefill[1x16]", "decode[4]", "decode[4]+logits", "claim", "restore", "record_many"} <= set(times)
+    after = jax.device_get(engine.cache)
+    for name in ("lengths", "active"):
+        np.testing.assert_array_equal(getattr(before, name), getattr(after, name))
+    for a, b in zip(jax.tree.leaves(before.groups), jax.tree.leaves(after.groups)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(before.prefix.state, after.prefix.state)
+    jits = [engine._prefill, engine._decode, engine._claim, engine._release, engine._restore, engine._record_many]
+    sizes = [f._cache_size() for f in jits]
+    traces = sum(engine._steps.traces.values())
+    assert [g.tokens for g in engine.generate([A, C], 8)] == [truth[tuple(A)][0], truth[tuple(C)][0]]
+    assert [f._cache_size() for f in jits] == sizes and sum(engine._steps.traces.values()) == traces
+    assert set(engine.compilations.values()) == {1}
+    hkv.check_invariants(engine.layout, engine.cache)
