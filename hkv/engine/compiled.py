@@ -1,12 +1,14 @@
-"""Compiled steps shared by every `Engine` of a process, and JAX's persistent compilation cache.
+"""Compiled steps shared by the engines of a process, and JAX's persistent compilation cache.
 
-`compiled_steps(graphdef, kernel_options)` returns one `CompiledSteps` per (model structure, kernel
-options): its jitted functions take the layout as a static argument and the weights as data, so a
-second engine built on the same model, layout and options reuses every compilation of the first
-(jax.jit caches per function object, layout and argument shapes). `traces` counts compilations per
-(layout, step name), which `Engine.compilations` reports. Compiled programs stay in memory for the
-life of the process (that is what lets a later engine reuse them); `clear()` drops them all, e.g.
-in a long process that builds engines of many different layouts (the persistent cache still has them).
+`compiled_steps(graphdef, kernel_options, layout)` returns one `CompiledSteps` per (model
+structure, kernel options, cache layout): its jitted functions take the layout as a static argument
+and the weights as data, so a second engine built on the same model, layout and options reuses every
+compilation of the first. `traces` counts compilations per step name, which `Engine.compilations`
+reports. The process keeps the `MAX_SHARED` most recently built entries (engines keep their own
+alive); older ones are dropped so their programs can be freed. That matters on CPU: each compiled
+engine layout maps ~5,000 memory regions (XLA's JIT'd code) and Linux allows 65,530 per process
+(`vm.max_map_count`) — a process that held every program of ~12 layouts crashed inside XLA.
+`clear()` drops every entry and JAX's own caches (`jax.clear_caches`), which hold ~30% of it.
 
 `enable_compilation_cache(setting)` turns on JAX's persistent compilation cache so a second process
 starts decoding without compiling again: by default in `$HKV_COMPILATION_CACHE` or
@@ -35,8 +37,9 @@ from ..core.policy import window_rebuild_tokens
 from . import offload
 
 ENV = "HKV_COMPILATION_CACHE"
+MAX_SHARED = 4  # most recently built (model, options, layout) entries kept for engines built later
 _LOCK = threading.Lock()
-_SHARED: dict = {}
+_SHARED: collections.OrderedDict = collections.OrderedDict()
 
 
 def default_cache_dir() -> Path:
@@ -56,6 +59,8 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
         True — on in `default_cache_dir()`; False — leave it off; a path — on in that directory.
     A directory already configured in `jax.config` wins over every setting but False.
     """
+    if not isinstance(setting, (type(None), bool, str, os.PathLike)):
+        raise ValueError(f"compilation_cache={setting!r} must be None, a bool or a directory path")  # noqa: TRY004
     if setting is False:
         return None
     current = jax.config.jax_compilation_cache_dir
@@ -64,8 +69,6 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
     if setting is None and os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
         return None
     path = default_cache_dir() if setting in (None, True) else Path(os.fspath(setting)).expanduser()
-    if not isinstance(setting, (type(None), bool, str, os.PathLike)):
-        raise ValueError(f"compilation_cache={setting!r} must be None, a bool or a directory path")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -77,11 +80,12 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
 
 
 class CompiledSteps:
-    """The jitted transitions of engines on one model structure and one set of kernel options.
+    """The jitted transitions of engines on one model structure, one set of kernel options and one
+    layout (dropping the object frees its programs).
 
     Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
     Attributes:
-      traces: Counter {(layout, name): compilations}; names are "prefill[rows x chunk]",
+      traces: Counter {name: compilations}; names are "prefill[rows x chunk]",
         "decode[steps]" (with "+stopsN" for N stop-id columns > 1, "+logits" when logits are kept)
         and "restore_window".
     """
@@ -91,7 +95,7 @@ class CompiledSteps:
         opts = dict(kernels)
 
         def count(layout, name: str) -> None:
-            self.traces[(layout, name)] += 1  # runs at trace time only
+            self.traces[name] += 1  # runs at trace time only
 
         def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits):
             count(layout, f"prefill[{tokens.shape[0]}x{tokens.shape[1]}]" + ("+logits" if keep_logits else ""))
@@ -137,25 +141,18 @@ class CompiledSteps:
         self.decode = jax.jit(decode, static_argnums=(0, 8, 9), donate_argnums=1)
         self.restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
 
+        def jit(fn):
+            return jax.jit(fn, static_argnums=0, donate_argnums=1)
 
-@functools.cache
-def transitions() -> dict:
-    """The model-independent jitted transitions (claim, release, restore, record, evict, offload),
-    one set per process."""
-
-    def jit(fn):
-        return jax.jit(fn, static_argnums=0, donate_argnums=1)
-
-    return {
-        "claim": jit(tr.claim_slot),
-        "release": jit(tr.release_slot),
-        "restore": jit(functools.partial(px.restore, count=False)),
-        "count_plan": jit(px.count_plan),
-        "record_many": jit(px.record_many),
-        "evict": jit(px.evict),
-        "swap_in": jit(offload.swap_in),
-        "mark_on_disk": jit(offload.mark_on_disk),
-    }
+        # the model-independent transitions (claim, release, restore, record, evict, offload)
+        self.claim = jit(tr.claim_slot)
+        self.release = jit(tr.release_slot)
+        self.restore = jit(functools.partial(px.restore, count=False))
+        self.count_plan = jit(px.count_plan)
+        self.record_many = jit(px.record_many)
+        self.evict = jit(px.evict)
+        self.swap_in = jit(offload.swap_in)
+        self.mark_on_disk = jit(offload.mark_on_disk)
 
 
 def clear() -> None:
@@ -163,20 +160,22 @@ def clear() -> None:
     engines built before keep working (they recompile, or read the persistent cache, on next use)."""
     with _LOCK:
         _SHARED.clear()
-    transitions.cache_clear()
     jax.clear_caches()
 
 
-def compiled_steps(graphdef, kernel_options: dict | None) -> CompiledSteps:
-    """The process-wide `CompiledSteps` for this model structure and these kernel options."""
+def compiled_steps(graphdef, kernel_options: dict | None, layout) -> CompiledSteps:
+    """The shared `CompiledSteps` for this model structure, these kernel options and this layout."""
     kernels = tuple(sorted((kernel_options or {}).items()))
     try:
-        key = (graphdef, kernels)
+        key = (graphdef, kernels, layout)
         hash(key)
     except TypeError:  # unhashable options or graph: no sharing
         return CompiledSteps(graphdef, kernels)
     with _LOCK:
-        steps = _SHARED.get(key)
+        steps = _SHARED.pop(key, None)
         if steps is None:
-            steps = _SHARED[key] = CompiledSteps(graphdef, kernels)
+            steps = CompiledSteps(graphdef, kernels)
+        _SHARED[key] = steps  # most recent last
+        while len(_SHARED) > MAX_SHARED:
+            _SHARED.popitem(last=False)
         return steps

@@ -58,7 +58,7 @@ from ..store.tier import DiskTier, DiskTierClosedError
 from . import offload as swap
 from .block_keys import ROOT, key_bytes, key_words, next_key
 from .checkpoint import restore_engine, save_engine
-from .compiled import compiled_steps, enable_compilation_cache, transitions
+from .compiled import compiled_steps, enable_compilation_cache
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 
@@ -279,19 +279,19 @@ class Engine:
             "decode_seconds": 0.0,
             "compile_seconds": 0.0,
         }
-        self._steps = compiled_steps(self._graphdef, kernel_options)
+        self._steps = compiled_steps(self._graphdef, kernel_options, self.layout)
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
         self._restore_window = self._steps.restore_window
-        t = transitions()
-        self._claim, self._release = t["claim"], t["release"]
+        t = self._steps
+        self._claim, self._release = t.claim, t.release
         self.prefix_enabled = config.prefix_records > 0
         self.retention = retention or RetentionPolicy()
         self.cache_salt = bytes(cache_salt)
-        self._restore, self._count_plan = t["restore"], t["count_plan"]
-        self._record_many, self._evict = t["record_many"], t["evict"]
-        self._swap_in, self._mark_on_disk = t["swap_in"], t["mark_on_disk"]
+        self._restore, self._count_plan = t.restore, t.count_plan
+        self._record_many, self._evict = t.record_many, t.evict
+        self._swap_in, self._mark_on_disk = t.swap_in, t.mark_on_disk
         self.window_recompute_tokens = window_rebuild_tokens(self.spec)  # 0: no exact rebuild route
         self._stats.update(
             ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0, disk_blocks_offloaded=0
@@ -321,7 +321,7 @@ class Engine:
         """Compilations of each compiled step this engine has used, e.g. {"prefill[1x32]": 1,
         "decode[8]": 1}: one per bucket (steps are shared with other engines of the same model,
         layout and kernel options, so a second engine reports the first one's single compilation)."""
-        return {n: self._steps.traces[(self.layout, n)] for n in sorted(self._names)}
+        return {n: self._steps.traces[n] for n in sorted(self._names)}
 
     def generate(
         self,
@@ -801,7 +801,7 @@ class Engine:
         """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
         stats["compile_seconds"], with a progress message on the first use of a bucket."""
         self._names.add(name)
-        fresh = self._steps.traces[(self.layout, name)] == 0
+        fresh = self._steps.traces[name] == 0
         if fresh:
             self._say(f"compiling {name} (once per process; cached on disk)")
         t0 = time.perf_counter()

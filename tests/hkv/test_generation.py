@@ -5,6 +5,7 @@ Every engine here has the same model and layout, so they share one set of compil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -421,3 +422,21 @@ def test_warmup_compiles_every_step_and_changes_nothing(model, truth):
     assert [f._cache_size() for f in jits] == sizes and sum(engine._steps.traces.values()) == traces
     assert set(engine.compilations.values()) == {1}
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_shared_compiled_steps_keep_a_few_recent_layouts(model):
+    """Engines of the same model and layout share one CompiledSteps; the process keeps only the
+    MAX_SHARED most recent (on CPU each layout's programs map ~5,000 memory regions of the 65,530 a
+    process may have), while an engine keeps its own alive."""
+    from hkv.engine import compiled
+
+    a = _engine(model)
+    assert _engine(model)._steps is a._steps
+    graphdef = a._graphdef
+    layouts = [hkv.CacheLayout(a.spec, dataclasses.replace(CONFIG, max_context=160 + 16 * i)) for i in range(1, 6)]
+    for layout in layouts:
+        compiled.compiled_steps(graphdef, None, layout)
+    assert len(compiled._SHARED) <= compiled.MAX_SHARED
+    assert _engine(model)._steps is not a._steps  # a's entry was dropped; a still holds it
+    with pytest.raises(ValueError, match="compilation_cache"):
+        _engine(model, compilation_cache=3)
