@@ -18,8 +18,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop in-memory compiled programs after each test module (the persistent cache keeps them on
-    disk). Compiled steps are shared process-wide (`hkv.engine.compiled`), and a session holding every
-    program of ~600 tests' engines crashed inside XLA's executable (de)serialization after ~140 tests."""
+    disk). On CPU each compiled engine layout maps ~5,000 memory regions and a process may have 65,530
+    (vm.max_map_count): a session holding the programs of every test's engines crashed inside XLA
+    (abort/segfault) after ~140 tests. `hkv.engine.compiled` keeps only a few recent layouts; this
+    also drops what JAX's own caches hold."""
     yield
     from hkv.engine import compiled
 
