@@ -19,6 +19,8 @@ from .spec import CacheSpec, Group
 
 
 class Residency(enum.IntEnum):
+    """Where a cache block's objects live, per slot and block in the state table (`residency`)."""
+
     ABSENT = 0
     DEVICE = 1
     HOST = 2
