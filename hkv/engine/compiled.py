@@ -79,6 +79,12 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
     return path
 
 
+def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False) -> str:
+    """The name a compiled step is counted under: "prefill[1x32]", "decode[8]+stops4+logits", ...
+    (the engine, its warmup and the trace counter must spell it the same way)."""
+    return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "")
+
+
 class CompiledSteps:
     """The jitted transitions of engines on one model structure, one set of kernel options and one
     layout (dropping the object frees its programs).
@@ -98,7 +104,7 @@ class CompiledSteps:
             self.traces[name] += 1  # runs at trace time only
 
         def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits):
-            count(layout, f"prefill[{tokens.shape[0]}x{tokens.shape[1]}]" + ("+logits" if keep_logits else ""))
+            count(layout, step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits))
             model = nnx.merge(graphdef, weights)
             return step_and_sample(
                 model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, **opts
@@ -108,7 +114,7 @@ class CompiledSteps:
             n_stop = stop_ids.shape[1]
             count(
                 layout,
-                f"decode[{steps}]" + (f"+stops{n_stop}" if n_stop > 1 else "") + ("+logits" if keep_logits else ""),
+                step_name("decode", str(steps), stops=n_stop, logits=keep_logits),
             )
             model = nnx.merge(graphdef, weights)
             o = decode_steps(

@@ -58,11 +58,11 @@ from ..store.tier import DiskTier, DiskTierClosedError
 from . import offload as swap
 from .block_keys import ROOT, key_bytes, key_words, next_key
 from .checkpoint import restore_engine, save_engine
-from .compiled import compiled_steps, enable_compilation_cache
+from .compiled import compiled_steps, enable_compilation_cache, step_name
+from .prefix_tools import RECORD_BATCH
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 
-RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
 
 __all__ = ["CacheCapacityError", "Engine", "EngineBusyError", "Generation", "RequestCancelledError", "RequestHandle"]
 
@@ -524,14 +524,13 @@ class Engine:
             rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
             for keep in keeps:
                 for b in rows:
-                    name = f"prefill[{b}x{c}]" + ("+logits" if keep else "")
+                    name = step_name("prefill", f"{b}x{c}", logits=keep)
                     self._names.add(name)
                     z = np.zeros((b,), np.int32)
                     run(self._prefill, self._weights, np.zeros((b, c), np.int32), z, z,
                         SamplingParams.stack([GREEDY] * b), keep, name=name)  # fmt: skip
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
-                    name = f"decode[{self.decode_steps}]" + (f"+stops{n_stop}" if n_stop > 1 else "")
-                    name += "+logits" if keep else ""
+                    name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)
                     self._names.add(name)
                     z = np.zeros((s,), np.int32)
                     run(self._decode, self._weights, z, np.arange(s, dtype=np.int32),
@@ -829,7 +828,7 @@ class Engine:
                 [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
             )
             keep = any(q.keep_logits for q in rows)
-            name = f"prefill[{b}x{c}]" + ("+logits" if keep else "")
+            name = step_name("prefill", f"{b}x{c}", logits=keep)
             out, dt, fresh = self._timed(self._prefill, self._weights, tokens, slots, n_valid, params, keep, name=name)
             tok, lp, status = out[0], out[1], int(out[2])
             if status == Status.OK:
@@ -901,7 +900,7 @@ class Engine:
             sampling[q.slot], seeds[q.slot] = q.sampling, q.seed
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
-        name = f"decode[{k}]" + (f"+stops{n_stop}" if n_stop > 1 else "") + ("+logits" if keep else "")
+        name = step_name("decode", str(k), stops=n_stop, logits=keep)
         out, dt, fresh = self._timed(
             self._decode,
             self._weights,

@@ -35,7 +35,7 @@ restore_prefix = px.restore
 evict_cached = px.evict
 
 _record_many = jax.jit(px.record_many, static_argnums=0, donate_argnums=1)
-RECORD_BATCH = 128
+RECORD_BATCH = 128  # most block boundaries one `record_many` transition records (a restore from disk: hundreds)
 
 
 @dataclasses.dataclass(frozen=True)
