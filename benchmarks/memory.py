@@ -12,34 +12,14 @@ import argparse
 
 from hkv import CacheConfig, CacheLayout, CacheSpec, architectural_minimum, uniform_full_kv_bytes
 from hkv.core.memory import KINDS, allocated_bytes
-from models.deepseek_v4 import DeepseekV4Config
+from models.deepseek_v4 import flash_config
 from models.deepseek_v4.cache_spec import cache_spec as deepseek_spec
-from models.gemma3 import Gemma3Config
+from models.gemma3 import gemma3_27b_config
 from models.gemma3.cache_spec import cache_spec as gemma3_spec
-
-# Gemma-3-27B (google/gemma-3-27b-it text_config): 62 layers, 5 sliding (window 1024) : 1 full,
-# 32 query heads over 16 KV heads of 128, linear RoPE x8 on full layers
-GEMMA3_27B = dict(
-    vocab_size=262_208,
-    hidden_size=5376,
-    intermediate_size=21_504,
-    num_hidden_layers=62,
-    num_attention_heads=32,
-    num_key_value_heads=16,
-    head_dim=128,
-    sliding_window=1024,
-    query_pre_attn_scalar=168,
-    sliding_window_pattern=6,
-    max_position_embeddings=131_072,
-    rope_parameters={
-        "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-    },
-)
 
 
 def deepseek() -> tuple[str, CacheSpec]:
-    cfg = DeepseekV4Config()  # transformers' default config: the DeepSeek-V4-Flash dimensions
+    cfg = flash_config()  # transformers' default config: the DeepSeek-V4-Flash dimensions
     n_csa = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
     title = (
         f"DeepSeek-V4-Flash: {cfg.num_hidden_layers} layers ({n_csa} CSA m={cfg.compress_rate_csa}, "
@@ -50,7 +30,7 @@ def deepseek() -> tuple[str, CacheSpec]:
 
 
 def gemma3() -> tuple[str, CacheSpec]:
-    cfg = Gemma3Config.from_hf({"model_type": "gemma3_text", **GEMMA3_27B})
+    cfg = gemma3_27b_config()
     n_full = sum(t == "full_attention" for t in cfg.layer_types)
     title = (
         f"Gemma-3-27B: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_full} sliding, window "

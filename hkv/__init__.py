@@ -20,7 +20,7 @@ from .core.decode import DecodeOutput, decode_loop, decode_steps, step_and_sampl
 from .core.invariants import InvariantError, check_invariants
 from .core.layers import LayerCache, Step, run_step
 from .core.layout import CacheConfig, CacheLayout, Residency, Status
-from .core.memory import architectural_minimum, memory_report, uniform_full_kv_bytes
+from .core.memory import allocated_bytes, architectural_minimum, memory_report, uniform_full_kv_bytes
 from .core.plan import DevicePlan, RestorePlan
 from .core.policy import RetentionPolicy
 from .core.protocol import CachedModel
@@ -67,6 +67,7 @@ __all__ = [
     "SamplingParams",
     "Status",
     "Step",
+    "allocated_bytes",
     "architectural_minimum",
     "check_invariants",
     "decode_loop",

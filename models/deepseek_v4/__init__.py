@@ -6,7 +6,7 @@ logits = deepseek_v4.forward_fn(model)(tokens)          # int32[B, T] -> float32
 tiny = deepseek_v4.init(deepseek_v4.tiny_config(), seed=0)
 """
 
-from .config import ConfigError, DeepseekV4Config, RopeSpec, tiny_config
+from .config import ConfigError, DeepseekV4Config, RopeSpec, flash_config, tiny_config
 from .model import DeepseekV4, forward_fn, init, load, random_tensors
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "DeepseekV4",
     "DeepseekV4Config",
     "RopeSpec",
+    "flash_config",
     "forward_fn",
     "init",
     "load",

@@ -395,3 +395,10 @@ def tiny_config(**overrides: Any) -> DeepseekV4Config:
     )
     base.update(overrides)
     return DeepseekV4Config(**base)
+
+
+def flash_config(**overrides: Any) -> DeepseekV4Config:
+    """DeepSeek-V4-Flash's dimensions (the defaults of `DeepseekV4Config`, as in transformers'
+    `DeepseekV4Config()`): 43 layers of CSA m=4 / HCA m=128, window 128. For memory planning and
+    reports; `overrides` replace any field."""
+    return DeepseekV4Config(**overrides)

@@ -9,11 +9,12 @@ Sliding layers attend to `cfg.window` (== HF `sliding_window`) tokens including 
 """
 
 from .checkpoint import CheckpointError, load
-from .config import FULL, SLIDING, ConfigError, Gemma3Config, RopeSpec, tiny_config
+from .config import FULL, GEMMA3_27B_HF, SLIDING, ConfigError, Gemma3Config, RopeSpec, gemma3_27b_config, tiny_config
 from .model import Gemma3, attention_mask, dense_attention, forward_fn, greedy_stateless, init, random_tensors
 
 __all__ = [
     "FULL",
+    "GEMMA3_27B_HF",
     "SLIDING",
     "CheckpointError",
     "ConfigError",
@@ -23,6 +24,7 @@ __all__ = [
     "attention_mask",
     "dense_attention",
     "forward_fn",
+    "gemma3_27b_config",
     "greedy_stateless",
     "init",
     "load",

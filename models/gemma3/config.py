@@ -333,3 +333,31 @@ def tiny_config(**overrides: Any) -> Gemma3Config:
     }
     base.update(overrides)
     return Gemma3Config(**base)
+
+
+# Gemma-3-27B (google/gemma-3-27b-it text_config): 62 layers, 5 sliding (window 1024) : 1 full,
+# 32 query heads over 16 KV heads of 128, linear RoPE x8 on full layers.
+GEMMA3_27B_HF: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262_208,
+    "hidden_size": 5376,
+    "intermediate_size": 21_504,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "sliding_window": 1024,
+    "query_pre_attn_scalar": 168,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131_072,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+}
+
+
+def gemma3_27b_config() -> Gemma3Config:
+    """The Gemma-3-27B text model's dimensions (`GEMMA3_27B_HF`, from google/gemma-3-27b-it's
+    config.json): for memory planning and reports; no weights are involved."""
+    return Gemma3Config.from_hf(GEMMA3_27B_HF)
