@@ -5,15 +5,15 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow venv clean
+.PHONY: demo test test-slow venv notebooks clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# One install of the package with its test and parity extras; re-run when pyproject changes.
+# One install of the package with its test, parity and notebooks extras; re-run when pyproject changes.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e '.[test,parity]'
+	$(PIP) install -q -e '.[test,parity,notebooks]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m slow
+
+# Regenerate colab/*.ipynb (stored without outputs) from their jupytext sources colab/*.py.
+notebooks: $(STAMP)
+	$(VENV)/bin/jupytext --to ipynb colab/[0-9]*.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
