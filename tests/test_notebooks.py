@@ -120,3 +120,11 @@ def test_runs_headless_in_small_mode(name, tmp_path, monkeypatch):
     assert len(pngs) >= NOTEBOOKS[name], f"{name} rendered {len(pngs)} figures, expected {NOTEBOOKS[name]}"
     for png in pngs:
         assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_lists_every_notebook_with_its_badge():
+    readme = (COLAB.parent / "README.md").read_text()
+    section = readme.split("## Notebooks", 1)[1].split("\n## ", 1)[0]
+    for name in NOTEBOOKS:
+        assert f"https://colab.research.google.com/github/{REPO}/blob/main/colab/{name}.ipynb" in section, name
+        assert f"`{name}`" in section, name
