@@ -253,9 +253,12 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The time per token barely moves with the context: the compressed layers read one entry per *m*
-# tokens (CSA only its top-k), the sliding-window layers a fixed window, and the cache's fixed shapes
-# mean no recompilation as a sequence grows. The random tiny model is far too small for the kernels to
-# matter on CPU; on an accelerator runtime the Pallas line shows what they save over the reference.
+# Up to timing noise the line is flat: one compiled program serves every context length (the cache's
+# shapes are fixed by the layout), and no step waits on the host. On CPU the jnp reference reads every
+# row the layout can hold, masked, so its time is set by `max_context`, not by the context. The Pallas
+# kernels read only a sequence's live pages — the sliding window's rows and the compressed entries (one
+# per *m* tokens; a CSA layer attends only to the indexer's top-k) — so on an accelerator their line
+# stays low and grows only with the compressed entries. (The random tiny model is far too small to show
+# the kernels' full advantage.)
 #
 # **Next:** `03_bring_your_own_model` writes a model of your own against the same cache API.
