@@ -93,6 +93,15 @@ store = hkv.DiskTier(store_path)
 engine = hkv.Engine(model, config, prefill_chunk=32, disk=store, warmup=True)
 cold = hkv.Engine(model, config, prefill_chunk=32)
 
+# `warmup` compiles every step but the disk install (its shapes follow the blocks read): one throw-away
+# disk restore on a scratch engine and store compiles it, so that the engine under test — which times
+# its disk reads to choose between reading and recomputing — never times a compilation.
+scratch = hkv.Engine(model, config, prefill_chunk=32, disk=hkv.DiskTier(os.path.join(workdir.name, "scratch")))
+scratch.generate([[7] * FIRST_TOKENS], NEW_TOKENS)
+scratch.evict_prefixes()
+scratch.flush_disk()
+assert scratch.generate([[7] * FIRST_TOKENS + [8] * 8], NEW_TOKENS)[0].plan.disk_tokens
+
 
 def reference(prompt):
     """The cold run: nothing to reuse, every token computed."""
@@ -126,7 +135,7 @@ def message(n):
 # `evict_prefixes()` then drops every cached prefix from device memory — the blocks the store lacks are
 # written first — and `flush_disk()` waits until they are published (the same happens on its own when
 # the eviction policy needs room). The store now holds one *segment*: data shards plus a manifest with
-# every object's dtype, shape, offset and checksum.
+# every object's dtype, shape, offset and checksum (a large eviction may be split into several segments).
 
 # %%
 turn1 = message(FIRST_TOKENS)
@@ -135,6 +144,7 @@ assert g1.tokens == reference(turn1)
 show(g1.plan)
 print(f"evicted {engine.evict_prefixes()} cached block records from device memory")
 engine.flush_disk()
+first_segments = set(pathlib.Path(store_path, "manifests").rglob("*.json"))
 print({k: store.stats()[k] for k in ("segments", "stored_bytes")})
 for f in sorted(pathlib.Path(store_path).rglob("*")):
     if f.is_file():
@@ -159,20 +169,21 @@ print("turn 2 output identical to the cold run: True")
 # %% [markdown]
 # ## A flipped byte shrinks the plan, not the correctness
 #
-# Evict again: the blocks turn 2 added go to disk as a second segment. Then flip one byte in that
+# Evict again: the blocks turn 2 added go to disk as new segment(s). Then flip one byte in the first new
 # segment's first data shard (`data/<abi fingerprint>/<segment>/c/0`), as a failing disk or a stray
-# write would. Turn 3's hash lookup still finds the blocks of both segments, but the damaged ones fail
-# their checksum when read: the plan stops at the last verified block with reason `disk_checksum` (only
-# the first segment's blocks are installed), and the engine recomputes from there. The output is still
+# write would. Turn 3's hash lookup still finds every stored block, but the damaged ones fail their
+# checksum when read: the plan stops at the last verified block with reason `disk_checksum` (only the
+# blocks before the damage are installed), and the engine recomputes from there. The output is still
 # exact.
 
 # %%
 engine.evict_prefixes()
 engine.flush_disk()
-manifests = sorted(pathlib.Path(store_path, "manifests").rglob("*.json"))  # named by time: the newest last
-print(f"{len(manifests)} segments on disk")
-assert len(manifests) == 2
-second = manifests[-1]
+manifests = sorted(pathlib.Path(store_path, "manifests").rglob("*.json"))  # named by time: the oldest first
+new = [m for m in manifests if m not in first_segments]
+print(f"{len(manifests)} segments on disk, {len(new)} written by this eviction")
+assert new
+second = new[0]  # the first segment this eviction wrote: it holds the first blocks turn 2 added
 shard = pathlib.Path(store_path, "data", second.parent.name, second.stem, "c", "0")
 data = bytearray(shard.read_bytes())
 data[len(data) // 3] ^= 0x10
@@ -184,7 +195,7 @@ turn3 = turn2 + g2.tokens + message(MESSAGE_TOKENS)
 show(g3.plan)
 assert g3.plan.reason == hkv.Reason.DISK_CHECKSUM and g3.plan.first_failed_stage == "byte"
 assert g3.plan.restored_tokens < g3.plan.hash_hit_tokens
-assert g3.plan.disk_tokens == (0, g3.plan.restored_tokens) and g3.plan.restored_tokens == g2.plan.restored_tokens
+assert g3.plan.disk_tokens == (0, g3.plan.restored_tokens) and g3.plan.restored_tokens >= g2.plan.restored_tokens
 assert g3.tokens == reference(turn3)
 print("turn 3 output identical to the cold run: True")
 print("disk rejections counted by the engine:", engine.stats()["prefix"]["rejections"])
@@ -204,7 +215,7 @@ print(verify.stdout + verify.stderr)
 print("exit code", verify.returncode)
 assert verify.returncode == 1 and "disk_checksum" in verify.stdout
 report = store.verify()  # the same check from Python: the first segment's blocks are intact
-assert report["blocks_ok"] == g2.plan.restored_tokens // 16 and report["disk_checksum"] > 0
+assert report["blocks_ok"] >= g2.plan.restored_tokens // 16 and report["disk_checksum"] > 0
 stats = subprocess.run(
     [sys.executable, "-m", "hkv", "store", "stats", store_path], capture_output=True, text=True, check=True
 )
@@ -240,7 +251,7 @@ print("turn 4 (after the restart) output identical to the cold run: True")
 
 # %%
 print("\n".join(line for line in restarted.metrics_text().splitlines() if line.startswith(("hkv_prefix", "hkv_disk"))))
-for tier in (store, restarted.disk):
+for tier in (store, restarted.disk, scratch.disk):
     tier.close()
 workdir.cleanup()
 
