@@ -110,7 +110,6 @@ def record(
     """
     px = cache.prefix
     on = jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)
-    nr = px.state.shape[0]
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
     retain = retain & (length == current)  # a snapshot exists only at the current length

@@ -56,10 +56,11 @@ from ..core.state import init_cache
 from ..core.weights import weights_digest
 from ..store.tier import DiskTier, DiskTierClosedError
 from . import offload as swap
-from .block_keys import ROOT, key_bytes, key_words, next_key
+from . import block_keys
+from .block_keys import ROOT, key_bytes, key_words
 from .checkpoint import restore_engine, save_engine
 from .compiled import compiled_steps, enable_compilation_cache, step_name
-from .prefix_tools import RECORD_BATCH
+from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 
@@ -1105,15 +1106,8 @@ class Engine:
     def _lookup(self, seq: _Seq, ids: list[int]) -> int:
         """Restore the longest verified prefix of `ids` into seq's fresh slot; returns its length."""
         bt = self.spec.block_tokens
-        nb = self.layout.config.max_context // bt
-        keys = np.zeros((nb, 4), np.uint32)
-        toks = np.zeros((nb, bt), np.int32)
-        parent = ROOT
-        usable = (len(ids) - 1) // bt  # leave >= 1 token to compute the next logits from
-        for i in range(len(ids) // bt):
-            parent = next_key(parent, ids[i * bt : (i + 1) * bt], self.cache_salt)
-            if i < nb:
-                keys[i], toks[i] = key_words(parent), ids[i * bt : (i + 1) * bt]
+        query = PrefixQuery.of(ids, self.layout, self.cache_salt)
+        keys, toks, usable = query.keys, query.tokens, query.n_blocks  # usable: leaves >= 1 token to compute
         while True:
             (vec,) = self._tx(
                 self._restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable)
@@ -1205,7 +1199,9 @@ class Engine:
             seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
         todo = []  # (block number n, retain) of every boundary this step crossed
         for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
-            seq.keys.append(next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt : n * bt], self.cache_salt))
+            seq.keys.append(
+                block_keys.next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt : n * bt], self.cache_salt)
+            )
             at_end = n * bt == seq.fed
             todo.append(
                 (
@@ -1228,24 +1224,11 @@ class Engine:
         while i < len(todo):
             # one transition for up to RECORD_BATCH boundaries (padded to 1, 16 or RECORD_BATCH: 3 compiles)
             batch = todo[i : i + RECORD_BATCH]
-            k = 1 if len(batch) == 1 else 16 if len(batch) <= 16 else RECORD_BATCH
-            keys = np.zeros((k, 4), np.uint32)
-            toks = np.zeros((k, bt), np.int32)
-            lengths = np.zeros((k,), np.int32)
-            retain = np.zeros((k,), bool)
-            for j, (n, ret) in enumerate(batch):
-                keys[j] = key_words(seq.keys[n - 1])
-                toks[j] = ids[(n - 1) * bt : n * bt]
-                lengths[j], retain[j] = n * bt, ret
+            keys, toks, retain, lengths, valid = pack_records(
+                [(seq.keys[n - 1], ids[(n - 1) * bt : n * bt], n * bt, ret) for n, ret in batch], bt
+            )
             recs, _, done = self._tx(
-                self._record_many,
-                jnp.int32(seq.slot),
-                jnp.asarray(keys),
-                jnp.int32(seq.parent_record),
-                jnp.asarray(toks),
-                jnp.asarray(retain),
-                jnp.asarray(lengths),
-                jnp.arange(k) < len(batch),
+                self._record_many, jnp.int32(seq.slot), keys, jnp.int32(seq.parent_record), toks, retain, lengths, valid
             )
             recs, done, last_used = jax.device_get((recs, done, self.cache.prefix.last_used))
             for r in recs[: int(done)]:

@@ -29,7 +29,8 @@ from ..core import prefix as px
 from ..core.layout import CacheLayout, Status
 from ..core.plan import DevicePlan, RestorePlan
 from ..core.state import HybridCache
-from .block_keys import chain_keys, key_words
+from . import block_keys
+from .block_keys import key_words
 
 restore_prefix = px.restore
 evict_cached = px.evict
@@ -71,7 +72,7 @@ class PrefixQuery:
             raise ValueError(f"prompt of {ids.size} tokens exceeds max_context={layout.config.max_context}")
         keys = np.zeros((nb, 4), np.uint32)
         toks = np.zeros((nb, bt), np.int32)
-        for i, k in enumerate(chain_keys(ids.tolist(), bt, extra=bytes(salt))):
+        for i, k in enumerate(block_keys.chain_keys(ids.tolist(), bt, extra=bytes(salt))):
             keys[i], toks[i] = key_words(k), ids[i * bt : (i + 1) * bt]
         return cls(keys, toks, (ids.size - 1) // bt, int(ids.size), bt)
 
@@ -115,24 +116,20 @@ def record_prefix(
     """
     bt = layout.spec.block_tokens
     ids = [int(t) for t in tokens]
-    keys = chain_keys(ids, bt, extra=bytes(salt))
+    keys = block_keys.chain_keys(ids, bt, extra=bytes(salt))
     todo = list(range(start_block, len(keys)))
     last = parent
     slot = jnp.int32(slot)
     for i in range(0, len(todo), RECORD_BATCH):
         batch = todo[i : i + RECORD_BATCH]
-        k = RECORD_BATCH if len(batch) > 16 else 16 if len(batch) > 1 else 1
-        kw = np.zeros((k, 4), np.uint32)
-        tk = np.zeros((k, bt), np.int32)
-        lengths = np.zeros((k,), np.int32)
-        retain = np.zeros((k,), bool)
-        for j, b in enumerate(batch):
-            kw[j], tk[j], lengths[j] = key_words(keys[b]), ids[b * bt : (b + 1) * bt], (b + 1) * bt
-            retain[j] = retain_snapshot and (b + 1) * bt == len(ids)
-        cache, recs, statuses, done = _record_many(
-            layout, cache, slot, jnp.asarray(kw), jnp.int32(last), jnp.asarray(tk), jnp.asarray(retain),
-            jnp.asarray(lengths), jnp.arange(k) < len(batch),
-        )  # fmt: skip
+        args = pack_records(
+            [
+                (keys[b], ids[b * bt : (b + 1) * bt], (b + 1) * bt, retain_snapshot and (b + 1) * bt == len(ids))
+                for b in batch
+            ],
+            bt,
+        )
+        cache, recs, statuses, done = _record_many(layout, cache, slot, args[0], jnp.int32(last), *args[1:])
         recs, statuses, done = jax.device_get((recs, statuses, done))
         ok = [int(r) for r, s in zip(recs[: int(done)], statuses[: int(done)]) if s == Status.OK and r >= 0]
         if ok:
@@ -140,3 +137,31 @@ def record_prefix(
         if int(done) < len(batch):
             break
     return cache, last
+
+
+def pack_records(
+    blocks: Sequence[tuple[bytes, Sequence[int], int, bool]], block_tokens: int
+) -> tuple[jnp.ndarray, ...]:
+    """The batched block arguments of one `record_many` transition (engine and `record_prefix` alike).
+
+    Args:
+      blocks: 1 to RECORD_BATCH consecutive blocks of one chain, oldest first, each (chained key,
+        its block_tokens token ids, the slot length at its end, keep its SWA + TAIL snapshot).
+      block_tokens: the layout's block size.
+
+    Returns:
+      (keys uint32[k, 4], tokens int32[k, block_tokens], retain bool[k], lengths int32[k], valid bool[k]),
+      padded to k = 1, 16 or RECORD_BATCH (three compilations in all); valid marks the real rows.
+    """
+    if not 1 <= len(blocks) <= RECORD_BATCH:
+        raise ValueError(f"{len(blocks)} blocks; one transition records 1 to {RECORD_BATCH}")
+    k = RECORD_BATCH if len(blocks) > 16 else 16 if len(blocks) > 1 else 1
+    keys = np.zeros((k, 4), np.uint32)
+    toks = np.zeros((k, block_tokens), np.int32)
+    lengths = np.zeros((k,), np.int32)
+    retain = np.zeros((k,), bool)
+    for j, (key, ids, length, keep) in enumerate(blocks):
+        keys[j], toks[j], lengths[j], retain[j] = key_words(key), ids, length, keep
+    return (
+        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.arange(k) < len(blocks)
+    )  # fmt: skip

@@ -166,10 +166,16 @@ def test_freed_block_whose_page_was_reused_by_another_sequence(model, warm):
 
 
 def test_forced_hash_collision_is_rejected(model, monkeypatch):
-    def weak_key(parent, block, extra=b""):  # collides whenever a block's first token matches
-        return hashlib.blake2b(parent + int(block[0]).to_bytes(8, "little"), digest_size=16).digest()
+    def weak_chain(
+        tokens, block_tokens, extra=b"", parent=bytes(16)
+    ):  # collides whenever a block's first token matches
+        out, key = [], parent
+        for i in range(len(tokens) // block_tokens):
+            key = hashlib.blake2b(key + int(tokens[i * block_tokens]).to_bytes(8, "little"), digest_size=16).digest()
+            out.append(key)
+        return out
 
-    monkeypatch.setattr(hkv.engine.engine, "next_key", weak_key)
+    monkeypatch.setattr(hkv.engine.block_keys, "chain_keys", weak_chain)  # every key the engine makes
     engine = make_engine(model)
     engine.generate([BASE], NEW, return_logits=True)
     prompt = list(BASE[:200])
