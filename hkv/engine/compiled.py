@@ -93,7 +93,7 @@ class CompiledSteps:
     Attributes:
       traces: Counter {name: compilations}; names are "prefill[rows x chunk]",
         "decode[steps]" (with "+stopsN" for N stop-id columns > 1, "+logits" when logits are kept)
-        and "restore_window".
+        "restore_window" and "swap_in[rows per group]" (the disk tier's install step).
     """
 
     def __init__(self, graphdef, kernels: tuple):
@@ -157,7 +157,12 @@ class CompiledSteps:
         self.count_plan = jit(px.count_plan)
         self.record_many = jit(px.record_many)
         self.evict = jit(px.evict)
-        self.swap_in = jit(offload.swap_in)
+
+        def swap_in(layout, cache, slot, l0, l1, rows, tails):
+            count(layout, step_name("swap_in", offload.swap_in_size(rows)))  # one per row bucket
+            return offload.swap_in(layout, cache, slot, l0, l1, rows, tails)
+
+        self.swap_in = jit(swap_in)
         self.mark_on_disk = jit(offload.mark_on_disk)
 
 

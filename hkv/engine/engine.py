@@ -498,8 +498,11 @@ class Engine:
         """Compile every step a request can use (or load it from the persistent compilation cache)
         by running each once on the live cache with inputs that change nothing (idle rows, zero
         budgets, empty masks, a slot claimed and released), so the first request pays only its own
-        work. Only while the engine is idle. Not warmed: the disk tier's install step (its shapes
-        follow the blocks read) and the per-request metrics update (a few ms).
+        work. Only while the engine is idle. With a disk tier, its install step (`swap_in`) is
+        compiled for every restore from disk into a fresh slot (one shape per power-of-two row count:
+        `hkv.engine.offload.swap_in_warmup_inputs`); a disk restore that continues a prefix restored
+        on device may need another shape, compiled at first use. Not warmed: the per-request metrics
+        update (a few ms).
 
         Args:
           logits: also compile the `return_logits=True` variants.
@@ -555,6 +558,10 @@ class Engine:
                 if self.disk is not None:
                     for k in (1, 2, 4, 8):
                         run(self._mark_on_disk, jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0, name="mark_on_disk")
+                    for rows, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
+                        name = step_name("swap_in", swap.swap_in_size(rows))
+                        self._names.add(name)
+                        run(self._swap_in, slot, jnp.int32(0), jnp.int32(0), rows, tails, name=name)
             run(self._release, slot, name="release")
             self._stats.update({k: v for k, v in before.items() if k != "compile_seconds"})
             self._stats["compile_seconds"] += sum(times.values())
@@ -1401,7 +1408,7 @@ class Engine:
         kb, refs, stop, snaps = probe["kb"], probe["refs"], probe["stop"], probe["snaps"]
         usable = len(kb)
         t0 = time.perf_counter()
-        compiled = self._swap_in._cache_size()
+        compiled = sum(self._steps.traces.values())  # a read timed with a compilation is not measured
         try:
             reason, payloads = ("disk_missing", []) if probe["error"] else self._disk_read(refs, snaps)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
@@ -1410,6 +1417,7 @@ class Engine:
         l1 = l0 + len(payloads) * bt
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
+            self._names.add(step_name("swap_in", swap.swap_in_size(rows)))
             while True:
                 (st,) = self._tx(self._swap_in, jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
                 if int(st) != Status.NO_PAGES or not self._make_room():
@@ -1417,7 +1425,7 @@ class Engine:
             if int(st) != Status.OK:
                 self._say(f"prompt {seq.index}: disk blocks verified but not installed ({Status(int(st)).name})")
                 l1 = l0
-            elif self._swap_in._cache_size() == compiled:
+            elif sum(self._steps.traces.values()) == compiled:
                 self._measure("disk_token", (time.perf_counter() - t0) / (l1 - l0))
         found = (i0 + len(refs)) * bt
         if reason is None and stop == "disk_abi":

@@ -201,17 +201,43 @@ def swap_in(
     return out, status
 
 
+def swap_in_shapes(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, tuple]:
+    """(rows, tails) as (dtype, shape) of the `swap_in` inputs that extend a slot from boundary l0 to
+    l1: per group the rows padded to `bucket` (COMPRESSED / INDEXER: the rows of blocks l0..l1; SWA:
+    the window at l1), per compressor its TAIL snapshot. One compilation of `swap_in` per distinct
+    value; `swap_in_inputs` builds its arrays from it, and `Engine.warmup` compiles them up front."""
+    bt = layout.spec.block_tokens
+    rows = []
+    for gi, grp in enumerate(layout.groups):
+        dt, (n_layers, _, dim) = expected_objects(layout, bt, snapshot=True)[
+            f"g{gi}.window" if grp.kind == ObjectKind.SWA else f"g{gi}.rows"
+        ]
+        if grp.kind == ObjectKind.SWA:
+            lo, hi = window_rows(layout, gi, l1)
+            n = hi - lo
+        else:
+            n = l1 // grp.unit - l0 // grp.unit
+        rows.append((dt, (n_layers, bucket(n), dim)))
+    snap = expected_objects(layout, bt, snapshot=True)
+    tails = tuple(
+        TailState(**{f: snap[f"t{ci}.{f}"] for f in TAIL_FIELDS}) for ci in range(len(layout.spec.compressors()))
+    )
+    return tuple(rows), tails
+
+
 def swap_in_inputs(layout: CacheLayout, payloads: list[BlockPayload], l0: int) -> tuple[tuple, tuple]:
     """(rows, tails) for `swap_in` from verified payloads of consecutive blocks starting at boundary
-    l0, the last of which carries the snapshot at l1."""
+    l0, the last of which carries the snapshot at l1 (shapes: `swap_in_shapes`)."""
     last = payloads[-1]
+    shapes, _ = swap_in_shapes(layout, l0, last.length)
     rows = []
     for gi, grp in enumerate(layout.groups):
         if grp.kind == ObjectKind.SWA:
             a = last.objects[f"g{gi}.window"][0]
         else:
             a = np.concatenate([p.objects[f"g{gi}.rows"][0] for p in payloads], axis=1)
-        buf = np.zeros((a.shape[0], bucket(a.shape[1]), a.shape[2]), a.dtype)
+        dt, shape = shapes[gi]
+        buf = np.zeros(shape, a.dtype)
         buf[:, : a.shape[1]] = a
         rows.append(buf)
     tails = tuple(
@@ -219,6 +245,32 @@ def swap_in_inputs(layout: CacheLayout, payloads: list[BlockPayload], l0: int) -
         for ci in range(len(layout.spec.compressors()))
     )
     return tuple(rows), tails
+
+
+def swap_in_size(rows: tuple) -> str:
+    """The bucket label of `swap_in` inputs (its compiled-step name: "swap_in[4x2x8]", rows per group)."""
+    return "x".join(str(r.shape[1]) for r in rows)
+
+
+def swap_in_warmup_inputs(layout: CacheLayout) -> list[tuple[tuple, tuple]]:
+    """Zero (rows, tails) for every distinct `swap_in_shapes` of a restore from disk into a fresh slot
+    (l0 = 0, l1 = any boundary up to max_context): what `Engine.warmup` compiles. A restore that
+    continues a device-restored prefix (l0 > 0) can need other shapes, compiled at first use."""
+    bt, seen, out = layout.spec.block_tokens, set(), []
+    for l1 in range(bt, layout.config.max_context + 1, bt):
+        rows, tails = swap_in_shapes(layout, 0, l1)
+        if rows in seen:
+            continue
+        seen.add(rows)
+        out.append(
+            (
+                tuple(np.zeros(shape, dt) for dt, shape in rows),
+                tuple(
+                    TailState(**{f: np.zeros(getattr(t, f)[1], getattr(t, f)[0]) for f in TAIL_FIELDS}) for t in tails
+                ),
+            )
+        )
+    return out
 
 
 def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid: jax.Array) -> HybridCache:
@@ -237,6 +289,9 @@ __all__ = [
     "mark_on_disk",
     "swap_in",
     "swap_in_inputs",
+    "swap_in_shapes",
+    "swap_in_size",
+    "swap_in_warmup_inputs",
     "swap_out",
     "window_rows",
 ]

@@ -332,6 +332,27 @@ def test_a_new_engine_on_the_same_store_finds_its_blocks(model, stored, tmp_path
     assert "hkv_prefix_disk_restored_tokens_total" in fresh.metrics_text()
 
 
+def test_after_warmup_a_restore_from_disk_compiles_nothing(model, stored, tmp_path):
+    """warmup() compiles the disk install step (`swap_in`) for every restore from disk into a fresh
+    slot, so a request's first disk restore does not pay a compilation (which the engine would also
+    have to leave out of its disk-read timing)."""
+    from hkv.engine import compiled
+
+    root = tmp_path / "copy"
+    shutil.copytree(stored, root)
+    compiled.clear()  # as in a new process: no step traced yet
+    fresh = make_engine(model, disk=DiskTier(str(root)), warmup=True)
+    warm = {k: v for k, v in fresh.compilations.items() if k.startswith("swap_in[")}
+    assert len(warm) == len(hkv.engine.offload.swap_in_warmup_inputs(fresh.layout)) > 1
+    assert set(warm.values()) == {1}
+    prompts = [diverge(CUT + 2 * BT, tail=3, seed=14), diverge(3 * BT, tail=2, seed=15)]
+    gens = [fresh.generate([p], NEW, return_logits=True)[0] for p in prompts]
+    assert gens[0].plan.disk_tokens == (0, CUT + 2 * BT)  # the second: from disk or device, another bucket
+    assert_same(gens, reference(model, prompts))
+    after = {k: v for k, v in fresh.compilations.items() if k.startswith("swap_in[")}
+    assert after == warm  # the restore used a warmed bucket: nothing compiled
+
+
 def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, stored, tmp_path):
     engine.disk = DiskTier(str(stored))
     forget_device(engine)
