@@ -21,8 +21,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m models.deepseek_v4.demo
 
+# Test files run in HKV_TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
+# module fixtures are built once). XLA compiles on one thread: 2 workers use both cores of a 2-core box.
+HKV_TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --durations=15
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --durations=15 -n $(HKV_TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m slow
