@@ -30,6 +30,7 @@ from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .core.state import HybridCache, init_cache
 from .core.weights import weights_digest
 from .engine.checkpoint import EngineCheckpointError
+from .engine.compiled import enable_compilation_cache
 from .engine.engine import CacheCapacityError, Engine
 from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
 from .engine.requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
@@ -72,6 +73,7 @@ __all__ = [
     "check_invariants",
     "decode_loop",
     "decode_steps",
+    "enable_compilation_cache",
     "evict_cached",
     "init_cache",
     "memory_report",
