@@ -55,16 +55,10 @@ import hkv
 from models import deepseek_v4, gemma3
 from models.deepseek_v4.cache_spec import cache_spec as deepseek_cache_spec
 from models.gemma3.cache_spec import cache_spec as gemma3_cache_spec
-from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.dispatch import describe_backend
 
 print(f"JAX {jax.__version__} on {jax.default_backend()}: {jax.devices()}")
-kernels = resolve_backend(None, False)
-print(
-    "decode attention runs as",
-    {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}[
-        kernels
-    ],
-)
+print("decode attention runs as", describe_backend())
 
 # %% [markdown]
 # ## A tiny DeepSeek-V4

@@ -62,16 +62,10 @@ from tqdm.auto import tqdm
 
 import hkv
 from models import deepseek_v4
-from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.dispatch import describe_backend
 
 print(f"JAX {jax.__version__} on {jax.default_backend()}: {jax.devices()}")
-kernels = resolve_backend(None, False)
-print(
-    "decode attention runs as",
-    {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}[
-        kernels
-    ],
-)
+print("decode attention runs as", describe_backend())
 
 # %% [markdown]
 # ## The model and the conversations

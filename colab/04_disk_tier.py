@@ -56,16 +56,10 @@ import numpy as np
 
 import hkv
 from models import deepseek_v4
-from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.dispatch import describe_backend
 
 print(f"JAX {jax.__version__} on {jax.default_backend()}: {jax.devices()}")
-kernels = resolve_backend(None, False)
-print(
-    "decode attention runs as",
-    {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}[
-        kernels
-    ],
-)
+print("decode attention runs as", describe_backend())
 
 # %% [markdown]
 # ## An engine with a disk tier

@@ -63,19 +63,14 @@ from tqdm.auto import tqdm
 
 import hkv
 from models import deepseek_v4
-from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.dispatch import describe_backend, resolve_backend
 
 print(f"JAX {jax.__version__} on {jax.default_backend()}: {jax.devices()}")
 # JAX's persistent compilation cache (what hkv.Engine turns on by itself): a second run of this notebook
 # loads the compiled prefill and decode programs instead of compiling them ($HKV_COMPILATION_CACHE=0: off).
 print("compilation cache:", hkv.enable_compilation_cache())
-kernels = resolve_backend(None, False)
-print(
-    "decode attention runs as",
-    {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}[
-        kernels
-    ],
-)
+kernels = resolve_backend(None, False)  # "gpu" / "tpu": the Pallas kernels; "reference": jnp
+print("decode attention runs as", describe_backend())
 
 # %% [markdown]
 # ## The model and the cache layout

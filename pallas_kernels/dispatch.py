@@ -37,6 +37,14 @@ def resolve_backend(backend: str | None, interpret: bool) -> str:
     return backend
 
 
+def describe_backend(backend: str | None = None, interpret: bool = False) -> str:
+    """What runs for `backend` / `interpret` (resolved as `resolve_backend` does), in words: e.g.
+    "Pallas kernels (Triton) on gpu" or "the jnp reference (XLA) on cpu"."""
+    what = {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}
+    resolved = resolve_backend(backend, interpret)
+    return f"{what[resolved]}{' in the Pallas interpreter' if interpret and resolved != 'reference' else ''} on {jax.default_backend()}"
+
+
 def pallas_interpret_arg(backend: str, interpret: bool) -> Any:
     """The value to pass as `pl.pallas_call(..., interpret=...)` for a kernel backend."""
     if not interpret:

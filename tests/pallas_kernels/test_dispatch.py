@@ -76,3 +76,14 @@ def test_new_lengths_and_indices_do_not_recompile(backend):
     call(np.array([16, 1], np.int32), [[-1, -1, -1], [0, 1, 2]])
     call(np.array([0, 12], np.int32), [[2, 0, 1], [-1, 3, -1]])
     assert fn._cache_size() == before
+
+
+def test_describe_backend_names_what_runs():
+    from pallas_kernels.dispatch import describe_backend
+
+    platform = jax.default_backend()
+    assert describe_backend("reference") == f"the jnp reference (XLA) on {platform}"
+    assert describe_backend("tpu", interpret=True) == f"Pallas kernels (Mosaic) in the Pallas interpreter on {platform}"
+    assert describe_backend("gpu") == f"Pallas kernels (Triton) on {platform}"
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        describe_backend("cuda")
