@@ -44,7 +44,7 @@ import os
 SMALL = os.environ.get("HKV_NOTEBOOK_SMALL") == "1"
 NEW_TOKENS = 8 if SMALL else 32  # tokens generated per prompt
 PROMPT_LENGTHS = (40, 13) if SMALL else (300, 37, 129)
-CONTEXTS = [4096 * 4**i for i in range(6)]  # 4K .. 1M tokens (memory is computed from shapes: instant)
+CONTEXTS = [4096 * 4**i for i in range(5)]  # 4K, 16K, 64K, 256K, 1M tokens (memory is computed from shapes: instant)
 
 # %%
 import jax
