@@ -499,10 +499,10 @@ class Engine:
         by running each once on the live cache with inputs that change nothing (idle rows, zero
         budgets, empty masks, a slot claimed and released), so the first request pays only its own
         work. Only while the engine is idle. With a disk tier, its install step (`swap_in`) is
-        compiled for every restore from disk into a fresh slot (one shape per power-of-two row count:
-        `hkv.engine.offload.swap_in_warmup_inputs`); a disk restore that continues a prefix restored
-        on device may need another shape, compiled at first use. Not warmed: the per-request metrics
-        update (a few ms).
+        compiled for every restore from disk (one shape per power-of-two block count:
+        `hkv.engine.offload.swap_in_warmup_inputs`; with full-attention layers a restore that
+        continues a prefix restored on device may need another, compiled at first use). Not warmed:
+        the per-request metrics update (a few ms).
 
         Args:
           logits: also compile the `return_logits=True` variants.

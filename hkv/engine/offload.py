@@ -203,21 +203,24 @@ def swap_in(
 
 def swap_in_shapes(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, tuple]:
     """(rows, tails) as (dtype, shape) of the `swap_in` inputs that extend a slot from boundary l0 to
-    l1: per group the rows padded to `bucket` (COMPRESSED / INDEXER: the rows of blocks l0..l1; SWA:
-    the window at l1), per compressor its TAIL snapshot. One compilation of `swap_in` per distinct
-    value; `swap_in_inputs` builds its arrays from it, and `Engine.warmup` compiles them up front."""
+    l1: per group the row capacity (COMPRESSED / INDEXER: the rows of n = (l1 - l0) / block_tokens
+    blocks, padded to a power of two of the most rows n blocks can hold; a windowed SWA group: its
+    `keep` rows; a full-attention group: every row up to l1, padded to a power of two), per
+    compressor its TAIL snapshot. So the shapes depend on n alone (and on l1 for full attention):
+    one compilation of `swap_in` per value; `swap_in_inputs` builds its arrays from it, and
+    `Engine.warmup` compiles them all up front."""
     bt = layout.spec.block_tokens
+    n = (l1 - l0) // bt
     rows = []
     for gi, grp in enumerate(layout.groups):
         dt, (n_layers, _, dim) = expected_objects(layout, bt, snapshot=True)[
             f"g{gi}.window" if grp.kind == ObjectKind.SWA else f"g{gi}.rows"
         ]
         if grp.kind == ObjectKind.SWA:
-            lo, hi = window_rows(layout, gi, l1)
-            n = hi - lo
+            cap = grp.keep if grp.keep is not None else bucket(l1 // grp.unit)
         else:
-            n = l1 // grp.unit - l0 // grp.unit
-        rows.append((dt, (n_layers, bucket(n), dim)))
+            cap = bucket(-(-n * bt // grp.unit))  # n blocks cross at most ceil(n * bt / unit) row boundaries
+        rows.append((dt, (n_layers, cap, dim)))
     snap = expected_objects(layout, bt, snapshot=True)
     tails = tuple(
         TailState(**{f: snap[f"t{ci}.{f}"] for f in TAIL_FIELDS}) for ci in range(len(layout.spec.compressors()))
@@ -253,9 +256,9 @@ def swap_in_size(rows: tuple) -> str:
 
 
 def swap_in_warmup_inputs(layout: CacheLayout) -> list[tuple[tuple, tuple]]:
-    """Zero (rows, tails) for every distinct `swap_in_shapes` of a restore from disk into a fresh slot
-    (l0 = 0, l1 = any boundary up to max_context): what `Engine.warmup` compiles. A restore that
-    continues a device-restored prefix (l0 > 0) can need other shapes, compiled at first use."""
+    """Zero (rows, tails) for every distinct `swap_in_shapes` of a restore from disk (any l0 < l1 on
+    block boundaries): what `Engine.warmup` compiles. With full-attention layers, a restore from
+    l0 > 0 can need a shape not listed here (their rows follow l1), compiled at first use."""
     bt, seen, out = layout.spec.block_tokens, set(), []
     for l1 in range(bt, layout.config.max_context + 1, bt):
         rows, tails = swap_in_shapes(layout, 0, l1)

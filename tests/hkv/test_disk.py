@@ -332,6 +332,21 @@ def test_a_new_engine_on_the_same_store_finds_its_blocks(model, stored, tmp_path
     assert "hkv_prefix_disk_restored_tokens_total" in fresh.metrics_text()
 
 
+def test_swap_in_shapes_depend_on_the_block_count_alone(engine):
+    """Every (l0, l1) a restore from disk can use maps to one of the shapes warmup compiles (the
+    windowed SWA rows are padded to `keep`, compressed rows to the most n blocks can cross)."""
+    from hkv.engine import offload
+
+    layout, bt = engine.layout, engine.spec.block_tokens
+    warm = {tuple(r.shape for r in rows) for rows, _ in offload.swap_in_warmup_inputs(layout)}
+    every = {
+        tuple(shape for _, shape in offload.swap_in_shapes(layout, l0, l1)[0])
+        for l0 in range(0, layout.config.max_context, bt)
+        for l1 in range(l0 + bt, layout.config.max_context + 1, bt)
+    }
+    assert every == warm
+
+
 def test_after_warmup_a_restore_from_disk_compiles_nothing(model, stored, tmp_path):
     """warmup() compiles the disk install step (`swap_in`) for every restore from disk into a fresh
     slot, so a request's first disk restore does not pay a compilation (which the engine would also
