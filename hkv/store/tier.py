@@ -78,7 +78,15 @@ ENV_KEY = "HKV_STORE_KEY"
 MAX_HITS_BYTES = 16 << 20  # a hit file: {"hits": {block key: restores}}
 MAX_HITS = 1 << 20  # block keys in one hit file
 MAX_PROBED_SHARDS = 64  # shard files `_probe` reads to classify one failed read
-_SIZE_OF = re.compile(r"value of size (\d+)")
+# a value's size in a kvstore's OUT_OF_RANGE answer: tensorstore's own wording (file, memory, a short
+# ranged response) or the body of S3's HTTP 416 (InvalidRange, ActualObjectSize)
+_SIZE_OF = re.compile(r"value of size (\d+)|total size (\d+)|<ActualObjectSize>(\d+)</ActualObjectSize>")
+
+
+def _size_in(msg: str) -> int | None:
+    """The value's size an OUT_OF_RANGE error message states, if it states one."""
+    m = _SIZE_OF.search(msg)
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
 class DiskTierClosedError(RuntimeError):
@@ -491,7 +499,8 @@ class DiskTier:
         """Read small files without ever loading more than `cap` bytes of one: {key: (bytes, None)},
         (None, None) for a missing key, (None, why) for one that is larger than `cap` or cannot be
         read (a symlink loop, a permission error). A 1-byte probe at offset `cap` first (the kvstore
-        answers OUT_OF_RANGE with the value's size), then a read of exactly that many bytes."""
+        answers OUT_OF_RANGE with the value's size), then a read of exactly that many bytes (of at most
+        `cap` where the answer did not state the size: its OUT_OF_RANGE states it, then exactly that)."""
         out: dict[str, tuple[bytes | None, str | None]] = {}
         sizes: dict[str, int | None] = {}
         probes = {k: self.kv.read(k, byte_range=slice(cap, cap + 1)) for k in keys}
@@ -501,8 +510,7 @@ class DiskTier:
             except Exception as e:  # noqa: BLE001 — classified: smaller than the cap, or unreadable
                 msg = str(e)
                 if "OUT_OF_RANGE" in msg:
-                    m = _SIZE_OF.search(msg)
-                    sizes[k] = int(m.group(1)) if m else None
+                    sizes[k] = _size_in(msg)
                 else:
                     out[k] = (None, f"unreadable: {msg[:300]}")
                 continue
@@ -511,13 +519,21 @@ class DiskTier:
                 if r.state != "value"
                 else (None, f"more than {cap:,} bytes, the most such a file may have")
             )
-        reads = {k: self.kv.read(k, byte_range=slice(0, n)) if n else self.kv.read(k) for k, n in sizes.items()}
+        # never an unbounded read: the object may have grown since the probe (another writer)
+        reads = {k: self.kv.read(k, byte_range=slice(0, cap if n is None else n)) for k, n in sizes.items()}
         for k, fut in reads.items():
             try:
                 r = fut.result()
             except Exception as e:  # noqa: BLE001 — e.g. replaced by a shorter file between the reads
-                out[k] = (None, f"unreadable: {str(e)[:300]}")
-                continue
+                n = _size_in(str(e)) if sizes[k] is None else None  # a store whose probe answer had no size
+                if n is None or n > cap:
+                    out[k] = (None, f"unreadable: {str(e)[:300]}")
+                    continue
+                try:
+                    r = self.kv.read(k, byte_range=slice(0, n)).result()
+                except Exception as e2:  # noqa: BLE001 — changed again since: unreadable
+                    out[k] = (None, f"unreadable: {str(e2)[:300]}")
+                    continue
             out[k] = (bytes(r.value), None) if r.state == "value" else (None, None)
         return out
 

@@ -24,6 +24,7 @@ import boto3
 from moto.server import ThreadedMotoServer
 
 import hkv
+from hkv.store import manifest as mf
 from hkv.store.tier import DISK_REASONS, DiskTier
 
 from .test_disk import (
@@ -325,3 +326,98 @@ def test_fault_on_s3_gives_shorter_plan_with_reason_and_exact_output(
     report = DiskTier(s3.spec(prefix)).verify()
     assert report["blocks_ok"] == CUT // BT
     assert sum(report[r] for r in DISK_REASONS) + report["orphaned_segments"] >= 1
+
+
+class _Racing:
+    """The tier's kvstore, except that right after the size probe of `key` (a 1-byte read at the cap)
+    the object is replaced by `grown` (another writer, between the probe and the read); records the
+    size of every value read."""
+
+    def __init__(self, kv, s3, key: str, grown: bytes):
+        self._kv, self._s3, self._key, self._grown, self.sizes = kv, s3, key, grown, []
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def read(self, key, *args, byte_range=None, **kw):
+        fut = self._kv.read(key, *args, byte_range=byte_range, **kw)
+        racing = (
+            key == self._key.split("/", 1)[1] and byte_range is not None and byte_range.start == mf.MAX_MANIFEST_BYTES
+        )
+        if racing:
+            fut.exception()  # waits until the probe has its answer (OUT_OF_RANGE: smaller than the cap)
+            self._s3.put(self._key, self._grown)
+        return _Sized(fut, self.sizes)
+
+
+class _Sized:
+    def __init__(self, fut, sizes):
+        self._fut, self._sizes = fut, sizes
+
+    def result(self):
+        r = self._fut.result()
+        if r.state == "value":
+            self._sizes.append(len(r.value))
+        return r
+
+
+def test_a_manifest_that_grows_after_its_size_probe_is_never_read_whole_on_s3(s3, prefix):
+    """S3 answers the size probe (a 1-byte read at the 16 MiB cap) with HTTP 416 and the object's size
+    in the body, not in tensorstore's "value of size N" wording: the read after it must still be
+    bounded, so a manifest replaced by a huge object between the two requests is never loaded whole
+    (regression: the tier fell back to an unbounded read of the whole object on S3)."""
+    writer = DiskTier(s3.spec(prefix))
+    writer.write(ABI, chain("g", 2))
+    tier = DiskTier(s3.spec(prefix), refresh_seconds=3600)  # indexes chain g
+    writer.write(ABI, chain("h", 2))  # a second segment this tier has not seen yet
+    (key,) = [
+        k
+        for k in s3.keys(f"{prefix}/manifests")
+        if not any(k.endswith(f"{s.name}.json") for s in tier._segments.values())
+    ]
+    racing = _Racing(tier.kv, s3, key, b" " * (mf.MAX_MANIFEST_BYTES + (1 << 20)))
+    tier.kv = racing
+    tier.refresh(force=True)
+    assert racing.sizes and max(racing.sizes) <= mf.MAX_MANIFEST_BYTES
+    assert key[len(prefix) + 1 :] in tier._bad  # one bad segment, with its reason
+    assert tier._bad[key[len(prefix) + 1 :]][0] in DISK_REASONS
+    tier.kv = racing._kv
+    g = chain("g", 2)
+    res = tier.read(tier.find_chain(ABI, *_keys(g)).refs)
+    assert res.reason is None and len(res.payloads) == 2  # every other segment is still restored
+
+
+class _Sizeless(_Racing):
+    """An S3-compatible store whose HTTP 416 body does not state the object's size (the probe's
+    OUT_OF_RANGE says only that the range is not satisfiable)."""
+
+    def read(self, key, *args, byte_range=None, **kw):
+        if byte_range is not None and byte_range.start == mf.MAX_MANIFEST_BYTES:
+            return _Fails(ValueError("OUT_OF_RANGE: InvalidRange: The requested range is not satisfiable"))
+        return super().read(key, *args, byte_range=byte_range, **kw)
+
+
+class _Fails:
+    def __init__(self, e):
+        self._e = e
+
+    def result(self):
+        raise self._e
+
+
+def test_a_store_that_does_not_state_sizes_still_indexes_its_manifests_reading_at_most_the_cap(s3, prefix):
+    writer = DiskTier(s3.spec(prefix))
+    writer.write(ABI, chain("s", 2))
+    writer.write(ABI, chain("z", 3))
+    tier = DiskTier(s3.spec(prefix), refresh_seconds=3600)
+    sizeless = _Sizeless(tier.kv, s3, "-/never", b"")
+    tier.kv = sizeless
+    tier._segments.clear()
+    tier._blocks.clear()
+    tier.refresh(force=True)
+    assert len(tier._segments) == 2 and not tier._bad
+    assert sizeless.sizes and max(sizeless.sizes) <= mf.MAX_MANIFEST_BYTES
+    tier.kv = sizeless._kv  # the manifests were indexed through it; the data is read as usual
+    for name, n in (("s", 2), ("z", 3)):
+        res = tier.read(tier.find_chain(ABI, *_keys(chain(name, n))).refs)
+        assert res.reason is None and len(res.payloads) == n
