@@ -28,9 +28,11 @@ preempted request continues exactly as it would have.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import os
 import signal
 import threading
 import time
@@ -526,47 +528,89 @@ class Engine:
 
             keeps = (False, True) if logits else (False,)
             rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
+            model_steps = []  # (jitted step, its arguments after (layout, cache), name)
             for keep in keeps:
                 for b in rows:
-                    name = step_name("prefill", f"{b}x{c}", logits=keep)
-                    self._names.add(name)
                     z = np.zeros((b,), np.int32)
-                    run(self._prefill, self._weights, np.zeros((b, c), np.int32), z, z,
-                        SamplingParams.stack([GREEDY] * b), keep, name=name)  # fmt: skip
+                    args = (self._weights, np.zeros((b, c), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep)
+                    model_steps.append((self._prefill, args, step_name("prefill", f"{b}x{c}", logits=keep)))
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
-                    name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)
-                    self._names.add(name)
                     z = np.zeros((s,), np.int32)
-                    run(self._decode, self._weights, z, np.arange(s, dtype=np.int32),
-                        SamplingParams.stack([GREEDY] * s), z, np.full((s, n_stop), -1, np.int32),
-                        self.decode_steps, keep, name=name)  # fmt: skip
-            slot, status = run(self._claim, name="claim")
-            slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
-            if self.prefix_enabled:  # device arrays, as requests pass them (numpy inputs are another jit key)
+                    args = (self._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+                            np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
+                    model_steps.append(
+                        (self._decode, args, step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep))
+                    )
+
+            def slot_steps(slot):
+                """The transitions run on a claimed slot (device arrays, as requests pass them: numpy
+                inputs would be another jit key)."""
+                out = []
+                if not self.prefix_enabled:
+                    return out
                 nb = self.layout.config.max_context // bt
                 keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
-                run(self._restore, slot, keys, toks, jnp.int32(0), name="restore")
+                out.append((self._restore, (slot, keys, toks, jnp.int32(0)), "restore"))
                 if self.window_recompute_tokens:
                     ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
-                    run(self._restore_window, self._weights, slot, keys, toks, jnp.int32(0), ids, name="restore_window")
+                    out.append(
+                        (self._restore_window, (self._weights, slot, keys, toks, jnp.int32(0), ids), "restore_window")
+                    )
                 for k in (1, 16, RECORD_BATCH):
-                    run(self._record_many, slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1),
-                        jnp.zeros((k, bt), jnp.int32), jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32),
-                        jnp.arange(k) < 0, name="record_many")  # fmt: skip
+                    args = (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
+                            jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32), jnp.arange(k) < 0)  # fmt: skip
+                    out.append((self._record_many, args, "record_many"))
                 none = jnp.zeros((self.layout.config.prefix_records,), bool)
-                run(self._evict, none, none, none, name="evict")
+                out.append((self._evict, (none, none, none), "evict"))
                 if self.disk is not None:
                     for k in (1, 2, 4, 8):
-                        run(self._mark_on_disk, jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0, name="mark_on_disk")
-                    for rows, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
-                        name = step_name("swap_in", swap.swap_in_size(rows))
-                        self._names.add(name)
-                        run(self._swap_in, slot, jnp.int32(0), jnp.int32(0), rows, tails, name=name)
+                        out.append(
+                            (self._mark_on_disk, (jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0), "mark_on_disk")
+                        )
+                    for rows_, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
+                        name = step_name("swap_in", swap.swap_in_size(rows_))
+                        out.append((self._swap_in, (slot, jnp.int32(0), jnp.int32(0), rows_, tails), name))
+                return out
+
+            placeholder = jnp.int32(0)
+            every = [*model_steps, (self._claim, (), "claim"), *slot_steps(placeholder)]
+            every.append((self._release, (placeholder,), "release"))
+            self._names.update(n for _, _, n in every if n.startswith(("prefill[", "decode[", "swap_in[")))
+            self._precompile(every, times)
+            for fn, args, name in model_steps:
+                run(fn, *args, name=name)
+            slot, status = run(self._claim, name="claim")
+            slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
+            for fn, args, name in slot_steps(slot):
+                run(fn, *args, name=name)
             run(self._release, slot, name="release")
             self._stats.update({k: v for k, v in before.items() if k != "compile_seconds"})
             self._stats["compile_seconds"] += sum(times.values())
             self._say(f"warmed up {len(times)} steps in {sum(times.values()):.1f}s")
             return times
+
+    def _precompile(self, calls: list, times: dict[str, float]) -> None:
+        """Compile `calls` [(jitted step, arguments after (layout, cache), name)] in parallel threads
+        (XLA compiles a program on one thread; JAX keeps each for the step's next call with the same
+        argument types, so `warmup` then only runs them). An optimization only: a step that fails
+        to compile here compiles at its call."""
+        workers = min(len(calls), os.cpu_count() or 1)
+        if workers < 2:
+            return
+
+        def one(call):
+            fn, args, name = call
+            t0 = time.perf_counter()
+            with self._bars.compiling(name):
+                try:
+                    fn.lower(self.layout, self.cache, *args).compile()
+                except Exception:  # noqa: BLE001 — the call itself compiles it and raises what is wrong
+                    return name, 0.0
+            return name, time.perf_counter() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hkv-compile") as pool:
+            for name, seconds in pool.map(one, calls):
+                times[name] = times.get(name, 0.0) + seconds
 
     @property
     def pending(self) -> int:
