@@ -207,6 +207,14 @@ def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, st
     abi, seg = _segment(root, CUT // BT)
     damage, reason = FAULTS[fault]
     damage(root, abi, seg)
+    assert_fault_is_a_shorter_plan(model, engine, reason, str(root))
+
+
+def assert_fault_is_a_shorter_plan(model, engine, reason: str, store) -> None:
+    """After damage to the second segment of `stored`: the whole prompt hits the hash, the first
+    segment is restored from disk, the plan stops at `reason`, the output is exact, the engine counts
+    the rejection, and a freshly opened tier on `store` (a restarted server) never lists the broken
+    segment's blocks as restorable."""
     prompt = diverge(len(BASE) // BT * BT, tail=3, seed=7)
     (g,) = engine.generate([prompt], NEW, return_logits=True)
     assert g.plan.hash_hit_tokens == len(BASE) // BT * BT
@@ -215,8 +223,7 @@ def test_fault_gives_shorter_plan_with_reason_and_exact_output(model, engine, st
     assert g.plan.first_failed_stage == ("abi" if reason == "disk_abi" else "byte")
     assert_same([g], reference(model, [prompt]))
     assert engine.stats()["prefix"]["rejections"][g.plan.first_failed_stage][reason] >= 1
-    # a freshly opened tier (a restarted server) never lists the broken segment's blocks as restorable
-    report = DiskTier(str(root)).verify()
+    report = DiskTier(store).verify()
     assert report["blocks_ok"] == CUT // BT
     assert sum(report[r] for r in hkv.store.tier.DISK_REASONS) + report["orphaned_segments"] >= 1
 

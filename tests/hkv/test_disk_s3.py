@@ -28,6 +28,7 @@ from hkv.store import manifest as mf
 from hkv.store.tier import DISK_REASONS, DiskTier
 
 from .test_disk import (
+    assert_fault_is_a_shorter_plan,
     CUT,
     FAULTS,
     NEW,
@@ -316,16 +317,7 @@ def test_fault_on_s3_gives_shorter_plan_with_reason_and_exact_output(
     with s3.as_directory(prefix, tmp_path / "copy") as root:
         abi, seg = _segment(root, CUT // BT)
         damage(root, abi, seg)
-    prompt = diverge(len(BASE) // BT * BT, tail=3, seed=7)
-    (g,) = engine.generate([prompt], NEW, return_logits=True)
-    assert g.plan.hash_hit_tokens == len(BASE) // BT * BT
-    assert g.plan.restored_tokens == CUT and g.plan.disk_tokens == (0, CUT), g.plan
-    assert g.plan.reason == reason
-    assert g.plan.first_failed_stage == ("abi" if reason == "disk_abi" else "byte")
-    assert_same([g], reference(model, [prompt]))
-    report = DiskTier(s3.spec(prefix)).verify()
-    assert report["blocks_ok"] == CUT // BT
-    assert sum(report[r] for r in DISK_REASONS) + report["orphaned_segments"] >= 1
+    assert_fault_is_a_shorter_plan(model, engine, reason, s3.spec(prefix))
 
 
 class _Racing:
