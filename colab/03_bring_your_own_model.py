@@ -320,21 +320,20 @@ assert report.window_rebuild_tokens == 0 and "window_refused" in report.routes
 # `Generation.plan` (an `hkv.RestorePlan`) says how many tokens the hash matched, how many survived
 # each validation stage, and how many were restored.
 #
-# Cached prefixes hold pages next to the live sequences', so the pools get 4x the pages two sequences
-# need (`pool_pages`, one entry per group of same-shaped cache objects). That is also the configuration
-# `check_model` ran, so the engine finds its compiled steps in JAX's compilation cache (on by default).
+# `report.engine_config` / `report.engine_options` are the configuration of the engine `check_model`
+# ran its restore checks on (pools with 4x the pages two sequences need, so cached prefixes fit next to
+# the live sequences; 64 prefix records; 16-token blocks and prefill chunks). Serving with it reuses the
+# steps compiled during the check: nothing compiles again.
 
 
 # %%
 def serving_engine() -> hkv.Engine:
-    base = hkv.CacheConfig(slots=2, max_context=MAX_CONTEXT, page_size=16)
-    need = hkv.CacheLayout(model.cache_spec(block_tokens=16), base)
-    pages = tuple(4 * need.pool_pages(g) for g in range(len(need.groups)))
-    config = dataclasses.replace(base, pool_pages=pages, prefix_records=64)
-    return hkv.Engine(model, config, block_tokens=16, prefill_chunk=16)
+    # the configuration of the engine check_model's restore checks ran on: its programs are compiled
+    return hkv.Engine(model, report.engine_config, **report.engine_options)
 
 
 engine = serving_engine()
+print("prefix records", report.engine_config.prefix_records, "| engine options", report.engine_options)
 rng = np.random.default_rng(1)
 turn1 = rng.integers(2, cfg.vocab_size, SYSTEM_TOKENS).tolist()
 (g1,) = engine.generate([turn1], NEW_TOKENS, return_logits=True)

@@ -42,12 +42,17 @@ class ConformanceReport:
       "window", "disk"); "window_refused": cut points where a full-attention spec correctly fell back.
     max_abs_diff: the largest |logit difference| against the stateless forward over all checks.
     window_rebuild_tokens: R of the spec (0: the window-rebuild route is not allowed).
+    engine_config, engine_options: the `CacheConfig` and `Engine` keyword arguments of the prefix
+      engine the restore checks ran on: `Engine(model, report.engine_config, **report.engine_options)`
+      serves the checked model with the programs compiled during the check (no new compilation).
     """
 
     checks: list[str] = dataclasses.field(default_factory=list)
     routes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     max_abs_diff: float = 0.0
     window_rebuild_tokens: int = 0
+    engine_config: CacheConfig | None = None
+    engine_options: dict = dataclasses.field(default_factory=dict)
 
 
 def _fail(check: str, detail: str) -> AssertionError:
@@ -224,6 +229,8 @@ def check_model(
 
     # (c) restore routes on one engine (chunk = block_tokens: every boundary keeps a snapshot)
     eng = _engine(model, bt, bt, ctx, prefix=True, kernel_options=kernels)
+    report.engine_config = eng.layout.config
+    report.engine_options = {"block_tokens": bt, "prefill_chunk": bt, "kernel_options": kernels}
     ck.generate(f"stateless[chunk={bt}]", eng, [base], new_tokens)
     report.checks.append(f"stateless[chunk={bt}]")
 

@@ -23,6 +23,10 @@ def test_deepseek_v4_conforms():
     assert report.window_rebuild_tokens > 0  # every DeepSeek-V4 layer is windowed: all three routes
     assert set(report.routes) == {"snapshot", "disk", "window"}
     assert report.max_abs_diff < 1e-4
+    # the checked model served with the engine the check ran: its compiled programs, nothing new
+    engine = hkv.Engine(model, report.engine_config, **report.engine_options)
+    engine.generate([list(range(3, 40)), list(range(5, 30))], 4)
+    assert engine.compilations and set(engine.compilations.values()) == {1}
 
 
 def test_gemma3_conforms(tmp_path):
