@@ -542,14 +542,18 @@ class Engine:
                         (self._decode, args, step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep))
                     )
 
+            nb = self.layout.config.max_context // bt
+            keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
+            disk_inputs = (
+                swap.swap_in_warmup_inputs(self.layout) if self.prefix_enabled and self.disk is not None else []
+            )
+
             def slot_steps(slot):
                 """The transitions run on a claimed slot (device arrays, as requests pass them: numpy
-                inputs would be another jit key)."""
+                inputs would be another jit key); built twice, for the slot compiled and the slot run."""
                 out = []
                 if not self.prefix_enabled:
                     return out
-                nb = self.layout.config.max_context // bt
-                keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
                 out.append((self._restore, (slot, keys, toks, jnp.int32(0)), "restore"))
                 if self.window_recompute_tokens:
                     ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
@@ -567,7 +571,7 @@ class Engine:
                         out.append(
                             (self._mark_on_disk, (jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0), "mark_on_disk")
                         )
-                    for rows_, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
+                    for rows_, tails in disk_inputs:  # l0 == l1: BAD_REQUEST, no change
                         name = step_name("swap_in", swap.swap_in_size(rows_))
                         out.append((self._swap_in, (slot, jnp.int32(0), jnp.int32(0), rows_, tails), name))
                 return out

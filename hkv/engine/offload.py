@@ -211,17 +211,15 @@ def swap_in_shapes(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, tuple]
     `Engine.warmup` compiles them all up front."""
     bt = layout.spec.block_tokens
     n = (l1 - l0) // bt
+    snap = expected_objects(layout, bt, snapshot=True)  # dtypes, layer counts, widths and TAIL shapes
     rows = []
     for gi, grp in enumerate(layout.groups):
-        dt, (n_layers, _, dim) = expected_objects(layout, bt, snapshot=True)[
-            f"g{gi}.window" if grp.kind == ObjectKind.SWA else f"g{gi}.rows"
-        ]
+        dt, (n_layers, _, dim) = snap[f"g{gi}.window" if grp.kind == ObjectKind.SWA else f"g{gi}.rows"]
         if grp.kind == ObjectKind.SWA:
             cap = grp.keep if grp.keep is not None else bucket(l1 // grp.unit)
         else:
             cap = bucket(-(-n * bt // grp.unit))  # n blocks cross at most ceil(n * bt / unit) row boundaries
         rows.append((dt, (n_layers, cap, dim)))
-    snap = expected_objects(layout, bt, snapshot=True)
     tails = tuple(
         TailState(**{f: snap[f"t{ci}.{f}"] for f in TAIL_FIELDS}) for ci in range(len(layout.spec.compressors()))
     )
@@ -239,8 +237,7 @@ def swap_in_inputs(layout: CacheLayout, payloads: list[BlockPayload], l0: int) -
             a = last.objects[f"g{gi}.window"][0]
         else:
             a = np.concatenate([p.objects[f"g{gi}.rows"][0] for p in payloads], axis=1)
-        dt, shape = shapes[gi]
-        buf = np.zeros(shape, a.dtype)
+        buf = np.zeros(shapes[gi][1], a.dtype)
         buf[:, : a.shape[1]] = a
         rows.append(buf)
     tails = tuple(
