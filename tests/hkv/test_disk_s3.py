@@ -41,7 +41,7 @@ from .test_disk import (
     reference,
 )
 from .test_disk_cli import _count, _run
-from .test_disk_tier import ABI, chain
+from .test_disk_tier import ABI, assert_same_payloads, chain
 from .test_prefix import BASE, BT, diverge
 
 BUCKET = "hkv-test"
@@ -168,11 +168,7 @@ def test_round_trip_on_s3_returns_the_exact_bytes_and_dtypes(s3, prefix):
     assert found.stop is None and len(found.refs) == 5
     res = tier.read(found.refs)
     assert res.reason is None and len(res.payloads) == 5
-    for got, want in zip(res.payloads, blocks):
-        assert got.key == want.key and got.parent == want.parent and got.tokens == want.tokens
-        for name, (arr, row) in want.objects.items():
-            assert got.objects[name][0].dtype == arr.dtype and got.objects[name][1] == row
-            assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
+    assert_same_payloads(res.payloads, blocks)
     assert tier.verify()["blocks_ok"] == 5
 
 

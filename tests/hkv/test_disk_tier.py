@@ -37,6 +37,18 @@ def chain(name: str, n: int, *, snapshot_every: int = 1, kib: int = 8, start: in
     return out
 
 
+def assert_same_payloads(got_payloads, want_payloads) -> None:
+    """Read-back payloads equal what was written: key, parent, tokens, snapshot flag, and every
+    object's dtype, first row and bytes."""
+    assert len(got_payloads) == len(want_payloads)
+    for got, want in zip(got_payloads, want_payloads):
+        assert got.key == want.key and got.parent == want.parent
+        assert got.tokens == want.tokens and got.snapshot == want.snapshot
+        for name, (arr, row) in want.objects.items():
+            assert got.objects[name][0].dtype == arr.dtype and got.objects[name][1] == row
+            assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
+
+
 def test_round_trip_returns_the_exact_bytes_and_dtypes(tmp_path):
     tier = DiskTier(str(tmp_path))
     blocks = chain("a", 5)
@@ -45,11 +57,7 @@ def test_round_trip_returns_the_exact_bytes_and_dtypes(tmp_path):
     assert found.stop is None and len(found.refs) == 5
     res = tier.read(found.refs)
     assert res.reason is None and len(res.payloads) == 5
-    for got, want in zip(res.payloads, blocks):
-        assert got.key == want.key and got.parent == want.parent and got.snapshot == want.snapshot
-        for name, (arr, row) in want.objects.items():
-            assert got.objects[name][0].dtype == arr.dtype and got.objects[name][1] == row
-            assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
+    assert_same_payloads(res.payloads, blocks)
 
 
 def test_chain_stops_at_an_absent_block_a_collision_or_a_foreign_abi(tmp_path):
