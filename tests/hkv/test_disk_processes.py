@@ -492,5 +492,50 @@ def test_reader_never_sees_a_wrong_payload_while_another_process_writes(tmp_path
     )
 
 
+# ------------------------------------------------------- 4. verify while another host evicts
+def test_verify_while_another_host_evicts_reports_no_bad_block(tmp_path, capsys):
+    """`verify` (and `hkv store verify`) on a live shared store: a segment another host evicts
+    (`enforce_budget` / `delete_segment`: manifest first, then data) between verify's listing and its
+    read of that segment is gone, not bad: no `disk_missing`, no orphan, exit code 0; nor is a segment
+    another host publishes after verify's listing an orphan. The eviction is
+    placed deterministically: another tier on the same store deletes the segment just before this
+    tier's verify reads it (and, for the second segment, after verify read its manifest's first
+    block: the data disappears mid-segment)."""
+    path = str(tmp_path / "store")
+    writer = DiskTier(path, writer_id="w")
+    for c in ("keep", "gone0", "gone1"):
+        writer.write(ABI, [payload(c, i, 4096) for i in range(3)])
+    segment = {m["blocks"][0]["key"]: m["segment"] for m in _manifests(path)}
+    doomed = {segment[key(c, 0).hex()]: c for c in ("gone0", "gone1")}
+    checker, evictor = DiskTier(path), DiskTier(path)  # two hosts: one verifies, one evicts
+    real_read = checker.read
+
+    def evict_first(refs, *a, **kw):
+        seg = refs[0].segment if refs else None
+        if seg == segment[key("keep", 0).hex()] and not writer.counters["segments_written"] > 3:
+            writer.write(ABI, [payload("late", 0, 4096)])  # published after verify's listing: no orphan
+        if doomed.get(seg) == "gone0":  # deleted before any of its blocks is read
+            evictor.delete_segment(ABI, seg)
+        elif doomed.get(seg) == "gone1" and len(refs) == 3:  # one block verified, then deleted
+            out = real_read(refs[:1], *a, **kw)
+            evictor.delete_segment(ABI, seg)
+            rest = real_read(refs[1:], *a, **kw)
+            return type(out)(out.payloads + rest.payloads, rest.reason, rest.detail)
+        return real_read(refs, *a, **kw)
+
+    checker.read = evict_first
+    report = checker.verify()
+    assert evictor.counters["segments_evicted"] == 2
+    assert all(report[r] == 0 for r in ("disk_missing", "disk_checksum", "disk_truncated")), report["problems"]
+    assert (report["segments"], report["blocks_ok"], report["orphaned_segments"]) == (1, 3, 0), report
+    checker.read = real_read
+
+    from hkv.store.cli import main
+
+    assert main(["store", "verify", "--json", path]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert (rep["segments"], rep["blocks_ok"], rep["orphaned_segments"]) == (2, 4, 0)  # "late" listed now
+
+
 if __name__ == "__main__":
     ROLES[sys.argv[1]](*sys.argv[2:])
