@@ -550,5 +550,38 @@ def test_three_hosts_every_phase(tmp_path, capsys):
     check_killed_mid_write(c, capsys)
 
 
+@pytest.mark.slow
+def test_readme_many_hosts_example_runs(tmp_path):
+    """README "Many hosts": its host.py, run as written by two processes (one a coordinator on
+    127.0.0.1), restores host 0's blocks on host 1 from the shared store."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("### Many hosts", 1)[1].split("\n## ", 1)[0]
+    (script,) = re.findall(r"```python\n(# host.py.*?)```", section, re.DOTALL)
+    (tmp_path / "host.py").write_text(script)
+    port, store = _free_port(), str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "host.py"), str(i), "2", f"127.0.0.1:{port}", store],
+            env=_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=DEADLINE)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs[1][-4000:] + outs[0][-4000:]
+    assert "host 1: tokens (0, 128) restored from the store" in outs[1], outs[1][-4000:]
+
+
 if __name__ == "__main__":
     ROLES[sys.argv[1]](*sys.argv[2:])
