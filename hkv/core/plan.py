@@ -73,6 +73,8 @@ class RestorePlan:
     it was cheaper than recomputing the gap, the [L - R, L) tokens re-run (without sealing) to rebuild
     them; R = layers x (window - 1), the receptive field of the windows.
     disk_tokens: [L0, L1) tokens installed from the disk tier (verified before use), or None.
+    shard: the data shard of an `hkv.MeshEngine` that served the request (its router's choice), or
+    None on a single-device `hkv.Engine`.
     """
 
     prompt_tokens: int
@@ -85,6 +87,7 @@ class RestorePlan:
     status: str = "OK"
     window_recomputed: tuple[int, int] | None = None
     disk_tokens: tuple[int, int] | None = None
+    shard: int | None = None
 
     @classmethod
     def from_device(cls, plan: DevicePlan, block_tokens: int, prompt_tokens: int) -> "RestorePlan":

@@ -143,6 +143,7 @@ class _Seq:
     prev_use: int | None = None
     prev_len: int | None = None
     record_stopped: bool = False  # refused a record slot: this request caches no more blocks
+    shard: int | None = None  # data shard of an `hkv.MeshEngine` (None: a single-device engine)
 
     @property
     def done(self) -> bool:
@@ -161,7 +162,7 @@ class _Seq:
             tokens=list(self.tokens),
             logprobs=np.asarray(self.logprobs, np.float32),
             finish_reason=self.finish_reason or "length",
-            plan=self.plan or RestorePlan.cold(len(self.prompt)),
+            plan=dataclasses.replace(self.plan or RestorePlan.cold(len(self.prompt)), shard=self.shard),
             logits=logits,
             seed=None if self.sampling.greedy else self.seed,
         )
@@ -259,13 +260,9 @@ class Engine:
         self._bars = Bars(progress_bars)
         self.model = model
         self.disk = disk
-        self._graphdef, weights = nnx.split(model)
-        self._weights = jax.tree.map(lambda x: x, weights)  # a snapshot: later changes to `model` cannot alter it
-        self.spec = dataclasses.replace(
-            model.cache_spec(block_tokens=block_tokens, model_id=model_id), weights_digest=weights_digest(self._weights)
-        )  # the ABI covers the weights
+        self._bind_model(model, block_tokens, model_id)  # _graphdef, _weights, spec
         self.layout = CacheLayout(self.spec, config)
-        self.cache = init_cache(self.layout)
+        self.cache = self._new_cache()
         self.prefill_chunk = prefill_chunk
         self.prefill_batch = positive("prefill_batch", prefill_batch)
         self.decode_steps = decode_steps
@@ -282,7 +279,7 @@ class Engine:
             "decode_seconds": 0.0,
             "compile_seconds": 0.0,
         }
-        self._steps = compiled_steps(self._graphdef, kernel_options, self.layout)
+        self._steps = self._make_steps(kernel_options)
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
@@ -317,6 +314,33 @@ class Engine:
         self._cost = {"chunk": None, "disk_token": None}
         if warmup:
             self.warmup()
+
+    # ------------------------------------------------- device bindings (`hkv.MeshEngine` overrides)
+    def _bind_model(self, model, block_tokens: int, model_id: str) -> None:
+        """Set `_graphdef`, `_weights` (a snapshot: later changes to `model` cannot alter it) and
+        `spec` (its ABI covers the weights)."""
+        self._graphdef, weights = nnx.split(model)
+        self._weights = jax.tree.map(lambda x: x, weights)
+        self.spec = dataclasses.replace(
+            model.cache_spec(block_tokens=block_tokens, model_id=model_id), weights_digest=weights_digest(self._weights)
+        )
+
+    def _new_cache(self):
+        """The value transitions run on (`_tx` passes it and installs what they return)."""
+        return init_cache(self.layout)
+
+    def _make_steps(self, kernel_options: dict | None):
+        """The compiled transitions (`CompiledSteps`' names and signatures)."""
+        return compiled_steps(self._graphdef, kernel_options, self.layout)
+
+    @property
+    def _view(self):
+        """This engine's `HybridCache` for host reads (prefix index, counters, page bookkeeping)."""
+        return self.cache
+
+    def _reset_cache(self) -> None:
+        """Replace a cache lost to an interrupted transition with a fresh one."""
+        self.cache = init_cache(self.layout)
 
     # ---------------------------------------------------------------------------------- api
     @property
@@ -629,7 +653,7 @@ class Engine:
         `flush_disk`). Returns the number of blocks queued. E.g. before a planned shutdown."""
         if self.disk is None:
             raise ValueError("write_through needs a disk tier (Engine(..., disk=hkv.DiskTier(path)))")
-        return self._offload(jax.device_get(self.cache.prefix))
+        return self._offload(jax.device_get(self._view.prefix))
 
     def evict_prefixes(self) -> int:
         """Evict every cached prefix record from device memory (between `generate` calls), writing the
@@ -638,7 +662,7 @@ class Engine:
             raise ValueError(f"evict_prefixes while {len(self._live())} sequences run; call it between steps")
         if not self.prefix_enabled:
             return 0
-        p = jax.device_get(self.cache.prefix)
+        p = jax.device_get(self._view.prefix)
         alive = np.asarray(p.state) == px.RecordState.ALIVE
         if self.disk is not None:
             self._offload(p)
@@ -676,19 +700,19 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters, the cache's transition counters and the prefix metrics (a host snapshot)."""
-        counters = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
+        counters = {k: int(v) for k, v in jax.device_get(self._view.counters).items()}
         return {
             **self._stats,
             "compilations": dict(self.compilations),
             "cache": counters,
             "prefix": self.prefix_stats() if self.prefix_enabled else None,
-            "active_slots": int(np.asarray(self.cache.active).sum()),
+            "active_slots": int(np.asarray(self._view.active).sum()),
             "abi_fingerprint": self.spec.fingerprint(),
         }
 
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes allocated and live per object kind; see `hkv.memory.memory_report`."""
-        return memory_report(self.layout, self.cache)
+        return memory_report(self.layout, self._view)
 
     def architectural_minimum(self, context: int) -> dict[str, int]:
         return architectural_minimum(self.spec, context)
@@ -808,14 +832,19 @@ class Engine:
         with self._inbox_lock:
             self._queue.extend(self._inbox)
             self._inbox.clear()
-        self._reap()
-        self._admit_waiting()
-        if self._prefilling:
-            self._prefill_step()
+        self._step_admit_prefill()
         if self._running:
             self._decode_step()
         self._reap()
         return bool(self._queue or self._prefilling or self._running)
+
+    def _step_admit_prefill(self) -> None:
+        """The part of a step before decoding: drop cancelled requests, admit waiting ones, one
+        prefill chunk."""
+        self._reap()
+        self._admit_waiting()
+        if self._prefilling:
+            self._prefill_step()
 
     def _reap(self) -> None:
         """Drop cancelled requests: queued ones leave the queue, live ones release their slots."""
@@ -940,6 +969,12 @@ class Engine:
 
     def _decode_step(self) -> None:
         """Up to `decode_steps` tokens for every decoding request, in one on-device loop."""
+        rows, args, name = self._decode_inputs()
+        out, dt, fresh = self._timed(self._decode, *args, name=name)
+        self._decode_outputs(rows, jax.device_get(out[:5]), out[5], dt, fresh)
+
+    def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
+        """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
         s, k = self.layout.slots, self.decode_steps
         bt = self.spec.block_tokens
         rows = list(self._running.values())
@@ -957,20 +992,15 @@ class Engine:
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
         name = step_name("decode", str(k), stops=n_stop, logits=keep)
-        out, dt, fresh = self._timed(
-            self._decode,
-            self._weights,
-            tokens,
-            np.arange(s, dtype=np.int32),
-            SamplingParams.stack(sampling, seeds),
-            budget,
-            stop_ids,
-            k,
-            keep,
-            name=name,
-        )
-        toks, lps, n_new, _, status = jax.device_get(out[:5])
-        lg = out[5]
+        args = (self._weights, tokens, np.arange(s, dtype=np.int32), SamplingParams.stack(sampling, seeds), budget,
+                stop_ids, k, keep)  # fmt: skip
+        return rows, args, name
+
+    def _decode_outputs(self, rows: list[_Seq], host: tuple, lg, dt: float, fresh: bool) -> None:
+        """Hand a decode step's results to its requests: `host` = (tokens, logprobs, n_new, stopped,
+        status) on the host, `lg` its logits (device; used only when a row keeps them)."""
+        toks, lps, n_new, _, status = host
+        keep = any(q.keep_logits for q in rows)
         status = int(status)
         produced = int(np.sum(n_new))
         self._stats["decode_dispatches"] += 1
@@ -1090,12 +1120,12 @@ class Engine:
             self._close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
         try:
             if self._cache_alive():
-                for slot in np.nonzero(np.asarray(self.cache.active))[0]:
+                for slot in np.nonzero(np.asarray(self._view.active))[0]:
                     self._tx(self._release, jnp.int32(slot))
                 return
         except Exception:  # noqa: BLE001 — a cache that cannot even release a slot is replaced below
             pass
-        self.cache = init_cache(self.layout)
+        self._reset_cache()
         self._record_stamps = {}
         warnings.warn(
             "hkv.Engine: the device cache was lost to an interrupted transition and has been "
@@ -1107,7 +1137,7 @@ class Engine:
     def _pool_report(self) -> str:
         """Per pool: capacity, free pages, pages mapped by running slots, pages held only by cached prefix
         records, and what one sequence of max_context tokens maps at most."""
-        c = self.cache  # only page bookkeeping crosses to the host, never the pools' rows
+        c = self._view  # only page bookkeeping crosses to the host, never the pools' rows
         active, state = jax.device_get((c.active, c.prefix.state))
         alive = np.asarray(state) == px.RecordState.ALIVE
         parts = []
@@ -1251,7 +1281,7 @@ class Engine:
             seq.admission_set = True
             r0 = seq.parent_record
             seq.prev_use = stamps.get(r0, -1) if r0 >= 0 else None
-            seq.prev_len = int(self.cache.prefix.length[r0]) if r0 >= 0 else None
+            seq.prev_len = int(self._view.prefix.length[r0]) if r0 >= 0 else None
         todo = []  # (block number n, retain) of every boundary this step crossed
         for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
             seq.keys.append(
@@ -1273,7 +1303,7 @@ class Engine:
             )
         if seq.record_stopped or not todo:
             return
-        if todo[-1][1] and not bool(np.any(~np.asarray(self.cache.prefix.snap_used))):
+        if todo[-1][1] and not bool(np.any(~np.asarray(self._view.prefix.snap_used))):
             self._make_room(kinds=("snapshot",))
         i = 0
         while i < len(todo):
@@ -1285,7 +1315,7 @@ class Engine:
             recs, _, done = self._tx(
                 self._record_many, jnp.int32(seq.slot), keys, jnp.int32(seq.parent_record), toks, retain, lengths, valid
             )
-            recs, done, last_used = jax.device_get((recs, done, self.cache.prefix.last_used))
+            recs, done, last_used = jax.device_get((recs, done, self._view.prefix.last_used))
             for r in recs[: int(done)]:
                 seq.parent_record = int(r)
                 if r >= 0:
@@ -1312,7 +1342,7 @@ class Engine:
         before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
-        p = jax.device_get(self.cache.prefix)
+        p = jax.device_get(self._view.prefix)
         meta = {
             k: np.asarray(getattr(p, k))
             for k in ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
@@ -1383,7 +1413,7 @@ class Engine:
                 elif not stored and k not in lasts and not ({(k, True), (k, False)} & (seen | self._disk_inflight)):
                     need.append(b)
             if need:
-                for pl in swap.swap_out(self.layout, self.cache, p, int(r), need, chain):
+                for pl in swap.swap_out(self.layout, self._view, p, int(r), need, chain):
                     seen.add((pl.key, pl.snapshot))
                     payloads.append(pl)
         if not payloads:
@@ -1480,7 +1510,7 @@ class Engine:
             reason = "disk_abi"
         if reason is None and stop == "absent" and i0 + len(refs) < usable:
             # a tombstone that says its block went to disk, but the tier has no such block
-            rec_keys, on_disk = jax.device_get((self.cache.prefix.key, self.cache.prefix.on_disk))
+            rec_keys, on_disk = jax.device_get((self._view.prefix.key, self._view.prefix.on_disk))
             want = key_words(kb[i0 + len(refs)])
             if np.any(np.all(np.asarray(rec_keys) == want, axis=1) & np.asarray(on_disk)):
                 reason = "disk_missing"
@@ -1534,7 +1564,7 @@ class Engine:
         )
         got, reason = res.payloads, res.reason
         if swap.has_indexer(self.layout):
-            iver = int(self.cache.indexer_version)
+            iver = int(self._view.indexer_version)
             for j, pl in enumerate(got):
                 if pl.indexer_version != iver:  # written under older indexer weights
                     got, reason = got[:j], reason or "indexer_version"
@@ -1544,8 +1574,8 @@ class Engine:
 
     def prefix_stats(self) -> dict[str, Any]:
         """Hash-hit vs complete-restoration tokens, rejections per stage and reason, occupancy, evictions."""
-        c = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
-        p = jax.device_get(self.cache.prefix)
+        c = {k: int(v) for k, v in jax.device_get(self._view.counters).items()}
+        p = jax.device_get(self._view.prefix)
         state = np.asarray(p.state)
         rejections: dict[str, dict[str, int]] = {}
         for reason in Reason:
@@ -1583,7 +1613,7 @@ class Engine:
 
     def metrics_text(self) -> str:
         """Prometheus text exposition of the cache and prefix metrics."""
-        c = {k: int(v) for k, v in jax.device_get(self.cache.counters).items()}
+        c = {k: int(v) for k, v in jax.device_get(self._view.counters).items()}
         ps = self.prefix_stats()
         lines = []
 
@@ -1634,7 +1664,7 @@ class Engine:
         )
         used = {}
         for gi, grp in enumerate(self.layout.groups):
-            rc = np.asarray(jax.device_get(self.cache.groups[gi].refcount))
+            rc = np.asarray(jax.device_get(self._view.groups[gi].refcount))
             used.setdefault(grp.kind.name, [0, 0])
             used[grp.kind.name][0] += int((rc > 0).sum())
             used[grp.kind.name][1] += int(rc.shape[0])
