@@ -32,6 +32,7 @@ from .core.weights import weights_digest
 from .engine.checkpoint import EngineCheckpointError
 from .engine.compiled import enable_compilation_cache
 from .engine.engine import CacheCapacityError, Engine
+from .engine.sharded import MeshEngine
 from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
 from .engine.requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
 from .store.tier import DiskTier, DiskTierClosedError
@@ -48,6 +49,7 @@ __all__ = [
     "DiskTier",
     "DiskTierClosedError",
     "Engine",
+    "MeshEngine",
     "EngineBusyError",
     "EngineCheckpointError",
     "Generation",

@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 import tempfile
 
+# Eight CPU devices for the mesh tests (`hkv.MeshEngine`): read when JAX's backend starts (first use),
+# so this must run before any test touches a device. Single-device code runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import pytest
 

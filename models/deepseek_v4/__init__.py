@@ -7,7 +7,7 @@ tiny = deepseek_v4.init(deepseek_v4.tiny_config(), seed=0)
 """
 
 from .config import ConfigError, DeepseekV4Config, RopeSpec, flash_config, tiny_config
-from .model import DeepseekV4, forward_fn, init, load, random_tensors
+from .model import DeepseekV4, forward_fn, init, load, random_tensors, tensor_parallel_dim
 
 __all__ = [
     "ConfigError",
@@ -19,5 +19,6 @@ __all__ = [
     "init",
     "load",
     "random_tensors",
+    "tensor_parallel_dim",
     "tiny_config",
 ]

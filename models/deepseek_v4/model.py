@@ -32,6 +32,34 @@ from .rope import cos_sin, inv_freq
 from .tensor_layout import INT, expected_tensors
 
 
+# Tensor/expert parallelism over a mesh's model axis: weight name (last two path parts) -> split dim.
+# Linear weights are [out, in]; negative dims stay right when layers are stacked for a scan.
+_TP_DIMS = {
+    ("attn", "wq_b"): -2,  # query heads (column parallel)
+    ("attn", "attn_sink"): -1,  # one sink per query head
+    ("attn", "wo_a"): -2,  # the grouped output projection: groups x rank
+    ("attn", "wo_b"): -1,  # its input: groups x rank (row parallel: one all-reduce)
+    ("indexer", "wq_b"): -2,  # indexer heads
+    ("indexer", "weights_proj"): -2,  # indexer head weights
+    ("ffn", "w_up"): -3,  # routed experts (expert parallel)
+    ("ffn", "w_gate"): -3,
+    ("ffn", "w_down"): -3,
+}
+
+
+def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
+    """The dimension of the weight at `path` (e.g. "layers.1.attn.wq_b") that tensor/expert
+    parallelism splits, or None to replicate it: query heads and their sinks, the grouped output
+    projection, the indexer's heads and the routed experts are split; the single shared K=V head
+    (`wkv`), the compressors, norms, hyper-connections, embeddings and the shared expert are
+    replicated (the cache they produce is replicated within a data shard)."""
+    parts = tuple(path.split("."))
+    dim = _TP_DIMS.get(parts[-2:]) if len(parts) >= 2 else None
+    if dim is None or len(shape) < -dim:
+        return None
+    return dim
+
+
 class DecoderLayer(nnx.Module):
     """Attention block and MoE block, each wrapped by a hyper-connection (weights under `layers.N.`)."""
 
@@ -121,6 +149,11 @@ class DeepseekV4(nnx.Module):
             raise ValueError(
                 f"token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={self.cfg.vocab_size})"
             )
+
+    def tensor_parallel_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
+        """The dimension of weight `path` split over a mesh's model axis (`hkv.MeshEngine`), or None
+        to replicate it; see `tensor_parallel_dim` (module function)."""
+        return tensor_parallel_dim(path, shape)
 
     # -------------------------------------------------------------- cached path
     def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):

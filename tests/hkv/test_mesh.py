@@ -1,0 +1,270 @@
+"""`hkv.MeshEngine` on 8 CPU devices (tests/conftest.py forces them): data-parallel attention over
+the mesh's "data" axis, the model tensor/expert-parallel over "model".
+
+- tokens identical to the single-device `hkv.Engine` (greedy and seeded sampling), with prefix reuse
+  routed to the shard that holds the prefix, and with a restore from a shared disk tier;
+- every cache leaf sharded over the data axis (no pool replicated across shards), the data shards'
+  pieces on disjoint devices, the weights split over the model axis where the model says so;
+- the compiled decode step has no collective on a cache-shaped array (no cache byte crosses devices),
+  and has the tensor-parallel all-reduces;
+- one compilation per bucket for every shard together; the invariants hold on every shard.
+The (4, 2) mesh runs in `make test`; (8, 1), (2, 4) and (1, 8) are `slow`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+import hkv
+from hkv.core.sampling import GREEDY, SamplingParams
+from hkv.engine.sharded import shard_config, weight_shardings
+from hkv.store.tier import DiskTier
+from models.deepseek_v4 import init, tensor_parallel_dim, tiny_config
+
+CFG = tiny_config()
+BT = 16
+CONF = hkv.CacheConfig(slots=8, max_context=160, page_size=8, prefix_records=32)
+OPTS = {"block_tokens": BT, "prefill_chunk": 32}
+_rng = np.random.default_rng(1)
+PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (40, 57, 33, 70)]
+SEEDED = hkv.Sampling(temperature=0.9, top_k=20, seed=1234)
+NEW = 6
+
+
+def mesh_of(data: int, model: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[: data * model]).reshape(data, model), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The single-device engine's tokens: greedy, seeded, and a second turn continuing each prompt."""
+    e = hkv.Engine(model, CONF, **OPTS)
+    greedy = [g.tokens for g in e.generate(PROMPTS, NEW)]
+    seeded = [g.tokens for g in e.generate(PROMPTS, NEW, sampling=SEEDED)]
+    turn2 = [p + g + [5, 6, 7] for p, g in zip(PROMPTS, greedy)]
+    second = [g.tokens for g in e.generate(turn2, 4)]
+    return {"greedy": greedy, "seeded": seeded, "turn2": turn2, "second": second}
+
+
+def run_and_check(engine: hkv.MeshEngine, reference) -> None:
+    """Greedy and seeded tokens == the single-device engine's; the second turn goes to the shard
+    that served the first and restores its prefix there, with exact tokens."""
+    first = engine.generate(PROMPTS, NEW)
+    assert [g.tokens for g in first] == reference["greedy"]
+    assert [g.tokens for g in engine.generate(PROMPTS, NEW, sampling=SEEDED)] == reference["seeded"]
+    second = engine.generate(reference["turn2"], 4)
+    assert [g.tokens for g in second] == reference["second"]
+    for a, b, p in zip(first, second, reference["turn2"]):
+        assert b.plan.shard == a.plan.shard, (a.plan, b.plan)
+        assert b.plan.restored_tokens >= (len(p) - 4) // BT * BT - BT, b.plan
+    for d in range(len(engine.shards)):
+        hkv.check_invariants(engine.layout, engine.shard_cache(d))
+    assert set(engine.compilations.values()) == {1}, engine.compilations
+
+
+@pytest.fixture(scope="module")
+def mesh_engine(model):
+    return hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), **OPTS)
+
+
+def test_shard_config_divides_every_capacity_and_names_what_does_not():
+    local = shard_config(hkv.CacheConfig(slots=8, pool_pages=(40, 24), prefix_records=16, tail_snapshots=8), 4)
+    assert (local.slots, local.pool_pages, local.prefix_records, local.tail_snapshots) == (2, (10, 6), 4, 2)
+    with pytest.raises(ValueError, match=r"slots=6 must be a multiple of the mesh's data axis size 4"):
+        shard_config(hkv.CacheConfig(slots=6), 4)
+    with pytest.raises(ValueError, match=r"pool_pages\[1\]=30"):
+        shard_config(hkv.CacheConfig(slots=8, pool_pages=(40, 30)), 4)
+
+
+def test_mesh_engine_refuses_a_bad_mesh(model):
+    with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
+        hkv.MeshEngine(model, CONF, mesh=[0, 1])
+    with pytest.raises(ValueError, match="data_axis='batch' is not an axis"):
+        hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), data_axis="batch")
+    odd = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "model", "pipe"))
+    with pytest.raises(ValueError, match=r"mesh axes \['pipe'\]"):
+        hkv.MeshEngine(model, CONF, mesh=odd)
+
+
+def test_deepseek_v4_weights_split_heads_and_experts_and_replicate_the_kv_head(model):
+    _, weights = nnx.split(model)
+    sh = weight_shardings(weights, mesh_of(4, 2), "model", tensor_parallel_dim)
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(sh)}
+
+    def spec(layer, *names):
+        key = f"['layers'][{layer}]" + "".join(f"['{n}']" for n in names) + ".value"
+        return specs[key]
+
+    assert spec(1, "attn", "wq_b") == PartitionSpec("model", None)  # query heads
+    assert spec(1, "attn", "wo_b") == PartitionSpec(None, "model")  # row-parallel output projection
+    assert spec(1, "ffn", "w_up") == PartitionSpec("model", None, None)  # experts
+    assert spec(1, "attn", "indexer", "wq_b") == PartitionSpec("model", None)  # indexer heads
+    assert spec(1, "attn", "wkv") == PartitionSpec()  # the one shared K=V head: replicated
+    assert spec(1, "attn", "compressor", "wkv") == PartitionSpec()
+    assert specs["['embed'].value"] == PartitionSpec()
+
+
+def test_mesh_tokens_equal_the_single_device_engine_with_prefix_routing(mesh_engine, reference):
+    run_and_check(mesh_engine, reference)
+    first = [g.plan.shard for g in mesh_engine.generate(PROMPTS, 1)]
+    assert first == [g.plan.shard for g in mesh_engine.generate(PROMPTS, 1)]  # back where the prefix is
+    assert sorted(first) == [0, 1, 2, 3]  # the first call spread four prompts over four idle shards
+
+
+def test_every_cache_leaf_is_split_over_the_data_axis_on_disjoint_devices(mesh_engine):
+    mesh = mesh_engine.mesh
+    shardings = mesh_engine.cache_shardings()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(mesh_engine.cache):
+        name = jax.tree_util.keystr(path)
+        assert leaf.shape[0] == 4, name
+        if leaf.size == 0:  # e.g. the overlap slice of a compressor without overlap: no bytes to place
+            continue
+        assert shardings[name].spec == PartitionSpec("data"), name
+        assert not leaf.sharding.is_fully_replicated, name
+    pool = mesh_engine.cache.groups[0].pool
+    owners = {}
+    for s in pool.addressable_shards:
+        owners.setdefault(s.index[0].start, set()).add(s.device)
+    assert sorted(owners) == [0, 1, 2, 3]
+    for d, devs in owners.items():
+        assert devs == set(mesh.devices[d].tolist())  # shard d lives on mesh row d: its model-axis devices
+    assert pool.shape[1:] == mesh_engine.shard_cache(0).groups[0].pool.shape
+
+
+def test_a_decode_step_moves_no_cache_bytes_between_devices(mesh_engine):
+    """The compiled decode program's collectives all run within one data shard (replica groups of
+    the model axis: nothing crosses the data axis), carry activations only (the tensor-parallel
+    all-reduces, the expert counts), and none has the shape of a shard's pool, page table, state-table
+    or prefix-index leaf."""
+    e = mesh_engine.shards[0]
+    s = mesh_engine.layout.slots
+    z = np.zeros((s,), np.int32)
+    args = (mesh_engine._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+            np.full((s, 1), -1, np.int32), e.decode_steps, False)  # fmt: skip
+    hlo = e._decode.lower(e.layout, mesh_engine.cache, *args).compile().as_text()
+    ops = re.findall(
+        r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*?"
+        r"replica_groups=(\[[\d,]*\]<=\[\d+\]|\{[\d,{}]*\})",
+        hlo,
+    )
+    assert ops, "no collective at all: the model axis does no tensor parallelism"
+    assert {op for _, op, _ in ops} <= {"all-reduce", "all-gather"}
+    shards = {frozenset(range(2 * d, 2 * d + 2)) for d in range(4)}  # each data row's two devices
+
+    def parse(groups: str) -> set[frozenset]:
+        if groups.startswith("["):  # iota form "[4,2]<=[8]": ids 0..7 reshaped to [4, 2]
+            shape = [int(x) for x in groups[1 : groups.index("]")].split(",")]
+            return {frozenset(r) for r in np.arange(int(np.prod(shape))).reshape(shape).tolist()}
+        return {frozenset(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", groups)}
+
+    for _, op, groups in ops:
+        assert parse(groups) == shards, f"{op} with replica groups {groups}: not within one data shard"
+    cache_shapes = set()
+    for leaf in jax.tree.leaves(mesh_engine.shard_cache(0)):
+        if leaf.ndim >= 2 and leaf.size:
+            cache_shapes.add(tuple(leaf.shape))
+            if leaf.ndim == 4:  # a pool [layers, pages, page_size, dim]: one layer's rows too
+                cache_shapes.add(tuple(leaf.shape[1:]))
+    for shape_text, op, _ in ops:
+        for dims in re.findall(r"\[([\d,]*)\]", shape_text):
+            shape = tuple(int(x) for x in dims.split(",") if x)
+            assert shape not in cache_shapes, f"{op} on a cache-shaped array {shape}"
+
+
+def check_disk_restore(engine: hkv.MeshEngine, reference) -> None:
+    """Every shard's cached prefixes evicted to the shared disk tier; the second turns restore them
+    from disk (on the shard each is routed to) with exact tokens."""
+    assert engine.evict_prefixes() > 0
+    engine.flush_disk()
+    second = engine.generate(reference["turn2"], 4)
+    assert [g.tokens for g in second] == reference["second"]
+    assert all(g.plan.disk_tokens is not None and g.plan.disk_tokens[1] > 0 for g in second), [g.plan for g in second]
+    for d in range(len(engine.shards)):
+        hkv.check_invariants(engine.layout, engine.shard_cache(d))
+
+
+def test_mesh_restores_from_a_shared_disk_tier(model, reference, tmp_path):
+    tier = DiskTier(str(tmp_path / "store"))
+    engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), disk=tier, **OPTS)
+    assert [g.tokens for g in engine.generate(PROMPTS, NEW)] == reference["greedy"]
+    check_disk_restore(engine, reference)
+    tier.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4), (1, 8)])
+def test_other_mesh_shapes_give_the_same_tokens(model, reference, shape, tmp_path):
+    tier = DiskTier(str(tmp_path / "store"))
+    engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(*shape), disk=tier, **OPTS)
+    run_and_check(engine, reference)
+    check_disk_restore(engine, reference)
+    tier.close()
+
+
+def test_mesh_submit_streams_and_an_interrupt_leaves_every_shard_usable(mesh_engine, reference):
+    handles = [mesh_engine.submit(p, NEW) for p in PROMPTS]
+    assert mesh_engine.pending == len(PROMPTS)
+    mesh_engine.run_until_idle()
+    assert [h.result().tokens for h in handles] == reference["greedy"]
+    assert [list(h) for h in handles] == reference["greedy"]  # the stream replays what was produced
+
+    calls = []
+    decode_all = mesh_engine._decode_all
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:  # mid-generation: every shard has requests decoding
+            raise KeyboardInterrupt
+        decode_all()
+
+    mesh_engine._decode_all = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mesh_engine.generate(PROMPTS, NEW)
+    finally:
+        del mesh_engine._decode_all
+    assert mesh_engine.stats()["active_slots"] == 0 and mesh_engine.pending == 0
+    for d in range(4):
+        hkv.check_invariants(mesh_engine.layout, mesh_engine.shard_cache(d))
+    assert [g.tokens for g in mesh_engine.generate(PROMPTS, NEW)] == reference["greedy"]
+
+
+def test_a_second_driving_thread_gets_engine_busy(mesh_engine):
+    with mesh_engine._drive_lock:
+        with pytest.raises(hkv.EngineBusyError):
+            mesh_engine.generate(PROMPTS[:1], 1)
+        with pytest.raises(hkv.EngineBusyError):
+            mesh_engine.step()
+
+
+def test_balance_routing_ignores_cached_prefixes_and_spreads_by_load(model):
+    engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), route="balance", **OPTS)
+    first = [g.plan.shard for g in engine.generate(PROMPTS, 1)]
+    assert sorted(first) == [0, 1, 2, 3]
+    assert engine.cached_blocks(PROMPTS[0])[first[0]] == (len(PROMPTS[0]) - 1) // BT  # cached, not routed by
+    with pytest.raises(ValueError, match="route='nearest' must be 'prefix' or 'balance'"):
+        hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), route="nearest", **OPTS)
+
+
+def test_readme_mesh_example_runs_and_routes_the_second_turn_to_its_prefix(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### One engine over a mesh", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 — the README's own example
+    first, second = scope["first"], scope["second"]
+    assert second[0].plan.shard == first[0].plan.shard and second[0].plan.restored_tokens == 32
+    assert first[0].plan.shard != first[1].plan.shard
+    assert capsys.readouterr().out.strip()
