@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -69,6 +70,7 @@ def _prompts(hosts: int) -> dict[str, list[int]]:
     out = {"A": _tokens("A", 140), "S": _tokens("S", 130), "D": _tokens("D", 136)}
     out.update({f"P{h}": _tokens(f"P{h}", 100 + 8 * h) for h in range(hosts)})
     out.update({f"E{j}": _tokens(f"E{j}", 100) for j in range(EVICTOR_PROMPTS)})
+    out.update({f"K{j}": _tokens(f"K{j}", 100) for j in range(2)})  # the victim's last writes (random kill)
     return out
 
 
@@ -170,8 +172,11 @@ def _write(engine, names: list[str], phase: str, out: dict) -> int:
     return n
 
 
-def _host(port: str, work: str, hosts: str, pid: str) -> None:
-    """One host (process `pid` of `hosts`): join the cluster, build the engine, run phases a-d."""
+def _host(port: str, work: str, hosts: str, pid: str, kill: str) -> None:
+    """One host (process `pid` of `hosts`): join the cluster, build the engine, run phases a-d. kill:
+    "pause" (the victim hangs before publishing its second segment of D, where the parent kills it)
+    or "random" (the victim writes D's rest and then K0, K1 in small shards; the parent kills it at a
+    random moment after it starts)."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -257,7 +262,7 @@ def _host(port: str, work: str, hosts: str, pid: str) -> None:
             open(c_done, "w").close()
         else:
             engine.disk.refresh_seconds = 0  # see every eviction at once
-            names = [f"{p}+q{i}" for p in _prompts(n) if p != "D"]
+            names = [f"{p}+q{i}" for p in _prompts(n) if p[0] in "ASPE"]
             passes, last = 0, False
             while not last:  # until the evicting host is done, then one more pass
                 last = os.path.exists(c_done)
@@ -274,12 +279,20 @@ def _host(port: str, work: str, hosts: str, pid: str) -> None:
         if i == victim:
             _write(engine, ["D/first"], "d-write", out)  # blocks [0, CUT): one published segment
             done("d-first")
-            engine.disk.kv = _PauseBeforeNextPublish(engine.disk.kv, os.path.join(work, "d-paused"))
-            _write(engine, ["D"], "d-write", out)  # restores [0, CUT) from disk, writes the rest: hangs
-            raise AssertionError("the victim's second publish returned: it should have been killed there")
+            if kill == "pause":
+                engine.disk.kv = _PauseBeforeNextPublish(engine.disk.kv, os.path.join(work, "d-paused"))
+                _write(engine, ["D"], "d-write", out)  # restores [0, CUT) from disk, writes the rest: hangs
+                raise AssertionError("the victim's second publish returned: it should have been killed there")
+            engine.flush_disk()
+            # small shards: each segment is several files, so a kill can fall between any two of them
+            engine.disk = hkv.DiskTier(store, writer_id=f"host{i}-last", chunk_bytes=4096, shard_bytes=4096)
+            open(os.path.join(work, "d-paused"), "w").close()  # the parent kills at a random moment now
+            for name in ("D", "K0", "K1"):
+                _write(engine, [name], "d-write", out)
+            time.sleep(DEADLINE)  # finished before the kill: wait for it
         _wait_for(os.path.join(work, "d-killed"))
         _forget_device(engine)
-        _serve(engine, [f"D+q{i}"], "d", out)
+        _serve(engine, [f"D+q{i}"] + ([f"K0+q{i}", f"K1+q{i}"] if kill == "random" else []), "d", out)
         if i == 0:
             tier = hkv.DiskTier(store)
             out["notes"]["d_verify"] = tier.verify()
@@ -333,8 +346,9 @@ def _env() -> dict:
     return env
 
 
-def run_cluster(work: str, hosts: int) -> dict:
-    """Run `hosts` processes through phases a-d, killing the last one in phase d. Returns {"hosts":
+def run_cluster(work: str, hosts: int, kill: str = "pause") -> dict:
+    """Run `hosts` processes through phases a-d, killing the last one in phase d (kill: "pause" or
+    "random", see `_host`). Returns {"kill", "delay": seconds before a random kill, "hosts":
     {i: its result file}, "rc": {i: exit code}, "work", "oracle": {query: (tokens, logits)},
     "seconds": wall time, "log": i -> the tail of host i's output}."""
     port, env, t0 = _free_port(), _env(), time.monotonic()
@@ -343,7 +357,7 @@ def run_cluster(work: str, hosts: int) -> dict:
     for i in range(hosts):
         with open(os.path.join(work, f"host{i}.log"), "w") as log:  # the child keeps its own descriptor
             procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "tests.hkv.test_multihost", "host", str(port), work, str(hosts), str(i)],
+                [sys.executable, "-m", "tests.hkv.test_multihost", "host", str(port), work, str(hosts), str(i), kill],
                 env=env,
                 cwd=ROOT,
                 stdout=log,
@@ -356,7 +370,9 @@ def run_cluster(work: str, hosts: int) -> dict:
             if any(p.poll() is not None for p in procs.values()):  # a host failed: stop waiting
                 break
             time.sleep(0.02)
+        delay = random.uniform(0.0, 0.4) if kill == "random" else 0.0
         if os.path.exists(paused):
+            time.sleep(delay)
             os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait(timeout=max(1.0, end - time.monotonic()))
         open(os.path.join(work, "d-killed"), "w").close()
@@ -368,6 +384,8 @@ def run_cluster(work: str, hosts: int) -> dict:
                 p.kill()
                 p.wait()
     return {
+        "kill": kill,
+        "delay": delay,
         "hosts": {i: _read_json(os.path.join(work, f"host{i}.json")) for i in range(hosts)},
         "rc": {i: p.returncode for i, p in procs.items()},
         "work": work,
@@ -496,13 +514,26 @@ def check_killed_mid_write(cluster, capsys) -> None:
         _assert_host_ok(cluster, i, "d")
         assert rc[i] == 0, cluster["log"](i)  # a dead host does not take the others down
     gens = _gens(cluster, "d")
-    assert sorted(i for i, _ in gens) == list(range(victim))
-    for _, g in gens:
-        assert g["plan"]["disk_tokens"] == [0, CUT], g["plan"]  # the published segment, not the killed one
+    p = _prompts(n)
+    if cluster["kill"] == "pause":
+        assert sorted(i for i, _ in gens) == list(range(victim))
+        for _, g in gens:
+            assert g["plan"]["disk_tokens"] == [0, CUT], g["plan"]  # the published segment, not the killed one
+    else:  # each segment is all or nothing, and every survivor sees the same store
+        assert sorted(i for i, _ in gens) == sorted(list(range(victim)) * 3)
+        seen = {}
+        for _, g in gens:
+            name = g["query"].split("+")[0]
+            full = [0, _block_end(len(p[name]))]
+            assert g["plan"]["disk_tokens"] in (([0, CUT], full) if name == "D" else (None, full)), g
+            seen.setdefault(name, set()).add(str(g["plan"]["disk_tokens"]))
+        assert all(len(v) == 1 for v in seen.values()), seen
+        print(f"random kill after {cluster['delay']:.3f} s: restored {seen}")
     _assert_exact(cluster, gens + _gens(cluster, "d-write"))
     report = cluster["hosts"][0]["notes"]["d_verify"]
     assert all(report[r] == 0 for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi")), report
-    assert report["orphaned_segments"] >= 1, report  # the killed write's data, never published
+    if cluster["kill"] == "pause":
+        assert report["orphaned_segments"] >= 1, report  # the killed write's data, never published
 
     from hkv.store.cli import main
 
@@ -547,6 +578,16 @@ def test_three_hosts_every_phase(tmp_path, capsys):
     check_concurrent_writers(c)
     check_one_writes_another_restores(c)
     check_budget_eviction_while_reading(c)
+    check_killed_mid_write(c, capsys)
+
+
+@pytest.mark.slow
+def test_a_host_killed_at_a_random_moment_of_its_writes(tmp_path, capsys):
+    """Phase d with the victim killed at a random moment while it writes three segments in 4 KiB
+    shards: the survivors restore each of its prompts wholly or not at all, the same on every
+    survivor, with exact tokens, and `verify` finds no bad block."""
+    c = run_cluster(str(tmp_path), hosts=2, kill="random")
+    check_cluster(c)
     check_killed_mid_write(c, capsys)
 
 
