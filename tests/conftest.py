@@ -40,6 +40,7 @@ HEAVY_FIRST = (
     "test_notebooks.py",
     "test_engine.py",
     "test_disk.py",
+    "test_multihost.py",  # ~100 s: its host processes compile (JAX caches process 0's programs only)
     "test_conformance.py",
     "test_engine_safety.py",
     "test_state_machine.py",
