@@ -62,7 +62,7 @@ def first_call_seconds(fn, *args) -> tuple[float, float, float]:
 def measure(layers: int, scan: bool) -> dict[str, float]:
     """{"prefill" | "decode" | "forward": first-call seconds} for one depth and mode (in this process)."""
     model = init(v4_shaped(layers), seed=0)
-    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=2, max_context=128, page_size=16))
+    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=2, max_context=128, page_size=16, prefix_records=0))
     graphdef, weights = nnx.split(model)
 
     def step(cache, weights, tokens, slots, n_valid):

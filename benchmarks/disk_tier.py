@@ -124,7 +124,7 @@ def flash_layout(block_tokens: int, tokens: int):
     from models.deepseek_v4.cache_spec import cache_spec
 
     spec = cache_spec(DeepseekV4Config(), dtype="bfloat16", block_tokens=block_tokens, model_id="deepseek-v4-flash")
-    return CacheLayout(spec, CacheConfig(slots=1, max_context=tokens, page_size=64))
+    return CacheLayout(spec, CacheConfig(slots=1, max_context=tokens, page_size=64, prefix_records=0))
 
 
 def make_segments(layout, n_segments: int, blocks: int, rng) -> list:
@@ -535,7 +535,7 @@ def engine_benchmark(args, root: str) -> dict:
     model = init(cfg, seed=0)
     mc = kmax + chunk
     spec = model.cache_spec(block_tokens=bt, model_id="tiny-seed0")
-    base_cfg = hkv.CacheConfig(slots=1, max_context=mc, page_size=16)
+    base_cfg = hkv.CacheConfig(slots=1, max_context=mc, page_size=16, prefix_records=0)
     base = CacheLayout(spec, base_cfg)
     snaps = mc // chunk + 8
     pools = []
@@ -553,7 +553,7 @@ def engine_benchmark(args, root: str) -> dict:
     engine = hkv.Engine(model, config, block_tokens=bt, prefill_chunk=chunk, model_id="tiny-seed0", disk=tier)
     cold = hkv.Engine(
         model,
-        hkv.CacheConfig(slots=1, max_context=mc, page_size=16),
+        hkv.CacheConfig(slots=1, max_context=mc, page_size=16, prefix_records=0),
         block_tokens=bt,
         prefill_chunk=chunk,
         model_id="tiny-seed0",

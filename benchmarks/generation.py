@@ -233,7 +233,7 @@ def decode_bench(label: str, model, batches: list[int], args, rng) -> list[dict]
     ctx = -(-(args.prompt_tokens + n_decode + 1) // BLOCK) * BLOCK
     rows = []
     for b in batches:
-        config = hkv.CacheConfig(slots=b, max_context=ctx, page_size=PAGE)
+        config = hkv.CacheConfig(slots=b, max_context=ctx, page_size=PAGE, prefix_records=0)
         layout = hkv.CacheLayout(model.cache_spec(block_tokens=BLOCK), config)
         engine = hkv.Engine(
             model,
@@ -324,8 +324,8 @@ def trace_engines(model, reqs, args):
     spec = model.cache_spec(block_tokens=BLOCK)
 
     def config(slots):  # pools: the slots' pages + room for 8 full-context cached histories
-        base = hkv.CacheLayout(spec, hkv.CacheConfig(slots=slots, max_context=ctx, page_size=PAGE))
-        extra = hkv.CacheLayout(spec, hkv.CacheConfig(slots=8, max_context=ctx, page_size=PAGE))
+        base = hkv.CacheLayout(spec, hkv.CacheConfig(slots=slots, max_context=ctx, page_size=PAGE, prefix_records=0))
+        extra = hkv.CacheLayout(spec, hkv.CacheConfig(slots=8, max_context=ctx, page_size=PAGE, prefix_records=0))
         pools = tuple(base.pool_pages(g) + extra.pool_pages(g) for g in range(len(base.groups)))
         return hkv.CacheConfig(slots=slots, max_context=ctx, page_size=PAGE, pool_pages=pools, prefix_records=1024)
 

@@ -45,7 +45,7 @@ MODELS = {"deepseek": deepseek, "gemma3": gemma3}
 def report(title: str, spec: CacheSpec, contexts: list[int], page_size: int) -> None:
     print(f"{title}; bf16; page_size {page_size}")
     for n in contexts:
-        layout = CacheLayout(spec, CacheConfig(slots=1, max_context=n, page_size=page_size))
+        layout = CacheLayout(spec, CacheConfig(slots=1, max_context=n, page_size=page_size, prefix_records=0))
         alloc = allocated_bytes(layout)
         minimum = architectural_minimum(spec, n)
         full = uniform_full_kv_bytes(spec, n, page_size=page_size)

@@ -91,7 +91,7 @@ def size_cache(args, spec, users) -> tuple[hkv.CacheConfig, int]:
     n_shared = min(args.shared_users, args.users)
     shared_blocks = (args.system_tokens // bt) * max(n_shared - 1, 0)
     blocks = sum(f // bt for f in fed) - shared_blocks  # distinct block boundaries of all histories
-    base = CacheLayout(spec, hkv.CacheConfig(slots=args.slots, max_context=max_context, page_size=ps))
+    base = CacheLayout(spec, hkv.CacheConfig(slots=args.slots, max_context=max_context, page_size=ps, prefix_records=0))
     pools = []
     for g, grp in enumerate(base.groups):
         if grp.kind == hkv.ObjectKind.SWA:  # the pages one boundary's window spans
@@ -355,7 +355,7 @@ def main() -> None:
     # ---- cold: the last prompts of a few users on an engine without a prefix cache
     cold_engine = hkv.Engine(
         model,
-        hkv.CacheConfig(slots=1, max_context=config.max_context, page_size=args.page_size),
+        hkv.CacheConfig(slots=1, max_context=config.max_context, page_size=args.page_size, prefix_records=0),
         block_tokens=args.block_tokens,
         prefill_chunk=args.prefill_chunk,
         model_id="tiny-seed0",

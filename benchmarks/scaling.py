@@ -84,7 +84,7 @@ def flash():
 def layout_for(spec, context: int, slots: int = 1):
     from hkv import CacheConfig, CacheLayout
 
-    return CacheLayout(spec, CacheConfig(slots=slots, max_context=context, page_size=PAGE_SIZE))
+    return CacheLayout(spec, CacheConfig(slots=slots, max_context=context, page_size=PAGE_SIZE, prefix_records=0))
 
 
 # --------------------------------------------------------------------------------------------- KV state

@@ -156,7 +156,9 @@ rows = {}
 for name, spec in specs.items():
     rows[name] = [
         (
-            hkv.allocated_bytes(hkv.CacheLayout(spec, hkv.CacheConfig(slots=1, max_context=n, page_size=64)))["total"]
+            hkv.allocated_bytes(
+                hkv.CacheLayout(spec, hkv.CacheConfig(slots=1, max_context=n, page_size=64, prefix_records=0))
+            )["total"]
             / GiB,
             hkv.architectural_minimum(spec, n)["total"] / GiB,
             hkv.uniform_full_kv_bytes(spec, n, page_size=64) / GiB,

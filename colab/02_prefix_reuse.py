@@ -111,7 +111,9 @@ print("final conversation lengths:", final_lengths, "tokens")
 # %%
 BLOCK = 16
 max_context = -(-(max(final_lengths) + REPLY_TOKENS) // 64) * 64
-base = hkv.CacheLayout(model.cache_spec(block_tokens=BLOCK), hkv.CacheConfig(slots=1, max_context=max_context))
+base = hkv.CacheLayout(
+    model.cache_spec(block_tokens=BLOCK), hkv.CacheConfig(slots=1, max_context=max_context, prefix_records=0)
+)
 history_tokens = sum(final_lengths) - (SHARED_USERS - 1) * SYSTEM_TOKENS  # distinct tokens of all histories
 pool_pages = []
 for g, group in enumerate(base.groups):

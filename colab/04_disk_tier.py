@@ -76,7 +76,7 @@ model = deepseek_v4.init(cfg, seed=0)
 workdir = tempfile.TemporaryDirectory(prefix="hkv-notebook-")
 store_path = os.path.join(workdir.name, "store")
 
-base = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=1, max_context=MAX_CONTEXT))
+base = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=1, max_context=MAX_CONTEXT, prefix_records=0))
 config = hkv.CacheConfig(
     slots=1,
     max_context=MAX_CONTEXT,

@@ -111,7 +111,7 @@ class _Checker:
 
 def _engine(model, block_tokens, chunk, max_context, prefix: bool, disk=None, kernel_options=None) -> Engine:
     spec = model.cache_spec(block_tokens=block_tokens)
-    base = CacheConfig(slots=2, max_context=max_context, page_size=block_tokens)
+    base = CacheConfig(slots=2, max_context=max_context, page_size=block_tokens, prefix_records=0)
     scale = 4 if prefix else 1  # room for prefix records' snapshots next to two live sequences
     pages = tuple(CacheLayout(spec, base).pool_pages(g) * scale for g in range(len(CacheLayout(spec, base).groups)))
     config = dataclasses.replace(base, pool_pages=pages, prefix_records=64 if prefix else 0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import struct
 
 from .spec import CacheSpec, Group
@@ -46,29 +48,100 @@ class CacheConfig:
     """Static capacities.
 
     slots: concurrent sequences. max_context: tokens per slot. page_size: rows per page.
-    pool_pages: physical pages per group (in `CacheSpec.groups()` order); None sizes every pool
-    for `slots` sequences of `max_context` tokens (no over-subscription) — with a prefix cache, give
-    the pools room for cached blocks too.
-    prefix_records: capacity of the prefix index (cached block boundaries); 0 disables prefix reuse.
-    tail_snapshots: capacity of TAIL snapshot copies (None = prefix_records).
+    pool_pages: physical pages per group (in `CacheSpec.groups()` order); None sizes the pools with
+      `memory_bytes` (below).
+    prefix_records: capacity of the prefix index (cached block boundaries); 0 disables prefix reuse;
+      None (the default) turns it on and sizes it with the pools (below).
+    tail_snapshots: capacity of TAIL snapshot copies (None: prefix_records when that is given, else
+      sized with the records: `hkv.core.memory.auto_snapshots`).
+    memory_bytes: the device bytes of the whole cache (pools, TAIL state, prefix index, state table).
+      The running slots' reservation comes first (`slots` sequences of `max_context` tokens always
+      fit); every byte left goes to cached prefix blocks: pool pages, records and TAIL snapshots
+      sized together so each cached block can keep its rows, its record and its snapshot.
+      `ValueError` when the reservation alone exceeds it. None (with `pool_pages` None): room for as
+      many cached tokens as the slots hold (`slots * max_context`; twice the reservation's pages).
+      Exclusive with `pool_pages`, `prefix_records` and `tail_snapshots`.
+
+    `CacheLayout(spec, config).config` is the resolved config: every capacity an integer,
+    `memory_bytes` None (`CacheLayout.budget` keeps the split; see `resolve_config`).
     """
 
     slots: int = 4
     max_context: int = 4096
     page_size: int = 16
     pool_pages: tuple[int, ...] | None = None
-    prefix_records: int = 0
+    prefix_records: int | None = None
     tail_snapshots: int | None = None
+    memory_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "max_context", "page_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
-        if not isinstance(self.prefix_records, int) or self.prefix_records < 0:
-            raise ValueError(f"prefix_records={self.prefix_records!r} must be an integer >= 0 (0 = no prefix cache)")
-        if self.tail_snapshots is not None and (not isinstance(self.tail_snapshots, int) or self.tail_snapshots < 0):
+        if self.prefix_records is not None and (not _is_int(self.prefix_records) or self.prefix_records < 0):
+            raise ValueError(
+                f"prefix_records={self.prefix_records!r} must be an integer >= 0 (0 = no prefix cache) or None "
+                "(sized with the pools)"
+            )
+        if self.tail_snapshots is not None and (not _is_int(self.tail_snapshots) or self.tail_snapshots < 0):
             raise ValueError(f"tail_snapshots={self.tail_snapshots!r} must be an integer >= 0 or None")
+        if self.pool_pages is not None and (
+            not isinstance(self.pool_pages, tuple) or not all(_is_int(p) and p >= 1 for p in self.pool_pages)
+        ):
+            raise ValueError(f"pool_pages={self.pool_pages!r} must be a tuple of positive integers (one per group)")
+        if self.memory_bytes is not None:
+            if not _is_int(self.memory_bytes) or self.memory_bytes < 1:
+                raise ValueError(f"memory_bytes={self.memory_bytes!r} must be a positive integer (bytes) or None")
+            given = [n for n in ("pool_pages", "prefix_records", "tail_snapshots") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(
+                    f"memory_bytes={self.memory_bytes} sizes the pools, records and snapshots itself; "
+                    f"leave {', '.join(given)} None (or drop memory_bytes)"
+                )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+# Sizing needs the cache's shapes (`hkv.core.state.init_cache`), which are built from this module:
+# `hkv.core.memory` (imported by `hkv`) registers its `resolve_config` and `budget_of` here, so the
+# dependency points one way (memory -> layout) and `CacheLayout(spec, config)` still resolves itself.
+_SIZING: dict[str, Callable] = {}
+
+
+def register_sizing(resolve: Callable, budget: Callable) -> None:
+    """Install `resolve(spec, config) -> CacheConfig` and `budget(layout, requested) -> Budget`
+    (called once by `hkv.core.memory`)."""
+    _SIZING.update(resolve=resolve, budget=budget)
+
+
+def _is_resolved(config: CacheConfig) -> bool:
+    return config.memory_bytes is None and None not in (config.pool_pages, config.prefix_records, config.tail_snapshots)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How a resolved `CacheConfig` splits device memory (bytes; see `resolve_config`).
+
+    Attributes:
+      running: pool pages reserved for `slots` sequences of `max_context` tokens, and their TAIL state.
+      prefix_pages: pool pages beyond that reservation (room for cached blocks).
+      prefix_index: the prefix index's records and TAIL snapshots.
+      other: the state table, lengths and counters.
+      total: the sum (what `init_cache` allocates).
+      requested: `memory_bytes` as given (None: sized by default).
+      cached_blocks: cached blocks of `block_tokens` tokens the pools have room for beyond the reservation.
+    """
+
+    running: int
+    prefix_pages: int
+    prefix_index: int
+    other: int
+    total: int
+    requested: int | None
+    cached_blocks: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +156,28 @@ class CacheLayout:
             raise ValueError(
                 f"len(pool_pages)={len(self.config.pool_pages)} must equal the number of groups {len(self.groups)}"
             )
+        requested = self.config.memory_bytes
+        if not _is_resolved(self.config):
+            object.__setattr__(self, "config", _SIZING["resolve"](self.spec, self.config))
+        object.__setattr__(self, "_requested", requested)  # not a field: layouts of one resolved config are equal
+
+    @property
+    def budget(self) -> Budget:
+        """How this layout's cache splits device memory (see `Budget`)."""
+        return _SIZING["budget"](self, getattr(self, "_requested", None))
+
+    def reserved_pages(self, g: int) -> int:
+        """Pages of group g that `slots` sequences of `max_context` tokens can hold at once."""
+        return self.slots * self.pages_per_slot(g)
+
+    def cached_block_pages(self, g: int, blocks: int) -> int:
+        """Pages of group g beyond the reservation that `blocks` cached blocks need (every row of a
+        block, windowed groups included: snapshots at every block hold the whole history's rows), plus
+        one partly filled page per slot."""
+        if blocks <= 0:
+            return 0
+        rows = math.ceil(blocks * self.spec.block_tokens / self.groups[g].unit)
+        return math.ceil(rows / self.page_size) + self.slots
 
     @property
     def groups(self) -> tuple[Group, ...]:
@@ -119,9 +214,8 @@ class CacheLayout:
         return self.config.prefix_records if ts is None else ts
 
     def pool_pages(self, g: int) -> int:
-        if self.config.pool_pages is not None:
-            return self.config.pool_pages[g]
-        return self.slots * self.pages_per_slot(g)
+        """Physical pages of group g (the resolved config's `pool_pages[g]`)."""
+        return self.config.pool_pages[g]
 
 
 @struct.dataclass

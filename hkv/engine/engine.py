@@ -198,7 +198,7 @@ class Engine:
     `hkv.weights_digest`).
     kernel_options: keyword arguments for the model's cached step, e.g. {"kernel_backend": "gpu",
     "interpret": True} to run the Pallas decode kernels in the interpreter on CPU.
-    retention: where SWA + TAIL snapshots are kept (prefix cache on when config.prefix_records > 0).
+    retention: where SWA + TAIL snapshots are kept (the prefix cache is on unless config.prefix_records == 0).
     cache_salt: extra bytes in every block key (adapter id, tenant salt).
     disk: an `hkv.DiskTier`: cached blocks the eviction policy moves out of device memory are written
     there (write-behind, never waited on by a step) and restored from there on a later hit, after
@@ -242,15 +242,26 @@ class Engine:
 
         prefill_chunk = positive("prefill_chunk", prefill_chunk)
         decode_steps = positive("decode_steps", decode_steps)
-        if config.prefix_records and prefill_chunk % block_tokens:
+        if config.prefix_records is None and config.memory_bytes is None and prefill_chunk % block_tokens:
+            # the default (sized) prefix cache needs chunks that end on block boundaries: without them
+            # it is left off, with a warning, instead of refusing a config that never asked for it
+            warnings.warn(
+                f"{prefill_chunk=} is not a multiple of {block_tokens=}: the prefix cache is off (chunks must "
+                f"end on block boundaries, where records are taken); pass CacheConfig(prefix_records=0) to "
+                f"silence this, or a prefill_chunk that block_tokens divides to turn it on",
+                stacklevel=2,
+            )
+            config = dataclasses.replace(config, prefix_records=0)
+        if config.prefix_records != 0 and prefill_chunk % block_tokens:
             raise ValueError(
                 f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
-                f"(chunks end on block boundaries, where records are taken)"
+                f"(chunks end on block boundaries, where records are taken; CacheConfig.prefix_records=0 "
+                f"turns it off)"
             )
-        if disk is not None and not config.prefix_records:
+        if disk is not None and config.prefix_records == 0:
             raise ValueError(
                 "the disk tier holds prefix blocks: it needs the prefix cache "
-                f"(CacheConfig.prefix_records={config.prefix_records} must be > 0)"
+                f"(CacheConfig.prefix_records={config.prefix_records} must be > 0, or None to size it)"
             )
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
@@ -286,7 +297,7 @@ class Engine:
         self._restore_window = self._steps.restore_window
         t = self._steps
         self._claim, self._release = t.claim, t.release
-        self.prefix_enabled = config.prefix_records > 0
+        self.prefix_enabled = self.layout.config.prefix_records > 0
         self.retention = retention or RetentionPolicy()
         self.cache_salt = bytes(cache_salt)
         self._restore, self._count_plan = t.restore, t.count_plan

@@ -67,7 +67,8 @@ ONE_SHARD = (
 def shard_config(config: CacheConfig, shards: int) -> CacheConfig:
     """The `CacheConfig` of one data shard: `slots`, `pool_pages`, `prefix_records` and
     `tail_snapshots` divided by `shards` (each must divide evenly; `ValueError` names the one that
-    does not)."""
+    does not); `memory_bytes` divided by `shards` (rounded down); None stays None (each shard sizes
+    its own)."""
     if not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards={shards!r} must be a positive integer")
 
@@ -86,8 +87,9 @@ def shard_config(config: CacheConfig, shards: int) -> CacheConfig:
         config,
         slots=split("slots", config.slots),
         pool_pages=pools,
-        prefix_records=split("prefix_records", config.prefix_records),
+        prefix_records=None if config.prefix_records is None else split("prefix_records", config.prefix_records),
         tail_snapshots=None if config.tail_snapshots is None else split("tail_snapshots", config.tail_snapshots),
+        memory_bytes=None if config.memory_bytes is None else config.memory_bytes // shards,
     )
 
 

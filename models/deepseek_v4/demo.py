@@ -51,7 +51,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (300, 37, 129)]
     new = 24
-    base = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=512, page_size=16))
+    base = hkv.CacheLayout(
+        model.cache_spec(), hkv.CacheConfig(slots=2, max_context=512, page_size=16, prefix_records=0)
+    )
     pools = tuple(3 * base.pool_pages(g) for g in range(len(base.groups)))  # room for cached prefixes
     store = tempfile.TemporaryDirectory(prefix="hkv-demo-store-")
     engine = hkv.Engine(

@@ -404,7 +404,9 @@ def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp
 
 def test_disk_tier_needs_the_prefix_cache(model, tmp_path):
     with pytest.raises(ValueError, match="prefix_records"):
-        hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=64), disk=DiskTier(str(tmp_path / "x")))
+        hkv.Engine(
+            model, hkv.CacheConfig(slots=1, max_context=64, prefix_records=0), disk=DiskTier(str(tmp_path / "x"))
+        )
 
 
 def test_warm_restart_keeps_disk_residency_and_reopens_the_store(model, engine, stored, tmp_path):

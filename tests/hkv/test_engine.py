@@ -46,7 +46,10 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("chunk", [1, 7, CFG.sliding_window, 16, 64])
 def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
     engine = hkv.Engine(
-        model, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=chunk, block_tokens=16
+        model,
+        hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0),
+        prefill_chunk=chunk,
+        block_tokens=16,
     )
     gens = engine.generate(PROMPTS, NEW, return_logits=True)
     for g, toks, lg in zip(gens, *oracle):
@@ -68,13 +71,15 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     # (the long one) is preempted, waits, and is recomputed from its tokens. Greedy and seeded
     # sampling both come out as if nothing had happened.
     short = np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()
-    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8)
+    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
     layout = hkv.CacheLayout(model.cache_spec(), config)
     pages = [2 * layout.pool_pages(g) for g in range(len(layout.groups))]
     csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
     pages[csa[0]] = 12
     engine = hkv.Engine(
-        model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages)), prefill_chunk=32
+        model,
+        hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages), prefix_records=0),
+        prefill_chunk=32,
     )
     hs = engine.submit(short, 100, return_logits=True)
     hl = engine.submit(PROMPTS[0], NEW, return_logits=True)
@@ -99,7 +104,9 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model):
 
 
 def test_request_larger_than_the_pools_is_a_named_error(model):
-    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=1, max_context=320, page_size=8))
+    layout = hkv.CacheLayout(
+        model.cache_spec(), hkv.CacheConfig(slots=1, max_context=320, page_size=8, prefix_records=0)
+    )
     pages = tuple(2 for _ in layout.groups)
     engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=320, page_size=8, pool_pages=pages))
     with pytest.raises(hkv.CacheCapacityError, match="does not fit in the cache's pools even alone"):
@@ -116,7 +123,9 @@ def test_matches_transformers_generate(tmp_path):
     hf = build_hf_model(CFG, seed=9)
     save_hf_model(hf, tmp_path)
     ours = load(tmp_path, dtype=jnp.float32)
-    engine = hkv.Engine(ours, hkv.CacheConfig(slots=2, max_context=320, page_size=8), prefill_chunk=32)
+    engine = hkv.Engine(
+        ours, hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0), prefill_chunk=32
+    )
     gens = engine.generate(PROMPTS, 8, return_logits=True)
     for prompt, g in zip(PROMPTS, gens):
         ids = torch.tensor([prompt])
@@ -146,7 +155,7 @@ def test_matches_transformers_generate(tmp_path):
     ],
 )
 def test_bad_input_raises_named_error_and_leaves_cache_unchanged(model, prompts, new, match):
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8))
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0))
     engine.generate([[5, 6, 7]], 1, return_logits=True)  # some history in the counters
     before = _snapshot(engine.cache)
     with pytest.raises(ValueError, match=match):
@@ -155,7 +164,9 @@ def test_bad_input_raises_named_error_and_leaves_cache_unchanged(model, prompts,
 
 
 def test_unknown_or_inactive_slot_is_a_status_with_cache_unchanged(model):
-    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    layout = hkv.CacheLayout(
+        model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=0)
+    )
     cache = hkv.init_cache(layout)
     cache, slot, status = tr.claim_slot(layout, cache)
     before = _snapshot(cache)
@@ -173,9 +184,10 @@ def test_unknown_or_inactive_slot_is_a_status_with_cache_unchanged(model):
 
 
 def test_cache_of_another_spec_is_rejected(model):
-    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    config = hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=0)
+    layout = hkv.CacheLayout(model.cache_spec(), config)
     other_window = init(tiny_config(sliding_window=12), seed=0)
-    foreign = hkv.init_cache(hkv.CacheLayout(other_window.cache_spec(), layout.config))
+    foreign = hkv.init_cache(hkv.CacheLayout(other_window.cache_spec(), config))  # its own pool sizes
     with pytest.raises(ValueError, match=r"but the layout needs"):
         model.cached_step(layout, foreign, jnp.ones((1, 2), jnp.int32), jnp.array([0]), jnp.array([2]))
     other_weights = dataclasses.replace(model.cache_spec(), weights_digest="0" * 32)  # same dims, other weights
@@ -203,7 +215,9 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
 
 
 def test_reserve_rejects_a_slot_twice_or_a_shrinking_length(model):
-    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8))
+    layout = hkv.CacheLayout(
+        model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=0)
+    )
     cache = hkv.init_cache(layout)
     cache, slot, _ = tr.claim_slot(layout, cache)
     cache, st = tr.reserve(layout, cache, jnp.array([0]), jnp.array([9]), jnp.array([True]))

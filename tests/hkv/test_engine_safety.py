@@ -81,7 +81,9 @@ def test_idle_engine_admits_a_prompt_whose_pinned_chain_holds_the_pages(model, t
 def test_capacity_error_names_what_holds_the_pages(model):
     """A prompt that cannot fit the pools even with every cached chain evicted is refused with an
     error that says which pool is short and who holds its pages; the engine stays usable."""
-    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=320, page_size=8))
+    layout = hkv.CacheLayout(
+        model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=320, page_size=8, prefix_records=0)
+    )
     pages = [layout.pool_pages(g) for g in range(len(layout.groups))]
     pages[0] = 1  # the first SWA pool: one page of 8 rows, too few for a 16-token prefill chunk
     engine = _engine(model, config=dict(pool_pages=tuple(pages)))

@@ -346,7 +346,9 @@ def test_user_jit_loop_with_prefix_restore_and_record(model, truth):
 
 
 def test_decode_loop_refuses_out_of_vocabulary_tokens(model):
-    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=32, page_size=8))
+    layout = hkv.CacheLayout(
+        model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=32, page_size=8, prefix_records=0)
+    )
     cache = hkv.init_cache(layout)
     cache, slot, _ = hkv.transitions.claim_slot(layout, cache)
     lengths = np.asarray(cache.lengths).copy()

@@ -16,7 +16,7 @@ SPEC = hkv.CacheSpec(
         hkv.LayerSpec.attention(8, 1, window=4, shared_kv=True, compressor=COMP),
     )
 )
-LAYOUT = hkv.CacheLayout(SPEC, hkv.CacheConfig(slots=2, max_context=32, page_size=4))
+LAYOUT = hkv.CacheLayout(SPEC, hkv.CacheConfig(slots=2, max_context=32, page_size=4, prefix_records=0))
 
 
 def trace(body):

@@ -86,6 +86,8 @@ def test_shard_config_divides_every_capacity_and_names_what_does_not():
         shard_config(hkv.CacheConfig(slots=6), 4)
     with pytest.raises(ValueError, match=r"pool_pages\[1\]=30"):
         shard_config(hkv.CacheConfig(slots=8, pool_pages=(40, 30)), 4)
+    budget = shard_config(hkv.CacheConfig(slots=8, memory_bytes=4_000_003), 4)  # each shard sizes its own part
+    assert (budget.slots, budget.memory_bytes, budget.pool_pages, budget.prefix_records) == (2, 1_000_000, None, None)
 
 
 def test_mesh_engine_refuses_a_bad_mesh(model):
@@ -225,7 +227,7 @@ def test_mesh_submit_streams_and_an_interrupt_leaves_every_shard_usable(mesh_eng
 
     def interrupted():
         calls.append(1)
-        if len(calls) == 2:  # mid-generation: every shard has requests decoding
+        if len(calls) == 1:  # mid-generation: every shard has requests admitted and decoding
             raise KeyboardInterrupt
         decode_all()
 

@@ -44,7 +44,9 @@ def mqa():
 @pytest.fixture(scope="module")
 def cold(gqa):
     """The GQA model in an engine without the prefix cache (every request computed from scratch)."""
-    return hkv.Engine(gqa, hkv.CacheConfig(slots=2, max_context=192, page_size=8), block_tokens=BT, prefill_chunk=7)
+    return hkv.Engine(
+        gqa, hkv.CacheConfig(slots=2, max_context=192, page_size=8, prefix_records=0), block_tokens=BT, prefill_chunk=7
+    )
 
 
 def assert_exact(model, prompts, gens, new=NEW):
@@ -79,7 +81,7 @@ def test_gqa_cold_engine_equals_stateless(gqa, cold):
 # prefix-cache engine below: two windows per chunk); MQA 5 (below the window of 8) and 24 (three windows,
 # with the decode through the Pallas kernels below).
 def test_mqa_chunked_prefill_and_decode_equal_stateless(mqa):
-    engine = hkv.Engine(mqa, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=5)
+    engine = hkv.Engine(mqa, hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0), prefill_chunk=5)
     assert_exact(mqa, PROMPTS, engine.generate(PROMPTS, NEW, return_logits=True))
     hkv.check_invariants(engine.layout, engine.cache)
 
@@ -89,7 +91,7 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(mqa):
     # interpreter on CPU: the same tokens and logits as the stateless forward (and the jnp reference above)
     engine = hkv.Engine(
         mqa,
-        hkv.CacheConfig(slots=2, max_context=128, page_size=8),
+        hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0),
         prefill_chunk=24,
         kernel_options={"kernel_backend": "gpu", "interpret": True},
     )

@@ -72,7 +72,7 @@ def test_stateless_forward_scanned_equals_unrolled(cfg):
 def _run_cached(model, scan: bool, chunks):
     """Run `chunks` [(tokens int32[2, C], n_valid int32[2])] as consecutive steps of slots 0 and 1.
     Returns (cache, [float32[2, C, vocab] logits per step])."""
-    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=3, max_context=64, page_size=4))
+    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=3, max_context=64, page_size=4, prefix_records=0))
     graphdef, weights = nnx.split(model)
 
     @jax.jit
