@@ -80,6 +80,9 @@ from transformers import DeepseekV4ForCausalLM
 import hkv
 from models.deepseek_v4 import load
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from tests.models.hf_reference import randomize  # noqa: E402
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HF_CONFIG = {
     "vocab_size": 4096,
@@ -135,28 +138,11 @@ def tree_state() -> str:
 
 # ------------------------------------------------------------------------------------ weights
 def random_hf_model(seed: int) -> DeepseekV4ForCausalLM:
-    """Every parameter and buffer random (norm weights around 1, vectors and position biases 0.3 x N(0,1),
-    matrices 0.06 x N(0,1), hash tables random expert picks, router biases 0.1 x N(0,1))."""
+    """Every parameter and buffer random, as the parity tests build theirs (`tests/models/hf_reference.py`:
+    norm weights around 1, vectors and position biases 0.3 x N(0,1), matrices 0.06 x N(0,1), hash
+    tables random expert picks, router biases 0.1 x N(0,1))."""
     torch.manual_seed(seed)
-    cfg = HFConfig(**HF_CONFIG)
-    model = DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif p.ndim == 1 or name.endswith("position_bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(0.06 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
-                b.copy_(torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b.shape[0])]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model
+    return randomize(DeepseekV4ForCausalLM(HFConfig(**HF_CONFIG)).eval(), seed)
 
 
 def nonzero_summary(model: DeepseekV4ForCausalLM) -> str:

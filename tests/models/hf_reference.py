@@ -15,7 +15,14 @@ def build_hf_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalL
     """A transformers DeepSeek-V4 for `cfg` with EVERY parameter and buffer randomised (sinks, position
     biases, mHC bases, router biases, hash tables too), so no code path hides behind a zero init."""
     torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(HFConfig(**cfg.to_hf_dict())).eval()
+    return randomize(DeepseekV4ForCausalLM(HFConfig(**cfg.to_hf_dict())).eval(), seed)
+
+
+def randomize(model: DeepseekV4ForCausalLM, seed: int) -> DeepseekV4ForCausalLM:
+    """Every parameter and buffer of `model` random, in place (norm weights 1 + 0.2 N(0,1), vectors and
+    position biases 0.3 N(0,1), matrices 0.06 N(0,1), hash tables random expert picks, router biases
+    0.1 N(0,1)); deterministic in `seed`. Also used by `benchmarks/e2e.py`."""
+    cfg = model.config
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
