@@ -113,7 +113,8 @@ def _engine(model, block_tokens, chunk, max_context, prefix: bool, disk=None, ke
     spec = model.cache_spec(block_tokens=block_tokens)
     base = CacheConfig(slots=2, max_context=max_context, page_size=block_tokens, prefix_records=0)
     scale = 4 if prefix else 1  # room for prefix records' snapshots next to two live sequences
-    pages = tuple(CacheLayout(spec, base).pool_pages(g) * scale for g in range(len(CacheLayout(spec, base).groups)))
+    layout = CacheLayout(spec, base)
+    pages = tuple(layout.reserved_pages(g) * scale for g in range(len(layout.groups)))
     config = dataclasses.replace(base, pool_pages=pages, prefix_records=64 if prefix else 0)
     return Engine(model, config, block_tokens=block_tokens, prefill_chunk=chunk,
                   retention=RetentionPolicy(every_n_blocks=1), kernel_options=kernel_options, disk=disk)  # fmt: skip

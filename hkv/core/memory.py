@@ -101,29 +101,32 @@ def page_bytes(layout: CacheLayout, g: int) -> int:
     return len(grp.layers) * layout.page_size * grp.dim * layout.spec.storage_dtype.itemsize
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or `jax.ShapeDtypeStruct`) in a pytree."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
 def allocated_total(layout: CacheLayout) -> int:
     """Bytes of every array `init_cache(layout)` allocates (shapes only; nothing is allocated)."""
-    shapes = jax.eval_shape(lambda: init_cache(layout))
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    return tree_bytes(jax.eval_shape(lambda: init_cache(layout)))
 
 
 def budget_of(layout: CacheLayout, requested: int | None = None) -> Budget:
     """How `layout`'s cache splits device memory: the running slots' reservation, pages beyond it,
     the prefix index, the rest (see `Budget`)."""
     shapes = jax.eval_shape(lambda: init_cache(layout))
-    nbytes = lambda tree: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
     groups = range(len(layout.groups))
     reserved = [min(layout.pool_pages(g), layout.reserved_pages(g)) for g in groups]
-    running = sum(reserved[g] * page_bytes(layout, g) for g in groups) + nbytes(shapes.tails)
+    running = sum(reserved[g] * page_bytes(layout, g) for g in groups) + tree_bytes(shapes.tails)
     spare = sum((layout.pool_pages(g) - reserved[g]) * page_bytes(layout, g) for g in groups)
-    index = nbytes(shapes.prefix)
-    total = nbytes(shapes)
+    index = tree_bytes(shapes.prefix)
+    total = tree_bytes(shapes)
     pools = sum(layout.pool_pages(g) * page_bytes(layout, g) for g in groups)
     return Budget(
         running=running,
         prefix_pages=spare,
         prefix_index=index,
-        other=total - pools - nbytes(shapes.tails) - index,
+        other=total - pools - tree_bytes(shapes.tails) - index,
         total=total,
         requested=requested,
         cached_blocks=layout.config.prefix_records,
@@ -194,9 +197,7 @@ def allocated_bytes(layout: CacheLayout) -> dict[str, int]:
         pool = shapes.groups[gi].pool
         out[grp.kind.name] += int(np.prod(pool.shape)) * pool.dtype.itemsize
     for t in shapes.tails:
-        out["TAIL"] += sum(
-            int(np.prod(a.shape)) * a.dtype.itemsize for a in (t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate)
-        )
+        out["TAIL"] += tree_bytes((t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate))
     out["total"] = sum(out[k] for k in KINDS)
     return out
 

@@ -252,27 +252,31 @@ class Engine:
                 stacklevel=2,
             )
             config = dataclasses.replace(config, prefix_records=0)
-        if config.prefix_records != 0 and prefill_chunk % block_tokens:
+        if disk is not None and not isinstance(disk, DiskTier):
+            raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
+        check_protocol(model)
+        self._bind_model(model, block_tokens, model_id)  # _graphdef, _weights, spec
+        self.layout = CacheLayout(self.spec, config)
+        # checked on the resolved config: memory_bytes may leave no room for records (prefix off)
+        records = self.layout.config.prefix_records
+        if records and prefill_chunk % block_tokens:
             raise ValueError(
                 f"{prefill_chunk=} must be a multiple of {block_tokens=} when the prefix cache is on "
                 f"(chunks end on block boundaries, where records are taken; CacheConfig.prefix_records=0 "
                 f"turns it off)"
             )
-        if disk is not None and config.prefix_records == 0:
+        if disk is not None and records == 0:
             raise ValueError(
                 "the disk tier holds prefix blocks: it needs the prefix cache "
-                f"(CacheConfig.prefix_records={config.prefix_records} must be > 0, or None to size it)"
+                f"(CacheConfig.prefix_records={config.prefix_records}"
+                f"{f', memory_bytes={config.memory_bytes:,}' if config.memory_bytes else ''} leaves 0 records; "
+                f"prefix_records must be > 0, or None to size it)"
             )
-        if disk is not None and not isinstance(disk, DiskTier):
-            raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
-        check_protocol(model)
         self.compilation_cache = enable_compilation_cache(compilation_cache)
         self.tokenizer = _codec(tokenizer)
         self._bars = Bars(progress_bars)
         self.model = model
         self.disk = disk
-        self._bind_model(model, block_tokens, model_id)  # _graphdef, _weights, spec
-        self.layout = CacheLayout(self.spec, config)
         self.cache = self._new_cache()
         self.prefill_chunk = prefill_chunk
         self.prefill_batch = positive("prefill_batch", prefill_batch)

@@ -152,3 +152,18 @@ def test_a_chunk_off_the_block_grid_leaves_the_default_prefix_cache_off_with_a_w
     assert not engine.prefix_enabled and engine.layout.config.prefix_records == 0
     with pytest.raises(ValueError, match=r"prefill_chunk=24 must be a multiple of block_tokens=16"):
         hkv.Engine(tiny, hkv.CacheConfig(slots=1, max_context=64, memory_bytes=10**7), prefill_chunk=24)
+
+
+def test_the_chunk_and_disk_checks_read_the_resolved_prefix_cache(tiny, tmp_path):
+    """A memory budget that leaves no room for records turns the prefix cache off: an off-grid chunk is
+    then fine (it was refused on the unresolved config), and a disk tier is refused by name."""
+    floor = allocated_total(hkv.CacheLayout(_spec(tiny), hkv.CacheConfig(slots=1, max_context=64, prefix_records=0)))
+    config = hkv.CacheConfig(slots=1, max_context=64, memory_bytes=floor)
+    engine = hkv.Engine(tiny, config, prefill_chunk=24)
+    assert not engine.prefix_enabled and engine.layout.config.prefix_records == 0
+    with pytest.raises(ValueError, match=rf"the disk tier .* memory_bytes={floor:,} leaves 0 records"):
+        hkv.Engine(tiny, config, disk=hkv.DiskTier(str(tmp_path / "d")))
+    with pytest.raises(ValueError, match=r"the disk tier .*prefix_records=0 leaves 0 records"):
+        hkv.Engine(
+            tiny, hkv.CacheConfig(slots=1, max_context=64, prefix_records=0), disk=hkv.DiskTier(str(tmp_path / "e"))
+        )
