@@ -2,7 +2,13 @@
 shared expert; SwiGLU with `swiglu_limit` clamps (gate clamped above, up clamped both sides).
 
 Routed experts run as one grouped matmul (`jax.lax.ragged_dot`) over (token, slot) pairs sorted by
-expert, so cost scales with tokens x top-k, not tokens x experts, and shapes stay static.
+expert, so cost scales with tokens x top-k, not tokens x experts, and shapes stay static. That holds
+where XLA has a native grouped matmul (GPU, TPU). On CPU `ragged_dot` lowers to a dense masked product
+over every (pair, expert): tokens x top-k x experts, worse than computing every expert for every token.
+There (`jax.lax.platform_dependent`) a few tokens (decode) run every expert densely, weighted by the
+routing (tokens x experts), and many tokens (prefill) run in tiles of `TILE` pairs that each belong to
+one expert, each expert's pairs padded to whole tiles (tokens x top-k + experts x TILE rows): measured
+on the e2e benchmark's layer (8 experts top-2, hidden 256): 512 tokens 29.3 ms (ragged) -> 10.8 ms.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from flax import nnx
 
 from .config import HASH_MOE, DeepseekV4Config
 from .norms import linear
+
+TILE = 64  # pairs per tile of the CPU grouped matmul
 
 
 def score(logits: jnp.ndarray, scoring_func: str) -> jnp.ndarray:
@@ -76,7 +84,54 @@ class MoE(nnx.Module):
         return w * self.scaling, idx.astype(jnp.int32)
 
     def experts(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-        """Weighted sum of the selected experts' outputs. x [N, hidden] -> [N, hidden]."""
+        """Weighted sum of the selected experts' outputs. x [N, hidden], weights [N, k], idx int32[N, k]
+        -> [N, hidden]: `ragged_dot` where it is native, on CPU `experts_cpu`."""
+        return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
+
+    def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """`experts` without `ragged_dot`: every expert for every token when that is fewer rows than the
+        tiled grouping (decode), else `experts_tiled`."""
+        n, k = idx.shape
+        e = self.n_experts
+        if n * e <= 2 * (n * k + e * TILE):
+            dt = x.dtype
+            g = jnp.einsum("nh,ehi->eni", x, self.w_gate.value.astype(dt))
+            u = jnp.einsum("nh,ehi->eni", x, self.w_up.value.astype(dt))
+            y = jnp.einsum("eni,eih->enh", swiglu(g, u, self.limit), self.w_down.value.astype(dt))
+            dense = jnp.sum(jnp.where(idx[None] == jnp.arange(e)[:, None, None], weights[None], 0.0), axis=-1)
+            return jnp.einsum("enh,en->nh", y, dense.astype(y.dtype)).astype(dt)
+        return self.experts_tiled(x, weights, idx)
+
+    def experts_tiled(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """Grouped matmul in tiles: the N*k (token, slot) pairs sorted by expert, each expert's run
+        padded to whole tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), and
+        one `lax.map` step per tile multiplying by its expert's weights. x [N, hidden] -> [N, hidden]."""
+        n, k = idx.shape
+        e, m = self.n_experts, n * k
+        flat = idx.reshape(-1)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        padded = (sizes + TILE - 1) // TILE * TILE
+        padded_end = jnp.cumsum(padded)
+        order = jnp.argsort(flat, stable=True)  # pairs by expert
+        expert = flat[order]
+        rank = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its expert
+        dest = jnp.zeros((m,), jnp.int32).at[order].set(padded_end[expert] - padded[expert] + rank)
+        tiles = -(-(m + e * (TILE - 1)) // TILE)
+        rows = jnp.zeros((tiles * TILE, x.shape[1]), x.dtype).at[dest].set(x[jnp.arange(m) // k])
+        tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
+        tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
+        wg, wu, wd = (w.value.astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+
+        def tile(args):
+            xt, te = args  # [TILE, hidden], its expert
+            return swiglu(xt @ wg[te], xt @ wu[te], self.limit) @ wd[te]
+
+        y = jax.lax.map(tile, (rows.reshape(tiles, TILE, -1), tile_expert)).reshape(tiles * TILE, -1)
+        out = y[dest].reshape(n, k, -1)
+        return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).astype(x.dtype)
+
+    def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """`experts` as one `jax.lax.ragged_dot` per projection over the pairs sorted by expert."""
         n, k = idx.shape
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
