@@ -202,6 +202,55 @@ def select_topk(scores: jax.Array, limit: jax.Array, k: int) -> jax.Array:
     return idx
 
 
+def gather_picks(entries: jax.Array, picks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each query's picked compressed entries, for `attend_rows(per_query=...)`.
+
+    entries: [B, N, D] rows of one shared K=V head; picks: int32[B, T, k] (-1 = none) ->
+    (rows [B, T, k, 1, D], bias float32[B, T, k]: 0 at a pick, -inf at -1).
+    """
+    b = entries.shape[0]
+    rows = entries[jnp.arange(b)[:, None, None], jnp.maximum(picks, 0)]  # [B, T, k, D]
+    bias = jnp.where(picks >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+    return rows[:, :, :, None, :], bias
+
+
+SCORE_BLOCK_ELEMENTS = 1 << 22  # float32 elements of [queries x heads x entries] scored at once (16 MiB)
+
+
+def indexer_topk(
+    q: jax.Array, weights: jax.Array, keys: jax.Array, limit: jax.Array, k: int, *, block: int | None = None
+) -> jax.Array:
+    """`select_topk(indexer_scores(q, weights, keys, Dh), limit, k)` scored in blocks of queries, so the
+    [queries x heads x entries] products are never all materialised at once (a long prefill chunk over a
+    long context would need gigabytes).
+
+    q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh]; limit: int[B, S]; k: picks.
+    block: queries per block (None: as many as keep B x block x H x N under `SCORE_BLOCK_ELEMENTS`).
+    Returns int32[B, S, k] as `select_topk`.
+    """
+    b, s, h, dh = q.shape
+    n = keys.shape[1]
+    if block is None:
+        block = max(1, SCORE_BLOCK_ELEMENTS // max(1, b * h * n))
+    if block < 1:
+        raise ValueError(f"{block=} must be >= 1")
+    if s <= block:
+        return select_topk(indexer_scores(q, weights, keys, dh), limit, k)
+    nb = -(-s // block)
+    pad = nb * block - s
+
+    def blocks(x):  # [B, S, ...] -> [nb, B, block, ...] (padded queries see no entries)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, nb, block) + x.shape[2:]), 1, 0)
+
+    def one(args):
+        qb, wb, lb = args
+        return select_topk(indexer_scores(qb, wb, keys, dh), lb, k)
+
+    picks = jax.lax.map(one, (blocks(q), blocks(weights), blocks(limit)))  # [nb, B, block, k]
+    return jnp.moveaxis(picks, 0, 1).reshape(b, nb * block, k)[:, :s]
+
+
 def selection_bias(indices: jax.Array, n_entries: int) -> jax.Array:
     """int32[B, S, k] entry indices (-1 = none) -> float32[B, S, n_entries], 0 at selected, -inf elsewhere."""
     b, s, _ = indices.shape
@@ -219,12 +268,16 @@ def attend_rows(
     scale: float,
     sinks: jax.Array | None = None,
     softcap: float | None = None,
+    per_query: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Dense GQA attention with optional per-head sinks and logit soft-capping (the prefill path).
 
     q: [B, T, H, D]; keys, values: [B, K, Hkv, D] (H % Hkv == 0; query head h reads KV head
     h // (H // Hkv)); bias: float32[B, T, K], 0 (visible) or -inf; sinks: float32[H] or None (a sink
     joins the softmax denominator only); softcap: logits -> softcap * tanh(logits / softcap).
+    per_query: optional (rows [B, T, E, Hkv, D], bias float32[B, T, E]): E more K=V rows *per query*
+      (a sparse layer's gathered top-k compressed entries) in the same softmax; cost O(T * E), where
+      the same entries as shared keys would cost O(T * all entries).
     Returns [B, T, H, D] in q.dtype. A query that sees no key gets zeros (with no sink).
     """
     b, t, h, d = q.shape
@@ -232,6 +285,12 @@ def attend_rows(
     qg = q.reshape(b, t, hkv, h // hkv, d)
     # scores accumulate in float32 whatever the storage dtype (as the decode kernels do)
     logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    n_shared = logits.shape[-1]
+    if per_query is not None:
+        rows, pbias = per_query
+        extra = jnp.einsum("btkgd,btekd->btkge", qg, rows.astype(q.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.concatenate([logits, extra], axis=-1)
+        bias = jnp.concatenate([bias, pbias], axis=-1)
     logits = logits * jnp.float32(scale)
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
@@ -247,7 +306,11 @@ def attend_rows(
     probs = jnp.where(denom > 0, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    shared = probs[..., :n_shared].astype(values.dtype)
+    out = jnp.einsum("btkgs,bskd->btkgd", shared, values, preferred_element_type=jnp.float32)
+    if per_query is not None:
+        own = probs[..., n_shared:].astype(per_query[0].dtype)
+        out = out + jnp.einsum("btkge,btekd->btkgd", own, per_query[0], preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
@@ -469,7 +532,7 @@ class LayerCache:
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
         keys, limit = self._entries(cache, ObjectKind.INDEXER)
-        return select_topk(indexer_scores(q, weights, keys, q.shape[-1]), limit, k)
+        return indexer_topk(q, weights, keys, limit, k)
 
     def attend(
         self,
@@ -534,17 +597,18 @@ class LayerCache:
         if self.window is not None:
             seen = seen & (p > t - self.window)
         bias = jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32)
+        per_query = None
         if compressed:
             entries, limit = self._entries(cache, ObjectKind.COMPRESSED)
-            n_max = entries.shape[1]
-            ek = entries.astype(keys.dtype)[:, :, None, :]
-            keys, values = jnp.concatenate([keys, ek], axis=1), jnp.concatenate([values, ek], axis=1)
-            if picks is None:
+            if picks is None:  # HCA: every causal entry, shared by the chunk's queries
+                n_max = entries.shape[1]
+                ek = entries.astype(keys.dtype)[:, :, None, :]
+                keys, values = jnp.concatenate([keys, ek], axis=1), jnp.concatenate([values, ek], axis=1)
                 cbias = jnp.where(jnp.arange(n_max)[None, None, :] < limit[..., None], 0.0, -jnp.inf)
-            else:
-                cbias = selection_bias(picks, n_max)
-            bias = jnp.concatenate([bias, cbias.astype(jnp.float32)], axis=-1)
-        return attend_rows(q, keys, values, bias, scale=scale, sinks=sinks, softcap=softcap)
+                bias = jnp.concatenate([bias, cbias.astype(jnp.float32)], axis=-1)
+            else:  # CSA: each query's own top-k entries, gathered (O(C * k), not O(C * entries))
+                per_query = gather_picks(entries.astype(keys.dtype), picks)
+        return attend_rows(q, keys, values, bias, scale=scale, sinks=sinks, softcap=softcap, per_query=per_query)
 
     def _decode(self, cache, q, sinks, scale, softcap, compressed, picks):
         """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D] -> [B, H, D]."""
@@ -713,7 +777,9 @@ __all__ = [
     "Step",
     "attend_rows",
     "causal_entry_limit",
+    "gather_picks",
     "indexer_scores",
+    "indexer_topk",
     "plan_layer_runs",
     "run_step",
     "scan_layers",

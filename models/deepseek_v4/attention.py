@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk, selection_bias
+from hkv.core.layers import causal_entry_limit, indexer_topk, selection_bias
 
 from .compressor import Indexer, compressor_from_tensors
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -144,8 +144,7 @@ class Attention(nnx.Module):
                 ccos, csin = rope["compress"]
                 iq = self.indexer.queries(q_residual, ccos, csin)
                 ikeys = self.indexer.compressor.compress_prefix(x, freqs["compress"], self.eps)
-                scores = indexer_scores(iq, self.indexer.head_weights(x), ikeys, self.indexer.head_dim)
-                picks = select_topk(scores, limit, self.indexer.topk)
+                picks = indexer_topk(iq, self.indexer.head_weights(x), ikeys, limit, self.indexer.topk)
                 cbias = selection_bias(picks, n)
             keys = jnp.concatenate([kv, compressed.astype(kv.dtype)], axis=1)
             bias = jnp.concatenate([bias, cbias], axis=-1)

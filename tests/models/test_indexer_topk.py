@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from hkv.core.layers import attend_rows, gather_picks, indexer_scores, indexer_topk, selection_bias
 from models.deepseek_v4.compressor import causal_entry_limit, select_topk
 from models.deepseek_v4.moe import score
 
@@ -40,3 +41,37 @@ def test_router_scoring_functions():
     np.testing.assert_allclose(score(logits, "sigmoid"), 1 / (1 + np.exp(-np.asarray(logits))), rtol=1e-6)
     sm = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum()
     np.testing.assert_allclose(score(logits, "softmax"), sm, rtol=1e-6)
+
+
+def test_blocked_scoring_picks_what_scoring_everything_at_once_picks():
+    """`indexer_topk` in blocks of queries (the last one padded) equals `select_topk` over all scores."""
+    rng = np.random.default_rng(0)
+    b, s, h, dh, n, k = 2, 37, 4, 8, 19, 5
+    q = jnp.asarray(rng.standard_normal((b, s, h, dh)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, s, h)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, n, dh)), jnp.float32)
+    limit = causal_entry_limit(jnp.broadcast_to(jnp.arange(s)[None] * 2, (b, s)), 4)
+    want = np.asarray(select_topk(indexer_scores(q, w, keys, dh), limit, k))
+    assert (want == -1).any() and (want >= 0).any()
+    for block in (1, 8, 36, 37, None):
+        np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, keys, limit, k, block=block)), want)
+
+
+def test_per_query_rows_attend_like_a_selection_mask_over_shared_rows():
+    """`attend_rows(per_query=gather_picks(entries, picks))` equals the same entries appended as shared
+    keys under `selection_bias` (the dense formulation the stateless forward uses), sinks included."""
+    rng = np.random.default_rng(1)
+    b, t, h, d, kw, n, k = 2, 6, 4, 8, 5, 9, 3
+    f32 = jnp.float32
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), f32)
+    win = jnp.asarray(rng.standard_normal((b, kw, 1, d)), f32)
+    wbias = jnp.asarray(np.where(rng.random((b, t, kw)) < 0.7, 0.0, -np.inf), f32)
+    entries = jnp.asarray(rng.standard_normal((b, n, d)), f32)
+    picks = jnp.asarray(np.stack([[rng.permutation(n)[:k] for _ in range(t)] for _ in range(b)]), jnp.int32)
+    picks = picks.at[0, 2, 1:].set(-1)  # a query with fewer picks than k
+    sinks = jnp.asarray(rng.standard_normal(h), f32)
+    dense_keys = jnp.concatenate([win, entries[:, :, None, :]], axis=1)
+    dense_bias = jnp.concatenate([wbias, selection_bias(picks, n)], axis=-1)
+    want = attend_rows(q, dense_keys, dense_keys, dense_bias, scale=d**-0.5, sinks=sinks)
+    got = attend_rows(q, win, win, wbias, scale=d**-0.5, sinks=sinks, per_query=gather_picks(entries, picks))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
