@@ -38,8 +38,18 @@ Per context L (prompt = L random tokens; max_new = `--new-tokens`):
   the same way.
 
 Tokens: hkv's greedy tokens (cold prompt: tuned and defaults engines; warm prompt: both engines) must
-equal transformers' token for token; each mismatch is printed with transformers' top-1/top-2 logit
-margin at that step, and any mismatch makes the script exit with status 1.
+equal transformers' token for token. A continuation whose first difference is a *near-tie* (hkv's
+token is transformers' runner-up there and transformers' top-1/top-2 logit margin is below
+`TIE_MARGIN`) is reported as such and not counted: float32 results depend on the order of
+summation (matmul shapes differ between the two libraries, between sequence lengths and between
+prefill chunks), and a router or indexer whose top-k scores are within a few ulp of each other
+picks either side. Seen on these random weights: layer 2's router at prompt position 764 of the
+1K prompt scores experts 3 and 4 at 1.3309672 vs 1.3309662 (hkv at 1040 tokens) and 1.3309664 vs
+1.3309661 (hkv at 1044 tokens, and transformers at either length, pick expert 4); the other
+expert moves later logits by up to 2.4. transformers itself changes the logits of the 1K prompt by
+0.01 between 1040 and 1044 tokens (an indexer near-tie at position 962). Tokens after the first
+difference follow different prefixes and are not compared. Any other difference is a mismatch,
+printed with both top-2 lists, and makes the script exit with status 1.
 
 `--hkv-only-contexts` (default 32768): the tuned engine alone (cold TTFT, decode, warm TTFT; no
 transformers, no token check). A context is skipped when its cold prefill, extrapolated from the two
@@ -110,6 +120,7 @@ HF_CONFIG = {
 }
 BLOCK, CHUNK = 64, 512  # the tuned engine
 SHARED = 0.95  # share of the warm prompt taken from the cold prompt
+TIE_MARGIN = 0.05  # transformers top-1/top-2 logit margin below which a first difference counts as a near-tie
 
 
 def log(msg: str) -> None:
@@ -161,11 +172,12 @@ def nonzero_summary(model: DeepseekV4ForCausalLM) -> str:
 # ------------------------------------------------------------------------------------ transformers
 def hf_generate(model, prompt: list[int], new: int) -> dict:
     """Greedy with transformers' cache: timed prefill (first token) and per-token decode forwards."""
-    toks, margins = [], []
+    toks, margins, runners = [], [], []
 
     def pick(logits: torch.Tensor) -> int:
         top = torch.topk(logits[0, -1].float(), 2)
         margins.append(float(top.values[0] - top.values[1]))
+        runners.append(int(top.indices[1]))
         return int(top.indices[0])
 
     with torch.inference_mode():
@@ -187,6 +199,7 @@ def hf_generate(model, prompt: list[int], new: int) -> dict:
     return {
         "tokens": toks,
         "margins": margins,
+        "runners": runners,
         "prefill": prefill,
         "decode_ms": 1e3 * float(np.median(steps)) if steps else float("nan"),
         "decode_mean_ms": 1e3 * decode / max(new - 1, 1),
@@ -272,18 +285,28 @@ def prompts_for(ctx: int, vocab: int, rng) -> tuple[list[int], list[int], int]:
     return cold, warm, shared
 
 
-def mismatches(label: str, got: list[int], want: list[int], margins: list[float]) -> int:
-    bad = [i for i in range(max(len(got), len(want))) if i >= len(got) or i >= len(want) or got[i] != want[i]]
-    if bad:
-        i = bad[0]
+def compare_tokens(label: str, got: list[int], ref: dict) -> str:
+    """Compare one hkv continuation with transformers' (`hf_generate`'s dict): "equal", "near-tie" (the
+    first difference is transformers' runner-up with a top-1/top-2 margin below TIE_MARGIN; later
+    tokens follow different prefixes) or "mismatch". Differences are logged."""
+    want, margins, runners = ref["tokens"], ref["margins"], ref["runners"]
+    if got == want:
+        return "equal"
+    i = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]), min(len(got), len(want)))
+    if i < len(got) and i < len(want) and got[i] == runners[i] and margins[i] < TIE_MARGIN:
         log(
-            f"  MISMATCH {label}: {len(bad)} of {len(want)} tokens differ; first at step {i} (hkv "
-            f"{got[i] if i < len(got) else None}, transformers {want[i] if i < len(want) else None}, "
-            f"transformers top-1/top-2 logit margin there {margins[i] if i < len(margins) else float('nan'):.3g})"
+            f"  near-tie {label}: first difference at step {i}: hkv {got[i]} = transformers' runner-up, "
+            f"transformers' top-1/top-2 margin {margins[i]:.3g} < {TIE_MARGIN} (not counted)"
         )
-        log(f"    hkv          {got}")
-        log(f"    transformers {want}")
-    return len(bad)
+        return "near-tie"
+    log(
+        f"  MISMATCH {label}: first difference at step {i} (hkv {got[i] if i < len(got) else None}, transformers "
+        f"{want[i] if i < len(want) else None}, transformers' runner-up {runners[i] if i < len(runners) else None}, "
+        f"top-1/top-2 margin {margins[i] if i < len(margins) else float('nan'):.3g})"
+    )
+    log(f"    hkv          {got}")
+    log(f"    transformers {want}")
+    return "mismatch"
 
 
 def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
@@ -291,7 +314,7 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
     cold, warm, shared = prompts_for(ctx, vocab, rng)
     n = args.new_tokens
     max_context = -(-(ctx + n) // BLOCK) * BLOCK
-    r: dict = {"ctx": ctx, "shared": shared, "mismatches": 0, "checks": 0}
+    r: dict = {"ctx": ctx, "shared": shared, "mismatches": 0, "ties": 0, "checks": 0}
     if with_hf:
         log(f"{ctx}: transformers cold prompt ...")
         r["hf"] = hf_generate(hf, cold, n)
@@ -333,7 +356,9 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
         for ours, ref in pairs:
             if ours in r:
                 r["checks"] += 1
-                r["mismatches"] += mismatches(f"{ctx} {ours}", r[ours]["tokens"], r[ref]["tokens"], r[ref]["margins"])
+                verdict = compare_tokens(f"{ctx} {ours}", r[ours]["tokens"], r[ref])
+                r["mismatches"] += verdict == "mismatch"
+                r["ties"] += verdict == "near-tie"
     return r
 
 
@@ -428,8 +453,10 @@ def report(results: list[dict], args) -> int:
                     f"* warm TTFT at {top}, {label} engine: {w:.0f}x below transformers cold (target >= 100x with "
                     f"defaults: {'met' if w >= 100 else 'NOT met'}{'' if key == 'warm_defaults' else ', for reference'})"
                 )
+    ties = sum(r["ties"] for r in results)
     say(
-        f"* tokens: {total} mismatches in {checks} greedy continuations of {args.new_tokens} tokens (target 0: "
+        f"* tokens: {checks} greedy continuations of {args.new_tokens} tokens: {checks - total - ties} equal, "
+        f"{ties} diverging at a near-tie (margin < {TIE_MARGIN}, not counted), {total} mismatches (target 0: "
         f"{'met' if total == 0 else 'NOT met'})"
     )
     return total
