@@ -333,7 +333,7 @@ class Worker:
             self.model.cache_spec(block_tokens=BT),
             hkv.CacheConfig(slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE),
         )
-        pages = tuple(layout.pool_pages(g) for g in range(len(layout.groups)))
+        pages = tuple(layout.reserved_pages(g) for g in range(len(layout.groups)))
         config = hkv.CacheConfig(
             slots=SLOTS, max_context=MAX_CONTEXT, page_size=PAGE, pool_pages=pages, prefix_records=RECORDS
         )

@@ -32,7 +32,7 @@ def make_engine(model, **kw):
     """The engine of test_prefix.py (same static shapes, so the suite compiles its programs once)."""
     base = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), base)
-    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))  # room for cached blocks
+    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))  # room for cached blocks
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96)
     return hkv.Engine(
         model,

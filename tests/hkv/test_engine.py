@@ -73,7 +73,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     short = np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()
     config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
     layout = hkv.CacheLayout(model.cache_spec(), config)
-    pages = [2 * layout.pool_pages(g) for g in range(len(layout.groups))]
+    pages = [2 * layout.reserved_pages(g) for g in range(len(layout.groups))]
     csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
     pages[csa[0]] = 12
     engine = hkv.Engine(
@@ -108,7 +108,9 @@ def test_request_larger_than_the_pools_is_a_named_error(model):
         model.cache_spec(), hkv.CacheConfig(slots=1, max_context=320, page_size=8, prefix_records=0)
     )
     pages = tuple(2 for _ in layout.groups)
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=320, page_size=8, pool_pages=pages))
+    engine = hkv.Engine(
+        model, hkv.CacheConfig(slots=1, max_context=320, page_size=8, pool_pages=pages, prefix_records=0)
+    )
     with pytest.raises(hkv.CacheCapacityError, match="does not fit in the cache's pools even alone"):
         engine.generate([PROMPTS[0]], 2, return_logits=True)
     hkv.check_invariants(engine.layout, engine.cache)
@@ -203,7 +205,7 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
     prompts = [PROMPTS[1][:45], PROMPTS[0][:23]]
     engine = hkv.Engine(
         model,
-        hkv.CacheConfig(slots=2, max_context=128, page_size=8),
+        hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0),
         prefill_chunk=32,
         kernel_options={"kernel_backend": "gpu", "interpret": True},
     )

@@ -84,7 +84,7 @@ def test_capacity_error_names_what_holds_the_pages(model):
     layout = hkv.CacheLayout(
         model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=320, page_size=8, prefix_records=0)
     )
-    pages = [layout.pool_pages(g) for g in range(len(layout.groups))]
+    pages = [layout.reserved_pages(g) for g in range(len(layout.groups))]
     pages[0] = 1  # the first SWA pool: one page of 8 rows, too few for a 16-token prefill chunk
     engine = _engine(model, config=dict(pool_pages=tuple(pages)))
     with pytest.raises(hkv.CacheCapacityError) as e:

@@ -33,7 +33,7 @@ def model():
 def make_engine(model, *, scale=4, records=96, retention=None, **kw):
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.pool_pages(g) * scale for g in range(len(layout.groups)))
+    pages = tuple(layout.reserved_pages(g) * scale for g in range(len(layout.groups)))
     return hkv.Engine(
         model,
         hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=records),
@@ -253,7 +253,7 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
     # (2 chunks for [64, 129)): the engine picks the cheaper by its measured chunk cost.
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
     engine = hkv.Engine(
         model,
         hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96),
@@ -283,7 +283,7 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
     fix it evicted its own parent records and kept one block, the rest refused as orphans)."""
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
     engine = hkv.Engine(
         model,
         hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=6),
@@ -313,7 +313,7 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     out identical to recording one boundary per transition."""
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
     rng = np.random.default_rng(4)
     a = rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()
     b = rng.integers(0, CFG.vocab_size, 8 * BT + 5).tolist()
@@ -348,7 +348,7 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
     ORPHAN_BLOCK (parent gone) and a disabled call (record_many's padding) change no leaf."""
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.pool_pages(g) * 4 for g in range(len(layout.groups)))
+    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
     engine = hkv.Engine(
         model,
         hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=4),

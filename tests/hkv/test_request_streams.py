@@ -55,7 +55,7 @@ def _tight(model):
     """CONFIG with the CSA compressed pool cut to what one max_context sequence maps: two long requests
     (and cached prefixes) contend for it, so cached prefixes are evicted and requests preempted."""
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), CONFIG)
-    pages = [layout.pool_pages(g) for g in range(len(layout.groups))]
+    pages = [layout.reserved_pages(g) for g in range(len(layout.groups))]
     for g, grp in enumerate(layout.groups):
         if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4:
             pages[g] = layout.logical_pages(g) - 1  # 4 pages: two ~80-token requests need 6

@@ -64,7 +64,7 @@ def gemma_like_spec() -> CacheSpec:
 
 
 def layout_of(spec: CacheSpec, pool_pages=None) -> CacheLayout:
-    return CacheLayout(spec, CacheConfig(slots=3, max_context=48, page_size=4, pool_pages=pool_pages))
+    return CacheLayout(spec, CacheConfig(slots=3, max_context=48, page_size=4, pool_pages=pool_pages, prefix_records=0))
 
 
 # groups: SWA(keep 7), COMPRESSED r4, COMPRESSED r16, INDEXER r4 — sized so that pools run out

@@ -112,7 +112,7 @@ def warm(gqa, tmp_path_factory):
     snapshots kept every 4 blocks: at 64 and 128 tokens)."""
     config = hkv.CacheConfig(slots=2, max_context=192, page_size=8)
     layout = hkv.CacheLayout(gqa.cache_spec(block_tokens=BT), config)
-    pages = tuple(4 * layout.pool_pages(g) for g in range(len(layout.groups)))
+    pages = tuple(4 * layout.reserved_pages(g) for g in range(len(layout.groups)))
     engine = hkv.Engine(
         gqa,
         hkv.CacheConfig(slots=2, max_context=192, page_size=8, pool_pages=pages, prefix_records=64),
@@ -164,7 +164,9 @@ def test_bfloat16_prefill_attention_accumulates_in_float32():
     (Decode steps stay within bf16 rounding of it, ~0.008, either way.)"""
     model = gemma3.init(tiny_config(), 0, dtype="bfloat16")
     prompts = [RNG.integers(0, GQA.vocab_size, n).tolist() for n in (70, 41)]
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=128, page_size=8), prefill_chunk=16)
+    engine = hkv.Engine(
+        model, hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0), prefill_chunk=16
+    )
     gens = engine.generate(prompts, 4, return_logits=True)
     tokens, logits = gemma3.greedy_stateless(model, prompts, 4)
     assert [g.tokens for g in gens] == tokens
