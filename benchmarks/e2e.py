@@ -20,7 +20,8 @@ Per context L (prompt = L random tokens; max_new = `--new-tokens`):
   first token's logits), timed; then one forward per new token on its cache, each timed; decode
   ms/token = the median of those forwards (the mean is printed too). It also runs the warm prompt (below) from scratch, to have the
   reference tokens for it (its prefill time is printed as a second sample).
-* hkv, tuned: `Engine(block_tokens=64, prefill_chunk=512, RetentionPolicy(every_n_blocks=1))`, one
+* hkv, tuned: `Engine(block_tokens=64, prefill_chunk=512, prefill_buckets=(64, 128, 256),
+  RetentionPolicy(every_n_blocks=1))`, one
   slot, `max_context` = L + new rounded up to a block, pools with room for one cached history besides
   the live one and an SWA+TAIL snapshot at every chunk end. `warmup()` compiles every step first
   (compile seconds are reported separately: `stats()["compile_seconds"]`, and any compilation during
@@ -119,6 +120,7 @@ HF_CONFIG = {
     "mlp_layer_types": ["hash_moe"] + ["moe"] * 7,
 }
 BLOCK, CHUNK = 64, 512  # the tuned engine
+BUCKETS = (64, 128, 256)  # its narrower widths for a prompt's last prefill step (a warm suffix)
 SHARED = 0.95  # share of the warm prompt taken from the cold prompt
 TIE_MARGIN = 0.05  # transformers top-1/top-2 logit margin below which a first difference counts as a near-tie
 
@@ -333,6 +335,7 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
         f"tuned {ctx}",
         block_tokens=BLOCK,
         prefill_chunk=CHUNK,
+        prefill_buckets=BUCKETS,
         retention=hkv.RetentionPolicy(every_n_blocks=1),
     )
     r["compile"] = compile_s

@@ -193,6 +193,10 @@ class Engine:
     config: static cache capacities. block_tokens: state-table / prefix block size.
     prefill_chunk: tokens per prefill step. prefill_batch: most requests prefilled in one step
     (default 1; larger batches are padded to a power of two, one compilation each).
+    prefill_buckets: narrower prefill widths (each in [1, prefill_chunk), one compilation each) for
+    the step that finishes a prompt: it runs the narrowest that holds every row's remaining tokens
+    instead of a full padded chunk. A warm request whose restore leaves a 64-token suffix then costs
+    one 64-wide step, not one of prefill_chunk (default: none).
     decode_steps: tokens per decode dispatch (the on-device loop's bound; the host syncs once per
     dispatch). model_id: a display label (the ABI fingerprint covers the weights themselves,
     `hkv.weights_digest`).
@@ -222,6 +226,7 @@ class Engine:
         block_tokens: int = 16,
         prefill_chunk: int = 32,
         prefill_batch: int = 1,
+        prefill_buckets: Sequence[int] = (),
         decode_steps: int = 8,
         model_id: str = "unknown",
         progress: Callable[[str], None] | None = None,
@@ -241,6 +246,14 @@ class Engine:
             return int(v)
 
         prefill_chunk = positive("prefill_chunk", prefill_chunk)
+        if isinstance(prefill_buckets, (int, np.integer)) or not all(
+            isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and 1 <= w < prefill_chunk
+            for w in prefill_buckets
+        ):
+            raise ValueError(
+                f"prefill_buckets={prefill_buckets!r} must be a sequence of integers in [1, {prefill_chunk}) "
+                f"(narrower than prefill_chunk={prefill_chunk})"
+            )
         decode_steps = positive("decode_steps", decode_steps)
         if config.prefix_records is None and config.memory_bytes is None and prefill_chunk % block_tokens:
             # the default (sized) prefix cache needs chunks that end on block boundaries: without them
@@ -279,6 +292,7 @@ class Engine:
         self.disk = disk
         self.cache = self._new_cache()
         self.prefill_chunk = prefill_chunk
+        self.prefill_widths = tuple(sorted({int(w) for w in prefill_buckets})) + (prefill_chunk,)
         self.prefill_batch = positive("prefill_batch", prefill_batch)
         self.decode_steps = decode_steps
         self.progress = progress
@@ -557,7 +571,7 @@ class Engine:
             before = dict(self._stats)
             counters = jax.tree.map(jnp.copy, self.cache.counters)  # (the cache is donated to each step)
             times: dict[str, float] = {}
-            s, c, bt = self.layout.slots, self.prefill_chunk, self.spec.block_tokens
+            s, bt = self.layout.slots, self.spec.block_tokens
 
             def run(fn, *args, name):
                 t0 = time.perf_counter()
@@ -570,10 +584,10 @@ class Engine:
             rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
             model_steps = []  # (jitted step, its arguments after (layout, cache), name)
             for keep in keeps:
-                for b in rows:
+                for b, w in itertools.product(rows, self.prefill_widths):
                     z = np.zeros((b,), np.int32)
-                    args = (self._weights, np.zeros((b, c), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep)
-                    model_steps.append((self._prefill, args, step_name("prefill", f"{b}x{c}", logits=keep)))
+                    args = (self._weights, np.zeros((b, w), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep)
+                    model_steps.append((self._prefill, args, step_name("prefill", f"{b}x{w}", logits=keep)))
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                     z = np.zeros((s,), np.int32)
                     args = (self._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
@@ -920,7 +934,10 @@ class Engine:
     def _prefill_step(self) -> None:
         """One chunk for up to `prefill_batch` prefilling requests, in one batched step."""
         rows = self._live_prefilling()[: self.prefill_batch]
-        c = self.prefill_chunk
+        if not rows:
+            return
+        left = max(len(seq.ids) - seq.fed for seq in rows)
+        c = next(w for w in self.prefill_widths if w >= left or w == self.prefill_chunk)
         while rows:
             b = _pow2(len(rows))
             tokens = np.zeros((b, c), np.int32)
@@ -963,7 +980,7 @@ class Engine:
         if not rows:
             return
         if not fresh:
-            self._measure("chunk", dt)
+            self._measure("chunk" if c == self.prefill_chunk else f"chunk{c}", dt)
         self._stats["prefill_steps"] += 1
         self._stats["prefill_seconds"] += 0.0 if fresh else dt
         tok, lp = jax.device_get((tok, lp))  # [b] ids and logprobs: all that crosses by default
@@ -1184,7 +1201,7 @@ class Engine:
 
     # ------------------------------------------------------------------------- prefix cache
     def _measure(self, what: str, seconds: float) -> None:
-        old = self._cost[what]
+        old = self._cost.get(what)
         self._cost[what] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _restore_costs(self, prompt: int, l0: int, window_at: int | None, disk_at: int) -> dict[str, float]:
@@ -1198,7 +1215,14 @@ class Engine:
         disk_tok = self._cost["disk_token"] if self._cost["disk_token"] is not None else 0.1 * chunk / c
 
         def compute(n: int) -> float:
-            return -(-max(n, 0) // c) * chunk
+            """Full chunks, then the narrowest width holding the rest (measured, else pro rata)."""
+            n = max(n, 0)
+            full, rest = divmod(n, c)
+            if not rest:
+                return full * chunk
+            w = next(w for w in self.prefill_widths if w >= rest)
+            last = self._cost.get(f"chunk{w}") if w < c else chunk
+            return full * chunk + (last if last is not None else chunk * w / c)
 
         out = {"shrink": compute(prompt - l0)}
         if window_at is not None:

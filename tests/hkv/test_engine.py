@@ -64,6 +64,27 @@ def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
     assert st["cache"]["pages_allocated"] == st["cache"]["pages_released"] > 0
 
 
+def test_prefill_buckets_finish_a_prompt_in_the_narrowest_width_and_stay_exact(model, oracle):
+    """prefill_chunk 64 with buckets 16 and 32: 301 = 4 x 64 + 45 and 57 finish in 64-wide steps (45 and
+    57 > 32); the same 301-token prompt again restores 288 tokens and finishes its 13-token rest in one
+    16-wide step. Tokens and logits equal the stateless forward either way."""
+    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=64)
+    engine = hkv.Engine(model, config, prefill_chunk=64, prefill_buckets=(32, 16), block_tokens=16)
+    assert engine.prefill_widths == (16, 32, 64)
+    gens = engine.generate(PROMPTS, NEW, return_logits=True)
+    for g, toks, lg in zip(gens, *oracle):
+        assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
+    assert {n for n in engine.compilations if n.startswith("prefill")} == {"prefill[1x64]+logits"}
+    # the same prompt again: restored up to its last block boundary (288), a 13-token rest -> 16 wide
+    again = engine.generate([PROMPTS[0]], NEW, return_logits=True)[0]
+    assert again.plan.restored_tokens == 288 and again.tokens == oracle[0][0]
+    assert np.abs(again.logits - oracle[1][0]).max() < 1e-4
+    assert "prefill[1x16]+logits" in engine.compilations
+    for bad in ((64,), (0, 16), 16, (True,)):
+        with pytest.raises(ValueError, match=r"prefill_buckets=.* must be a sequence of integers in \[1, 64\)"):
+            hkv.Engine(model, config, prefill_chunk=64, prefill_buckets=bad, block_tokens=16)
+
+
 def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     # 64 + 100 tokens, then 301 + 6: the long prompt takes 10 pages of the CSA compressed pool (8
     # entries = 32 tokens per page) as it prefills, one chunk per step, while the short one decodes 8
