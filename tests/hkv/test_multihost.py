@@ -555,22 +555,27 @@ def cluster(tmp_path_factory):
     return run_cluster(str(tmp_path_factory.mktemp("multihost")), hosts=2)
 
 
+@pytest.mark.slow  # two fresh processes compile an engine each (~100 s on 2 cores)
 def test_hosts_join_one_jax_cluster_with_the_same_abi(cluster):
     check_cluster(cluster)
 
 
+@pytest.mark.slow  # two fresh processes compile an engine each (~100 s on 2 cores)
 def test_concurrent_writers_then_each_restores_the_others_blocks(cluster):
     check_concurrent_writers(cluster)
 
 
+@pytest.mark.slow  # two fresh processes compile an engine each (~100 s on 2 cores)
 def test_a_block_written_by_one_host_is_restored_by_another(cluster):
     check_one_writes_another_restores(cluster)
 
 
+@pytest.mark.slow  # two fresh processes compile an engine each (~100 s on 2 cores)
 def test_budget_eviction_by_one_host_while_another_restores(cluster):
     check_budget_eviction_while_reading(cluster)
 
 
+@pytest.mark.slow  # two fresh processes compile an engine each (~100 s on 2 cores)
 def test_a_host_killed_mid_write_leaves_only_verified_blocks(cluster, capsys):
     check_killed_mid_write(cluster, capsys)
 
