@@ -18,7 +18,7 @@ prefix manager, offload, warm restart), `hkv.store` is the disk tier. See docs/d
 from .core import transitions
 from .core.decode import DecodeOutput, decode_loop, decode_steps, step_and_sample
 from .core.invariants import InvariantError, check_invariants
-from .core.layers import LayerCache, Step, run_step
+from .core.layers import LayerCache, Step, default_read_buckets, run_step
 from .core.layout import CacheConfig, CacheLayout, Residency, Status
 from .core.memory import allocated_bytes, architectural_minimum, memory_report, uniform_full_kv_bytes
 from .core.plan import DevicePlan, RestorePlan
@@ -75,6 +75,7 @@ __all__ = [
     "check_invariants",
     "decode_loop",
     "decode_steps",
+    "default_read_buckets",
     "enable_compilation_cache",
     "evict_cached",
     "init_cache",

@@ -20,6 +20,8 @@ A model never sees group numbers, stacked pools or page tables. Its cached step 
 logits and the `Status`), and afterwards commits lengths and slides windows. Every op has a decode
 path (one token per row: `pallas_kernels`, Pallas on GPU/TPU, the jnp reference on CPU) and a prefill
 path (jnp), with the same signature; which one runs is decided by the step's shape (C == 1: decode).
+A cached_step that also takes `read_tokens=None` and passes it on to `run_step` lets the engine run
+prefill in read sizes (`Step.read_tokens`: prefill reads cover the tokens held, not max_context).
 
 Layers with a compressor (article §2) also call `LayerCache.compress` (feed this step's projected
 rows; hkv keeps the TAIL of the open window and seals every window the step closes, with the model's
@@ -68,6 +70,10 @@ class Step:
       layout: the cache layout (static).
       seal: whether windows this step closes are sealed into COMPRESSED / INDEXER rows (False: the
         prefix cache's window rebuild, which re-runs tokens whose entries are already sealed).
+      read_tokens: a static bound on the tokens any running row holds after the step (None:
+        `max_context`); prefill reads of compressed entries and full-attention rows cover only that
+        many tokens, so a chunk's cost follows the context held, not the capacity (`run_step`
+        refuses a step whose rows would exceed it).
       backend, interpret: the `pallas_kernels` implementation of the decode ops.
     """
 
@@ -80,6 +86,7 @@ class Step:
     tokens: jax.Array
     layout: CacheLayout = struct.field(pytree_node=False)
     seal: bool = struct.field(pytree_node=False, default=True)
+    read_tokens: int | None = struct.field(pytree_node=False, default=None)
     backend: str | None = struct.field(pytree_node=False, default=None)
     interpret: bool = struct.field(pytree_node=False, default=False)
 
@@ -93,6 +100,12 @@ class Step:
         """int32[B] tokens per row including this step's, 0 for a masked row (reads nothing): the
         `lengths` argument of the `pallas_kernels` decode ops."""
         return self.new_len * self.mask
+
+    @property
+    def context_bound(self) -> int:
+        """Tokens a prefill read covers (static): `read_tokens`, at most `max_context`."""
+        m = self.layout.config.max_context
+        return m if self.read_tokens is None else min(self.read_tokens, m)
 
     @property
     def decode(self) -> bool:
@@ -111,6 +124,7 @@ def run_step(
     seal: bool = True,
     kernel_backend: str | None = None,
     interpret: bool = False,
+    read_tokens: int | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run `forward(cache, step) -> (cache, logits)` as one pure transition of the cache.
 
@@ -127,12 +141,20 @@ def run_step(
       forward: the model's layers over `Step`; returns (cache, logits float[B, C, V]).
       seal: see `Step.seal`.
       kernel_backend, interpret: see `Step.backend` (None: Pallas on GPU/TPU, the reference on CPU).
+      read_tokens: see `Step.read_tokens`: an int in [1, max_context] bounding the tokens any running
+        row holds after the step (a prefill read-size bucket, `read_buckets`), or None.
 
     Returns:
       (cache, float32[B, C, V] logits, status int32). On a status other than OK the cache comes back
       unchanged (the pools too: every write is masked, so no copy is made) and the logits are zeros.
+      A row that would hold more than `read_tokens` tokens fails the step with BAD_REQUEST.
     """
     check_layout(layout, cache)
+    max_context = layout.config.max_context
+    if read_tokens is not None and (
+        isinstance(read_tokens, bool) or not isinstance(read_tokens, int) or not 1 <= read_tokens <= max_context
+    ):
+        raise ValueError(f"read_tokens={read_tokens!r} must be None or an int in [1, {max_context}]")
     if tokens.ndim != 2 or slots.shape != tokens.shape[:1] or n_valid.shape != tokens.shape[:1]:
         raise ValueError(
             f"tokens{list(tokens.shape)}, slots{list(slots.shape)}, n_valid{list(n_valid.shape)} must be "
@@ -141,7 +163,11 @@ def run_step(
     c = tokens.shape[1]
     start = cache.lengths[slots]
     new_len = start + n_valid
-    reserved, status = tr.reserve(layout, cache, slots, new_len, n_valid > 0)
+    over = jnp.bool_(False)  # a row past the read bound would read truncated entries: refuse the step
+    if read_tokens is not None and read_tokens < max_context:
+        over = jnp.any((n_valid > 0) & (new_len > read_tokens))
+    reserved, status = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over)
+    status = jnp.where(over, jnp.int32(Status.BAD_REQUEST), status)
     ok = status == Status.OK
     mask = (n_valid > 0) & ok
     positions = start[:, None] + jnp.arange(c)[None, :]
@@ -156,6 +182,7 @@ def run_step(
         tokens=jnp.where(valid, tokens, 0),
         layout=layout,
         seal=seal,
+        read_tokens=read_tokens,
         backend=kernel_backend,
         interpret=interpret,
     )
@@ -164,6 +191,31 @@ def run_step(
     out = tr.slide(layout, out, slots, mask)
     counters = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out.counters, reserved.counters)
     return out.replace(counters=counters), jnp.where(ok, logits.astype(jnp.float32), 0.0), status
+
+
+def default_read_buckets(max_context: int, smallest: int = 1024) -> tuple[int, ...]:
+    """The default prefill read sizes (`run_step`'s `read_tokens`) for a cache of `max_context` tokens:
+    powers of two in [smallest, 3/4 of max_context] (one compilation per size and prefill width;
+    one within a quarter of max_context would save too little to pay for its compile). A step then
+    reads at most twice the entries its rows hold, or max_context's worth (without them: always).
+
+    >>> default_read_buckets(8224)
+    (1024, 2048, 4096)
+    """
+    if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+        raise ValueError(f"max_context={max_context!r} must be a positive integer")
+    if isinstance(smallest, bool) or not isinstance(smallest, int) or smallest < 1:
+        raise ValueError(f"smallest={smallest!r} must be a positive integer")
+    out, r = [], 1 << (smallest - 1).bit_length()
+    while 4 * r <= 3 * max_context:
+        out.append(r)
+        r *= 2
+    return tuple(out)
+
+
+def read_size(sizes: Sequence[int | None], tokens: int) -> int | None:
+    """The smallest of ascending `sizes` (the last is max_context, or (None,)) holding `tokens`."""
+    return next((r for r in sizes if r is None or r >= tokens), sizes[-1])
 
 
 # ------------------------------------------------------------------------------ attention math
@@ -387,9 +439,10 @@ class LayerCache:
 
     def _entries(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array]:
         """Prefill read of every sealed COMPRESSED / INDEXER row of this layer: (rows [B, N, D] with
-        N = max_context // ratio, unsealed rows zero; limit int32[B, C], entries each query may see)."""
+        N = step.context_bound // ratio, unsealed rows zero; limit int32[B, C], entries each query may
+        see)."""
         st, m = self.step, self.ratio
-        n_max = self._layout.config.max_context // m
+        n_max = st.context_bound // m
         n_now = st.new_len // m
         w = jnp.arange(n_max)[None, :]
         rows, ok = jnp.broadcast_to(w, (st.slots.shape[0], n_max)), w < n_now[:, None]
@@ -564,7 +617,7 @@ class LayerCache:
         Returns:
           [B, C, H, D] in q.dtype. Decode (C == 1) reads the pools in place through `pallas_kernels`.
         """
-        st, layout = self.step, self._layout
+        st = self.step
         b, c, h, d = q.shape
         if d != self.head_dim or h % self.num_kv_heads:
             raise ValueError(
@@ -585,7 +638,7 @@ class LayerCache:
         if st.decode:
             return self._decode(cache, q[:, 0], sinks, scale, softcap, compressed, picks)[:, None]
         rows = self._rows(k, v)
-        keep = (self.window - 1) if self.window is not None else layout.config.max_context
+        keep = (self.window - 1) if self.window is not None else st.context_bound
         past_pos = st.start[:, None] - keep + jnp.arange(keep)[None, :]
         past_ok = past_pos >= 0
         past = self._read(cache, ObjectKind.SWA, past_pos, past_ok)
@@ -777,10 +830,12 @@ __all__ = [
     "Step",
     "attend_rows",
     "causal_entry_limit",
+    "default_read_buckets",
     "gather_picks",
     "indexer_scores",
     "indexer_topk",
     "plan_layer_runs",
+    "read_size",
     "run_step",
     "scan_layers",
     "select_topk",

@@ -9,6 +9,11 @@ hashes the weights into the ABI fingerprint) that implements:
                 interpret=False) -> (cache, float32[B, C, vocab] logits, status int32)
     __call__(tokens int32[B, T]) -> float32[B, T, vocab]      # the stateless forward (check_model)
 
+Optional: a `cached_step` that also takes `read_tokens=None` and passes it to `hkv.run_step` lets the
+engine run prefill steps in read-size buckets (a chunk reads compressed entries and full-attention
+rows for the tokens held, not for `max_context`); `hkv.engine.engine.accepts_read_tokens(model)`
+tells which.
+
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
 `hkv.core.layers` and the README's "bring your own model".
 """

@@ -79,9 +79,11 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
     return path
 
 
-def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False) -> str:
-    """The name a compiled step is counted under: "prefill[1x32]", "decode[8]+stops4+logits", ...
-    (the engine, its warmup and the trace counter must spell it the same way)."""
+def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False, read: int | None = None) -> str:
+    """The name a compiled step is counted under: "prefill[1x32]", "prefill[1x512@2048]" (a prefill
+    read size below max_context), "decode[8]+stops4+logits", ... (the engine, its warmup and the
+    trace counter must spell it the same way)."""
+    size = size if read is None else f"{size}@{read}"
     return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "")
 
 
@@ -91,8 +93,9 @@ class CompiledSteps:
 
     Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
     Attributes:
-      traces: Counter {name: compilations}; names are "prefill[rows x chunk]",
-        "decode[steps]" (with "+stopsN" for N stop-id columns > 1, "+logits" when logits are kept)
+      traces: Counter {name: compilations}; names are "prefill[rows x chunk]" ("prefill[rows x
+        chunk@read]" for a read size below max_context), "decode[steps]" (with "+stopsN" for N
+        stop-id columns > 1, "+logits" when logits are kept)
         "restore_window" and "swap_in[rows per group]" (the disk tier's install step).
     """
 
@@ -103,11 +106,13 @@ class CompiledSteps:
         def count(layout, name: str) -> None:
             self.traces[name] += 1  # runs at trace time only
 
-        def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits):
-            count(layout, step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits))
+        def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None):
+            below = read_tokens if read_tokens is not None and read_tokens < layout.config.max_context else None
+            count(layout, step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits, read=below))
             model = nnx.merge(graphdef, weights)
+            extra = {} if read_tokens is None else {"read_tokens": read_tokens}
             return step_and_sample(
-                model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, **opts
+                model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, **opts, **extra
             )
 
         def decode(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits):
@@ -143,7 +148,7 @@ class CompiledSteps:
             cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
             return cache, plan, st
 
-        self.prefill = jax.jit(prefill, static_argnums=(0, 7), donate_argnums=1)
+        self.prefill = jax.jit(prefill, static_argnums=(0, 7, 8), donate_argnums=1)
         self.decode = jax.jit(decode, static_argnums=(0, 8, 9), donate_argnums=1)
         self.restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import os
 import signal
@@ -47,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from ..core import prefix as px
+from ..core.layers import default_read_buckets, read_size
 from ..core.layout import CacheConfig, CacheLayout, Status
 from ..core.memory import architectural_minimum, memory_report
 from ..core.plan import DevicePlan, RestorePlan
@@ -182,6 +184,15 @@ def _codec(tokenizer):
     return TextCodec.from_pretrained(path) if path.is_dir() else TextCodec.from_file(path)
 
 
+def accepts_read_tokens(model) -> bool:
+    """Whether `model.cached_step` takes the optional `read_tokens` keyword (`hkv.Step.read_tokens`)."""
+    try:
+        params = inspect.signature(model.cached_step).parameters
+    except (TypeError, ValueError):
+        return False
+    return "read_tokens" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -197,6 +208,12 @@ class Engine:
     the step that finishes a prompt: it runs the narrowest that holds every row's remaining tokens
     instead of a full padded chunk. A warm request whose restore leaves a 64-token suffix then costs
     one 64-wide step, not one of prefill_chunk (default: none).
+    read_buckets: prefill read sizes in tokens (each in [1, max_context], one compilation per prefill
+    width each): a prefill step reads compressed entries (and full-attention rows) for the smallest
+    size holding every row's tokens after the step, not for max_context, so a chunk's cost follows the
+    context held (`hkv.Step.read_tokens`; needs a model whose cached_step takes `read_tokens`,
+    `accepts_read_tokens`). None (default): `default_read_buckets(max_context)`,
+    powers of two from 1024 to 3/4 of max_context; () reads max_context always.
     decode_steps: tokens per decode dispatch (the on-device loop's bound; the host syncs once per
     dispatch). model_id: a display label (the ABI fingerprint covers the weights themselves,
     `hkv.weights_digest`).
@@ -227,6 +244,7 @@ class Engine:
         prefill_chunk: int = 32,
         prefill_batch: int = 1,
         prefill_buckets: Sequence[int] = (),
+        read_buckets: Sequence[int] | None = None,
         decode_steps: int = 8,
         model_id: str = "unknown",
         progress: Callable[[str], None] | None = None,
@@ -255,6 +273,16 @@ class Engine:
                 f"(narrower than prefill_chunk={prefill_chunk})"
             )
         decode_steps = positive("decode_steps", decode_steps)
+        if read_buckets is None:
+            read_buckets = default_read_buckets(config.max_context)
+        if isinstance(read_buckets, (int, np.integer)) or not all(
+            isinstance(r, (int, np.integer)) and not isinstance(r, (bool, np.bool_)) and 1 <= r <= config.max_context
+            for r in read_buckets
+        ):
+            raise ValueError(
+                f"read_buckets={read_buckets!r} must be a sequence of integers in [1, {config.max_context}] "
+                f"(token counts up to max_context={config.max_context})"
+            )
         if config.prefix_records is None and config.memory_bytes is None and prefill_chunk % block_tokens:
             # the default (sized) prefix cache needs chunks that end on block boundaries: without them
             # it is left off, with a warning, instead of refusing a config that never asked for it
@@ -293,6 +321,12 @@ class Engine:
         self.cache = self._new_cache()
         self.prefill_chunk = prefill_chunk
         self.prefill_widths = tuple(sorted({int(w) for w in prefill_buckets})) + (prefill_chunk,)
+        # prefill read sizes, ascending, the last max_context (None: the model reads max_context always)
+        self.read_sizes: tuple[int | None, ...] = (
+            tuple(sorted({int(r) for r in read_buckets} | {config.max_context}))
+            if accepts_read_tokens(model)
+            else (None,)
+        )
         self.prefill_batch = positive("prefill_batch", prefill_batch)
         self.decode_steps = decode_steps
         self.progress = progress
@@ -584,10 +618,19 @@ class Engine:
             rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
             model_steps = []  # (jitted step, its arguments after (layout, cache), name)
             for keep in keeps:
-                for b, w in itertools.product(rows, self.prefill_widths):
+                for b, w, r in itertools.product(rows, self.prefill_widths, self.read_sizes):
                     z = np.zeros((b,), np.int32)
-                    args = (self._weights, np.zeros((b, w), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep)
-                    model_steps.append((self._prefill, args, step_name("prefill", f"{b}x{w}", logits=keep)))
+                    args = (
+                        self._weights,
+                        np.zeros((b, w), np.int32),
+                        z,
+                        z,
+                        SamplingParams.stack([GREEDY] * b),
+                        keep,
+                        r,
+                    )
+                    name = step_name("prefill", f"{b}x{w}", logits=keep, read=self._read_label(r))
+                    model_steps.append((self._prefill, args, name))
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                     z = np.zeros((s,), np.int32)
                     args = (self._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
@@ -931,6 +974,10 @@ class Engine:
             self._stats["compile_seconds"] += dt
         return out, dt, fresh
 
+    def _read_label(self, read: int | None) -> int | None:
+        """A prefill step's read size as its compiled name shows it (None: max_context, unnamed)."""
+        return None if read is None or read >= self.layout.config.max_context else read
+
     def _prefill_step(self) -> None:
         """One chunk for up to `prefill_batch` prefilling requests, in one batched step."""
         rows = self._live_prefilling()[: self.prefill_batch]
@@ -950,8 +997,11 @@ class Engine:
                 [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
             )
             keep = any(q.keep_logits for q in rows)
-            name = step_name("prefill", f"{b}x{c}", logits=keep)
-            out, dt, fresh = self._timed(self._prefill, self._weights, tokens, slots, n_valid, params, keep, name=name)
+            read = read_size(self.read_sizes, max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
+            name = step_name("prefill", f"{b}x{c}", logits=keep, read=self._read_label(read))
+            out, dt, fresh = self._timed(
+                self._prefill, self._weights, tokens, slots, n_valid, params, keep, read, name=name
+            )
             tok, lp, status = out[0], out[1], int(out[2])
             if status == Status.OK:
                 break

@@ -143,7 +143,8 @@ class ShardedSteps:
     every shard). Built by `sharded_steps`; `traces` counts compilations per step name.
 
     Attributes:
-      prefill_all(layout, cache, weights, tokens[D,b,c], slots[D,b], n_valid[D,b], params[D,b], keep)
+      prefill_all(layout, cache, weights, tokens[D,b,c], slots[D,b], n_valid[D,b], params[D,b], keep,
+                  read)
       decode_all(layout, cache, weights, tokens[D,S], slots[D,S], params[D,S], budget[D,S],
                  stop_ids[D,S,n], steps, keep)
       one[name](layout, cache, shard, *args): the transition `name` (`ONE_SHARD`) on one shard.
@@ -158,10 +159,10 @@ class ShardedSteps:
         def shmap(fn, in_specs):
             return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=d, axis_names={data_axis}, check_vma=False)
 
-        def prefill_all(layout, cache, weights, tokens, slots, n_valid, params, keep):
+        def prefill_all(layout, cache, weights, tokens, slots, n_valid, params, keep, read=None):
             def local(cache, weights, tokens, slots, n_valid, params):
                 out = base.prefill(
-                    layout, *_squeeze((cache,)), weights, *_squeeze((tokens, slots, n_valid, params)), keep
+                    layout, *_squeeze((cache,)), weights, *_squeeze((tokens, slots, n_valid, params)), keep, read
                 )
                 return _unsqueeze(out)
 
@@ -174,7 +175,7 @@ class ShardedSteps:
 
             return shmap(local, (d, P(), d, d, d, d, d))(cache, weights, tokens, slots, params, budget, stop_ids)
 
-        self.prefill_all = jax.jit(prefill_all, static_argnums=(0, 7), donate_argnums=1)
+        self.prefill_all = jax.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
         self.decode_all = jax.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
 
         def on_one_shard(fn):
@@ -254,8 +255,8 @@ class _ShardStepsView:
         def same(tree):
             return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), tree)
 
-        def pad_prefill(weights, tokens, slots, n_valid, params, keep):
-            return weights, stack(tokens, 0), stack(slots, 0), stack(n_valid, 0), same(params), keep
+        def pad_prefill(weights, tokens, slots, n_valid, params, keep, read=None):
+            return weights, stack(tokens, 0), stack(slots, 0), stack(n_valid, 0), same(params), keep, read
 
         def pad_decode(weights, tokens, slots, params, budget, stop_ids, steps_, keep):
             idle_slots = np.arange(np.shape(slots)[0], dtype=np.int32)

@@ -86,6 +86,7 @@ def cached_step(
     interpret: bool = False,
     seal: bool = True,
     scan_layers: bool | None = None,
+    read_tokens: int | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -94,7 +95,9 @@ def cached_step(
     reference on CPU). seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and
     indexer keys as they are (the prefix cache's window rebuild). scan_layers: run repeating layers under
     one `jax.lax.scan` (None: `layer_scan.use_scan` decides, scanning small models; False: a Python
-    loop over the layers; see `models.deepseek_v4.layer_scan`).
+    loop over the layers; see `models.deepseek_v4.layer_scan`). read_tokens: a bound on the tokens any
+    row holds after the step, so prefill reads of compressed entries cover only that many tokens
+    (`hkv.Step.read_tokens`; None: max_context).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
@@ -121,4 +124,4 @@ def cached_step(
         return cache, model.logits(streams)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                    seal=seal, kernel_backend=kernel_backend, interpret=interpret)  # fmt: skip
+                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip

@@ -162,7 +162,7 @@ class DeepseekV4(nnx.Module):
 
     def cached_step(self, layout, cache, tokens, slots, n_valid, **options):
         """One prefill chunk or decode step through the hkv cache; see `models.deepseek_v4.cached`
-        (options: kernel_backend, interpret, seal, scan_layers)."""
+        (options: kernel_backend, interpret, seal, scan_layers, read_tokens)."""
         return cached_step(self, layout, cache, tokens, slots, n_valid, **options)
 
     # ---------------------------------------------------------------- forward

@@ -36,12 +36,15 @@ def cached_step(
     kernel_backend: str | None = None,
     interpret: bool = False,
     seal: bool = True,
+    read_tokens: int | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
     The `hkv.CachedModel.cached_step` of `models.gemma3.Gemma3`. kernel_backend / interpret select the
     `pallas_kernels` implementation of the decode attention (None: Pallas on GPU/TPU, the jnp reference
     on CPU). `seal` is accepted for the protocol; Gemma 3 has no compressed objects, so it changes nothing.
+    `read_tokens` bounds the tokens any row holds after the step: prefill of a full-attention layer
+    then reads that many past rows, not max_context (`hkv.Step.read_tokens`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache is
@@ -62,4 +65,4 @@ def cached_step(
         return cache, model.logits(x)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                    seal=seal, kernel_backend=kernel_backend, interpret=interpret)  # fmt: skip
+                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip

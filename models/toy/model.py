@@ -162,8 +162,21 @@ class ToyModel(nnx.Module):
             x = layer(x)
         return self.head(norm(x)).astype(jnp.float32)
 
-    def cached_step(self, layout, cache, tokens, slots, n_valid, *, seal=True, kernel_backend=None, interpret=False):
-        """The same layers over `hkv.run_step`: each reads and writes its cache through `hkv.LayerCache`."""
+    def cached_step(
+        self,
+        layout,
+        cache,
+        tokens,
+        slots,
+        n_valid,
+        *,
+        seal=True,
+        kernel_backend=None,
+        interpret=False,
+        read_tokens=None,
+    ):
+        """The same layers over `hkv.run_step`: each reads and writes its cache through `hkv.LayerCache`
+        (read_tokens: `hkv.Step.read_tokens`)."""
 
         def forward(cache, step: hkv.Step):
             x = self.embed(step.tokens)
@@ -184,7 +197,7 @@ class ToyModel(nnx.Module):
             return cache, self.head(norm(x))
 
         return hkv.run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                            seal=seal, kernel_backend=kernel_backend, interpret=interpret)  # fmt: skip
+                            seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip
 
 
 def init(config: ToyConfig = ToyConfig(), seed: int = 0) -> ToyModel:

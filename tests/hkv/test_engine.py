@@ -85,6 +85,57 @@ def test_prefill_buckets_finish_a_prompt_in_the_narrowest_width_and_stay_exact(m
             hkv.Engine(model, config, prefill_chunk=64, prefill_buckets=bad, block_tokens=16)
 
 
+def test_read_buckets_bound_prefill_reads_and_stay_exact(model, oracle):
+    """read_buckets 64 and 128 under max_context 320: the 301-token prompt's 64-wide chunks read
+    compressed entries for 64, 128, then 320 tokens (the step's rows hold at most that many after it);
+    the 57-token one reads 64. Tokens and logits equal the stateless forward."""
+    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
+    engine = hkv.Engine(model, config, prefill_chunk=64, read_buckets=(128, 64), block_tokens=16)
+    assert engine.read_sizes == (64, 128, 320)
+    gens = engine.generate(PROMPTS, NEW, return_logits=True)
+    for g, toks, lg in zip(gens, *oracle):
+        assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
+    assert {n for n in engine.compilations if n.startswith("prefill")} == {
+        "prefill[1x64@64]+logits",
+        "prefill[1x64@128]+logits",
+        "prefill[1x64]+logits",
+    }
+    # defaults: powers of two from 1024 to 3/4 of max_context (none for this small cache)
+    assert hkv.Engine(model, config, prefill_chunk=64, block_tokens=16).read_sizes == (320,)
+    assert hkv.default_read_buckets(8224) == (1024, 2048, 4096) and hkv.default_read_buckets(1024) == ()
+    assert hkv.default_read_buckets(65536) == (1024, 2048, 4096, 8192, 16384, 32768)
+    for bad in ((0,), (321,), 64, (True,), (64.0,)):
+        with pytest.raises(ValueError, match=r"read_buckets=.* must be a sequence of integers in \[1, 320\]"):
+            hkv.Engine(model, config, prefill_chunk=64, read_buckets=bad, block_tokens=16)
+
+
+def test_a_step_past_its_read_bound_is_refused_with_the_cache_unchanged(model):
+    """cached_step(read_tokens=R) with a row that would hold more than R tokens: BAD_REQUEST, no page
+    taken, nothing written (a truncated read would give wrong tokens); bad R values are named."""
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=320, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = tr.claim_slot(layout, cache)
+    toks = jnp.asarray([PROMPTS[1][:40]], jnp.int32)
+    before = _snapshot(cache)
+    step = jax.jit(model.cached_step, static_argnums=0, static_argnames="read_tokens")
+    out, logits, status = step(layout, cache, toks, slot[None], jnp.asarray([40]), read_tokens=32)
+    assert int(status) == Status.BAD_REQUEST and not np.asarray(logits).any()
+    _assert_same(before, _snapshot(out))
+    # within the bound: the same logits as an unbounded step
+    a = step(layout, out, toks, slot[None], jnp.asarray([40]), read_tokens=64)
+    b = step(layout, out, toks, slot[None], jnp.asarray([40]))
+    assert int(a[2]) == int(b[2]) == Status.OK and np.abs(np.asarray(a[1]) - np.asarray(b[1])).max() < 1e-5
+
+    # and the bound is what the step reads: fewer flops than a step reading max_context's entries
+    def flops(**kw):
+        return step.lower(layout, out, toks, slot[None], jnp.asarray([40]), **kw).cost_analysis()["flops"]
+
+    assert flops(read_tokens=64) < flops()  # 25.6M vs 28.9M: equal if the bound were ignored
+    for bad in (0, 321, True, 32.0):
+        with pytest.raises(ValueError, match=r"read_tokens=.* must be None or an int in \[1, 320\]"):
+            model.cached_step(layout, out, toks, slot[None], jnp.asarray([40]), read_tokens=bad)
+
+
 def test_preemption_under_page_pressure_keeps_outputs_exact(model):
     # 64 + 100 tokens, then 301 + 6: the long prompt takes 10 pages of the CSA compressed pool (8
     # entries = 32 tokens per page) as it prefills, one chunk per step, while the short one decodes 8

@@ -80,9 +80,21 @@ def test_gqa_cold_engine_equals_stateless(gqa, cold):
 # Prefill chunk sizes: GQA 7 (the cold fixture: below and not dividing the window of 16) and 32 (the
 # prefix-cache engine below: two windows per chunk); MQA 5 (below the window of 8) and 24 (three windows,
 # with the decode through the Pallas kernels below).
+# The MQA engine also runs prefill in read sizes 16 and 48 (of max_context 128): its full-attention
+# layer reads that many past rows while the prompt is short (hkv.Step.read_tokens).
 def test_mqa_chunked_prefill_and_decode_equal_stateless(mqa):
-    engine = hkv.Engine(mqa, hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0), prefill_chunk=5)
+    engine = hkv.Engine(
+        mqa,
+        hkv.CacheConfig(slots=2, max_context=128, page_size=8, prefix_records=0),
+        prefill_chunk=5,
+        read_buckets=(16, 48),
+    )
     assert_exact(mqa, PROMPTS, engine.generate(PROMPTS, NEW, return_logits=True))
+    assert {n for n in engine.compilations if n.startswith("prefill")} == {
+        "prefill[1x5@16]+logits",
+        "prefill[1x5@48]+logits",
+        "prefill[1x5]+logits",
+    }
     hkv.check_invariants(engine.layout, engine.cache)
 
 
