@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import platform
@@ -280,6 +281,15 @@ def hkv_engine(model, config: hkv.CacheConfig, label: str, **kw) -> tuple[hkv.En
     return engine, out
 
 
+def release_programs() -> None:
+    """Free the compiled programs of engines no longer referenced before the next engine compiles its
+    own: XLA's CPU code maps memory regions per program, and a process holding every program of the
+    runs (each context's engines compile one prefill per width and read size) passed Linux's
+    vm.max_map_count (65,530) and aborted inside LLVM ("Cannot allocate memory") at 8K."""
+    gc.collect()
+    hkv.engine.compiled.clear()
+
+
 def prompts_for(ctx: int, vocab: int, rng) -> tuple[list[int], list[int], int]:
     cold = rng.integers(0, vocab, ctx).tolist()
     shared = int(SHARED * ctx)
@@ -347,6 +357,7 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
     r["warm"] = hkv_request(engine, warm, n)
     log(f"  hkv tuned warm: TTFT {r['warm']['ttft']:.3f} s, plan {r['warm']['plan']}")
     del engine
+    release_programs()
     if with_hf and not args.skip_defaults:
         engine, r["compile_defaults"] = hkv_engine(model, defaults_config(max_context), f"defaults {ctx}")
         r["cold_defaults"] = hkv_request(engine, cold, n)
@@ -354,6 +365,7 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
         r["warm_defaults"] = hkv_request(engine, warm, n)
         log(f"  hkv defaults warm: TTFT {r['warm_defaults']['ttft']:.3f} s, plan {r['warm_defaults']['plan']}")
         del engine
+    release_programs()
     if with_hf:
         pairs = [("cold", "hf"), ("warm", "hf_warm"), ("cold_defaults", "hf"), ("warm_defaults", "hf_warm")]
         for ours, ref in pairs:

@@ -230,8 +230,10 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, head_dim: 
     q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh] -> float32[B, S, N].
     """
     dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    scores = jax.nn.relu(dots) * (head_dim**-0.5)
-    return jnp.sum(scores * weights[..., None], axis=2)
+    # the head sum as a contraction (dot_general), not a reduction over a middle axis: XLA's CPU
+    # backend ran `sum(relu(dots) * w, axis=2)` 6x slower (159 vs 25 ms for 512 queries x 16 heads x
+    # 1040 entries), 70% of a 4K-token DeepSeek-V4 prefill
+    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), weights.astype(jnp.float32)) * (head_dim**-0.5)
 
 
 def select_topk(scores: jax.Array, limit: jax.Array, k: int) -> jax.Array:
