@@ -43,6 +43,18 @@ def test_router_scoring_functions():
     np.testing.assert_allclose(score(logits, "softmax"), sm, rtol=1e-6)
 
 
+def test_indexer_scores_are_the_weighted_sum_of_relu_dot_products():
+    """score[b, s, n] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, n]) / sqrt(d), in float64 (the head sum
+    runs as a contraction: a relu after the weighted sum, or a missing scale, would fail this)."""
+    rng = np.random.default_rng(1)
+    b, s, h, dh, n = 2, 5, 16, 8, 11
+    q, w, keys = rng.standard_normal((b, s, h, dh)), rng.standard_normal((b, s, h)), rng.standard_normal((b, n, dh))
+    want = np.einsum("bsh,bshn->bsn", w, np.maximum(np.einsum("bshd,bnd->bshn", q, keys), 0)) / np.sqrt(dh)
+    got = indexer_scores(*(jnp.asarray(x, jnp.float32) for x in (q, w, keys)), dh)
+    assert got.dtype == jnp.float32 and got.shape == (b, s, n)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_blocked_scoring_picks_what_scoring_everything_at_once_picks():
     """`indexer_topk` in blocks of queries (the last one padded) equals `select_topk` over all scores."""
     rng = np.random.default_rng(0)
