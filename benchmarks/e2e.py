@@ -1,7 +1,7 @@
 """End to end against transformers: the same DeepSeek-V4 weights served by transformers' eager
 `DeepseekV4ForCausalLM` (with its own cache) and by `hkv.Engine`, greedy, one prompt at a time.
 
-    python benchmarks/e2e.py                     # 1K / 4K / 8K vs transformers, 32K hkv alone (~30 min on 2 cores)
+    python benchmarks/e2e.py                     # 1K / 4K / 8K vs transformers, 32K hkv alone (~25 min on 2 cores)
     python benchmarks/e2e.py --quick             # 1K only, 24 new tokens: a smoke run (a few minutes)
     python benchmarks/e2e.py --contexts 1024,4096,8192 --hkv-only-contexts 32768 --new-tokens 32
 
