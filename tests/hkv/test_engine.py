@@ -36,6 +36,12 @@ def _snapshot(cache):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(cache))]
 
 
+def _assert_oracle(gens, oracle):
+    """Generations of PROMPTS equal the stateless forward's tokens, logits within 1e-4."""
+    for g, toks, lg in zip(gens, *oracle):
+        assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
+
+
 def _assert_same(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -71,9 +77,7 @@ def test_prefill_buckets_finish_a_prompt_in_the_narrowest_width_and_stay_exact(m
     config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=64)
     engine = hkv.Engine(model, config, prefill_chunk=64, prefill_buckets=(32, 16), block_tokens=16)
     assert engine.prefill_widths == (16, 32, 64)
-    gens = engine.generate(PROMPTS, NEW, return_logits=True)
-    for g, toks, lg in zip(gens, *oracle):
-        assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
+    _assert_oracle(engine.generate(PROMPTS, NEW, return_logits=True), oracle)
     assert {n for n in engine.compilations if n.startswith("prefill")} == {"prefill[1x64]+logits"}
     # the same prompt again: restored up to its last block boundary (288), a 13-token rest -> 16 wide
     again = engine.generate([PROMPTS[0]], NEW, return_logits=True)[0]
@@ -92,9 +96,7 @@ def test_read_buckets_bound_prefill_reads_and_stay_exact(model, oracle):
     config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
     engine = hkv.Engine(model, config, prefill_chunk=64, read_buckets=(128, 64), block_tokens=16)
     assert engine.read_sizes == (64, 128, 320)
-    gens = engine.generate(PROMPTS, NEW, return_logits=True)
-    for g, toks, lg in zip(gens, *oracle):
-        assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
+    _assert_oracle(engine.generate(PROMPTS, NEW, return_logits=True), oracle)
     assert {n for n in engine.compilations if n.startswith("prefill")} == {
         "prefill[1x64@64]+logits",
         "prefill[1x64@128]+logits",
