@@ -365,7 +365,7 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
         r["warm_defaults"] = hkv_request(engine, warm, n)
         log(f"  hkv defaults warm: TTFT {r['warm_defaults']['ttft']:.3f} s, plan {r['warm_defaults']['plan']}")
         del engine
-    release_programs()
+        release_programs()
     if with_hf:
         pairs = [("cold", "hf"), ("warm", "hf_warm"), ("cold_defaults", "hf"), ("warm_defaults", "hf_warm")]
         for ours, ref in pairs:

@@ -81,8 +81,8 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
 
 def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False, read: int | None = None) -> str:
     """The name a compiled step is counted under: "prefill[1x32]", "prefill[1x512@2048]" (a prefill
-    read size below max_context), "decode[8]+stops4+logits", ... (the engine, its warmup and the
-    trace counter must spell it the same way)."""
+    with read_tokens=2048; the engine passes None at max_context), "decode[8]+stops4+logits", ...
+    (the engine, its warmup and the trace counter must spell it the same way)."""
     size = size if read is None else f"{size}@{read}"
     return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "")
 
@@ -94,7 +94,7 @@ class CompiledSteps:
     Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
     Attributes:
       traces: Counter {name: compilations}; names are "prefill[rows x chunk]" ("prefill[rows x
-        chunk@read]" for a read size below max_context), "decode[steps]" (with "+stopsN" for N
+        chunk@read]" for a prefill with read_tokens), "decode[steps]" (with "+stopsN" for N
         stop-id columns > 1, "+logits" when logits are kept)
         "restore_window" and "swap_in[rows per group]" (the disk tier's install step).
     """
@@ -107,8 +107,10 @@ class CompiledSteps:
             self.traces[name] += 1  # runs at trace time only
 
         def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None):
-            below = read_tokens if read_tokens is not None and read_tokens < layout.config.max_context else None
-            count(layout, step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits, read=below))
+            count(
+                layout,
+                step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits, read=read_tokens),
+            )
             model = nnx.merge(graphdef, weights)
             extra = {} if read_tokens is None else {"read_tokens": read_tokens}
             return step_and_sample(

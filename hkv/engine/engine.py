@@ -618,7 +618,8 @@ class Engine:
             rows = sorted({_pow2(n) for n in range(1, self.prefill_batch + 1)})
             model_steps = []  # (jitted step, its arguments after (layout, cache), name)
             for keep in keeps:
-                for b, w, r in itertools.product(rows, self.prefill_widths, self.read_sizes):
+                bounds = [self._read_bound(r or 1) for r in self.read_sizes]
+                for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
                     z = np.zeros((b,), np.int32)
                     args = (
                         self._weights,
@@ -629,7 +630,7 @@ class Engine:
                         keep,
                         r,
                     )
-                    name = step_name("prefill", f"{b}x{w}", logits=keep, read=self._read_label(r))
+                    name = step_name("prefill", f"{b}x{w}", logits=keep, read=r)
                     model_steps.append((self._prefill, args, name))
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                     z = np.zeros((s,), np.int32)
@@ -974,8 +975,10 @@ class Engine:
             self._stats["compile_seconds"] += dt
         return out, dt, fresh
 
-    def _read_label(self, read: int | None) -> int | None:
-        """A prefill step's read size as its compiled name shows it (None: max_context, unnamed)."""
+    def _read_bound(self, tokens: int) -> int | None:
+        """The `read_tokens` of a prefill step whose rows hold at most `tokens` after it: the smallest
+        of `read_sizes` holding them, None at max_context (the unbounded program, named without @)."""
+        read = read_size(self.read_sizes, tokens)
         return None if read is None or read >= self.layout.config.max_context else read
 
     def _prefill_step(self) -> None:
@@ -997,8 +1000,8 @@ class Engine:
                 [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
             )
             keep = any(q.keep_logits for q in rows)
-            read = read_size(self.read_sizes, max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
-            name = step_name("prefill", f"{b}x{c}", logits=keep, read=self._read_label(read))
+            read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
+            name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
             out, dt, fresh = self._timed(
                 self._prefill, self._weights, tokens, slots, n_valid, params, keep, read, name=name
             )
