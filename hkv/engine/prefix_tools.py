@@ -163,5 +163,5 @@ def pack_records(
     for j, (key, ids, length, keep) in enumerate(blocks):
         keys[j], toks[j], lengths[j], retain[j] = key_words(key), ids, length, keep
     return (
-        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.arange(k) < len(blocks)
+        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.asarray(np.arange(k) < len(blocks))
     )  # fmt: skip
