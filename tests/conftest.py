@@ -11,6 +11,10 @@ import tempfile
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# The step store (hkv.engine.step_store) stays off in the suite: tests count traces and compilations
+# of steps they build; tests/hkv/test_step_store.py turns it on in directories of its own.
+os.environ.setdefault("HKV_STEP_STORE", "0")
+
 import jax
 import pytest
 

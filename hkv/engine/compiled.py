@@ -20,6 +20,7 @@ compilation_cache=False)`) turns it off. A directory the user already configured
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..core import prefix as px
@@ -35,6 +37,7 @@ from ..core.decode import decode_steps, step_and_sample
 from ..core.layout import Status
 from ..core.policy import window_rebuild_tokens
 from . import offload
+from . import step_store as ss
 
 ENV = "HKV_COMPILATION_CACHE"
 MAX_SHARED = 4  # most recently built (model, options, layout) entries kept for engines built later
@@ -87,6 +90,141 @@ def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False, rea
     return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "")
 
 
+_TLS = threading.local()  # .log: the step names traced by this thread inside `_traced_names()`;
+# .jax_hits: persistent-cache hits of this thread's compiles inside `_jax_cache_hits()`
+
+
+def _on_jax_event(name: str, **_) -> None:
+    hits = getattr(_TLS, "jax_hits", None)
+    if hits is not None and name == "/jax/compilation_cache/cache_hits":
+        hits.append(name)
+
+
+jax.monitoring.register_event_listener(_on_jax_event)
+
+
+@contextlib.contextmanager
+def _jax_cache_hits():
+    """Collect this thread's JAX persistent-cache hits. An executable JAX read back from its cache
+    does not serialize whole (a step store entry made from one failed to run: "Function ... not
+    found"), so the step store keeps only executables compiled afresh."""
+    _TLS.jax_hits = hits = []
+    try:
+        yield hits
+    finally:
+        _TLS.jax_hits = None
+
+
+@contextlib.contextmanager
+def _traced_names():
+    """Collect the names `CompiledSteps` counts while this thread traces (threads trace separately)."""
+    outer = getattr(_TLS, "log", None)
+    _TLS.log = log = []
+    try:
+        yield log
+    finally:
+        _TLS.log = outer
+        if outer is not None:
+            outer.extend(log)
+
+
+class _Step:
+    """One jitted step `(layout, cache, *args)` that first asks the step store (`step_store`) for an
+    executable built by an earlier process, so a hit neither traces nor lowers nor compiles.
+
+    Calls are keyed in memory by the layout, the static arguments and the avals of the other
+    arguments (the weights by identity); each key resolves once to a loaded executable, or to the
+    plain jitted function (store off, a model without source files, a multi-device argument). Inside
+    another trace (the mesh engine's shard_map) it is the jitted function. `lower` is the jitted
+    function's; `prepare` resolves a call's executable without running it (`Engine.warmup`).
+    """
+
+    def __init__(self, steps: CompiledSteps, name: str, jitted, static_argnums: tuple[int, ...]):
+        self._steps, self._jitted, self.__name__ = steps, jitted, name
+        self._static = frozenset(static_argnums)
+        self._resolved: dict = {}
+        self._names: dict = {}  # call key -> names traced by `lower` (the jit reuses that trace later)
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+    def _key(self, layout, args) -> tuple[tuple, list]:
+        dyn = [a for i, a in enumerate(args, 2) if i not in self._static]
+        statics = tuple(a for i, a in enumerate(args, 2) if i in self._static)
+        return (layout, statics, tuple(self._steps.arg_text(a) for a in dyn)), dyn
+
+    def lower(self, layout, cache, *args):
+        with _traced_names() as log:
+            lowered = self._jitted.lower(layout, cache, *args)
+        if log and ss.store_dir() is not None:
+            self._names[self._key(layout, args)[0]] = tuple(log)
+        return lowered
+
+    def prepare(self, layout, cache, *args) -> None:
+        """Load or build (and store) the executable of this call without running it."""
+        if ss.store_dir() is None:
+            self._jitted.lower(layout, cache, *args).compile()
+            return
+        key, dyn = self._key(layout, args)
+        self._get(key, layout, cache, args, dyn)
+
+    def __call__(self, layout, cache, *args):
+        if ss.store_dir() is None or isinstance(getattr(cache, "lengths", None), jax.core.Tracer):
+            return self._jitted(layout, cache, *args)
+        key, dyn = self._key(layout, args)
+        run = self._resolved.get(key) or self._get(key, layout, cache, args, dyn)
+        if run is self._jitted:
+            return run(layout, cache, *args)
+        return run(cache, *dyn)
+
+    def _get(self, key, layout, cache, args, dyn):
+        with self._lock:
+            run = self._resolved.get(key)
+            if run is None:
+                run = self._resolved[key] = self._resolve(key, layout, cache, args, dyn)
+            return run
+
+    def _resolve(self, key, layout, cache, args, dyn):
+        """The loaded executable for `key` (built and stored on a miss), or the jitted function."""
+        steps = self._steps
+        graph = steps.graph_key()
+        directory = ss.store_dir()
+        device = ss.single_device((cache, dyn))
+        if graph is None or directory is None or device is None:
+            return self._jitted
+        store = ss.StepStore(directory)
+        disk_key = store.key(
+            self.__name__, graph, repr(steps.kernels), repr(layout), repr(key[1]), ss.aval_text(cache), str(device),
+            *key[2],
+        )  # fmt: skip
+        with ss._PROCESS_LOCK:
+            held = ss._LOADED.get(disk_key)
+            seen = disk_key in ss._SEEN
+        if held is not None:  # another engine (another CompiledSteps) of this process has it
+            compiled, names = held
+        elif seen:  # held once, dropped since: never read back in this process (see step_store)
+            return self._jitted
+        else:
+            hit = store.load(disk_key, device)
+            if hit is None:
+                with _traced_names() as log, _jax_cache_hits() as from_jax_cache:
+                    compiled = self._jitted.lower(layout, cache, *args).compile()
+                built = tuple(log) or self._names.get(key, ())  # (a trace cached by `lower` logs nothing)
+                if not from_jax_cache:
+                    store.save(disk_key, compiled, built)
+                names = ()  # the trace counted itself
+            else:
+                compiled, built = hit
+                names = built
+            with ss._PROCESS_LOCK:
+                ss._LOADED[disk_key] = (compiled, built)
+                ss._SEEN.add(disk_key)
+        for name in names:
+            steps.count(name)  # counted as the build it replaces
+        return compiled
+
+
 class CompiledSteps:
     """The jitted transitions of engines on one model structure, one set of kernel options and one
     layout (dropping the object frees its programs).
@@ -101,10 +239,13 @@ class CompiledSteps:
 
     def __init__(self, graphdef, kernels: tuple):
         self.traces: collections.Counter = collections.Counter()
+        self.graphdef, self.kernels = graphdef, kernels
+        self._graph_key: list = []
+        self._arg_text: dict = {}
         opts = dict(kernels)
 
         def count(layout, name: str) -> None:
-            self.traces[name] += 1  # runs at trace time only
+            self.count(name)  # runs at trace time only
 
         def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None):
             count(
@@ -150,17 +291,19 @@ class CompiledSteps:
             cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
             return cache, plan, st
 
-        self.prefill = jax.jit(prefill, static_argnums=(0, 7, 8), donate_argnums=1)
-        self.decode = jax.jit(decode, static_argnums=(0, 8, 9), donate_argnums=1)
-        self.restore_window = jax.jit(restore_window, static_argnums=0, donate_argnums=1)
+        def step(fn, static=(0,), name=None):
+            name = name or fn.__name__
+            return _Step(self, name, jax.jit(fn, static_argnums=static, donate_argnums=1), static)
 
-        def jit(fn):
-            return jax.jit(fn, static_argnums=0, donate_argnums=1)
+        self.prefill = step(prefill, (0, 7, 8))
+        self.decode = step(decode, (0, 8, 9))
+        self.restore_window = step(restore_window)
+        jit = step
 
         # the model-independent transitions (claim, release, restore, record, evict, offload)
         self.claim = jit(tr.claim_slot)
         self.release = jit(tr.release_slot)
-        self.restore = jit(functools.partial(px.restore, count=False))
+        self.restore = jit(functools.partial(px.restore, count=False), name="restore")
         self.count_plan = jit(px.count_plan)
         self.record_many = jit(px.record_many)
         self.evict = jit(px.evict)
@@ -172,12 +315,40 @@ class CompiledSteps:
         self.swap_in = jit(swap_in)
         self.mark_on_disk = jit(offload.mark_on_disk)
 
+    def count(self, name: str) -> None:
+        """One more build of step `name` (a trace, or a load from the step store)."""
+        self.traces[name] += 1
+        log = getattr(_TLS, "log", None)
+        if log is not None:
+            log.append(name)
+
+    def graph_key(self) -> str | None:
+        """The step store's digest of this model structure (computed once; None: not storable)."""
+        if not self._graph_key:
+            self._graph_key.append(ss.graph_key(self.graphdef))
+        return self._graph_key[0]
+
+    def arg_text(self, x) -> str:
+        """`step_store.aval_text(x)`, memoized by identity for big pytrees (weights, caches of one
+        layout are re-passed every call; a one-entry memo per object id, holding the object)."""
+        if isinstance(x, (jax.Array, np.ndarray, int, float, bool, np.generic)):
+            return ss.aval_text(x)
+        hit = self._arg_text.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        text = ss.aval_text(x)
+        if len(self._arg_text) > 64:
+            self._arg_text.clear()
+        self._arg_text[id(x)] = (x, text)
+        return text
+
 
 def clear() -> None:
     """Forget every shared compiled step and JAX's in-memory compilation caches (`jax.clear_caches`);
     engines built before keep working (they recompile, or read the persistent cache, on next use)."""
     with _LOCK:
         _SHARED.clear()
+    ss.forget_loaded()
     jax.clear_caches()
 
 

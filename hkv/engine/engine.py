@@ -709,7 +709,10 @@ class Engine:
             t0 = time.perf_counter()
             with self._bars.compiling(name):
                 try:
-                    fn.lower(self.layout, self.cache, *args).compile()
+                    if hasattr(fn, "prepare"):  # a CompiledSteps step: from the step store, else built and stored
+                        fn.prepare(self.layout, self.cache, *args)
+                    else:
+                        fn.lower(self.layout, self.cache, *args).compile()
                 except Exception:  # noqa: BLE001 — the call itself compiles it and raises what is wrong
                     return name, 0.0
             return name, time.perf_counter() - t0
