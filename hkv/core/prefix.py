@@ -240,19 +240,26 @@ def record_many(
     = the number of leading blocks processed (everything valid, or up to the NO_PAGES block).
     """
 
-    def body(carry, x):
-        c, par, stop = carry
-        key, tok, ret, length, v = x
-        go = v & ~stop
-        c, r, st = record(layout, c, slot, key, par, tok, ret, length, enabled=go)
-        no_pages = go & (st == Status.NO_PAGES)
-        return (c, jnp.where(go & ~no_pages, r, par), stop | no_pages | ~v), (
-            jnp.where(go, r, -1).astype(jnp.int32),
-            jnp.where(go, st, -1).astype(jnp.int32),
-        )
+    k = keys.shape[0]
 
-    carry = (cache, jnp.asarray(parent, jnp.int32), jnp.bool_(False))
-    (cache, _, _), (records, statuses) = jax.lax.scan(body, carry, (keys, tokens, retain, lengths, valid))
+    def cond(carry):
+        j, _, _, stop, _, _ = carry
+        return (j < k) & ~stop
+
+    def body(carry):
+        # a loop that ends at the first padding row or NO_PAGES: one padded size (RECORD_BATCH) for
+        # every call costs only the rows it records (a scan ran all K rows, masked)
+        j, c, par, _, records, statuses = carry
+        go = valid[j]
+        c, r, st = record(layout, c, slot, keys[j], par, tokens[j], retain[j], lengths[j], enabled=go)
+        no_pages = go & (st == Status.NO_PAGES)
+        records = records.at[j].set(jnp.where(go, r, -1).astype(jnp.int32))
+        statuses = statuses.at[j].set(jnp.where(go, st, -1).astype(jnp.int32))
+        return j + 1, c, jnp.where(go & ~no_pages, r, par), no_pages | ~go, records, statuses
+
+    none = jnp.full((k,), -1, jnp.int32)
+    carry = (jnp.int32(0), cache, jnp.asarray(parent, jnp.int32), jnp.bool_(False), none, none)
+    _, cache, _, _, records, statuses = jax.lax.while_loop(cond, body, carry)
     done = jnp.sum((statuses >= 0) & (statuses != Status.NO_PAGES)).astype(jnp.int32)
     return cache, records, statuses, done
 

@@ -661,7 +661,7 @@ class Engine:
                     out.append(
                         (self._restore_window, (self._weights, slot, keys, toks, jnp.int32(0), ids), "restore_window")
                     )
-                for k in (1, 16, RECORD_BATCH):
+                for k in (RECORD_BATCH,):  # pack_records pads every batch to RECORD_BATCH rows
                     args = (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
                             jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32), jnp.arange(k) < 0)  # fmt: skip
                     out.append((self._record_many, args, "record_many"))
@@ -1407,7 +1407,7 @@ class Engine:
             self._make_room(kinds=("snapshot",))
         i = 0
         while i < len(todo):
-            # one transition for up to RECORD_BATCH boundaries (padded to 1, 16 or RECORD_BATCH: 3 compiles)
+            # one transition for up to RECORD_BATCH boundaries (padded to RECORD_BATCH rows: one compile)
             batch = todo[i : i + RECORD_BATCH]
             keys, toks, retain, lengths, valid = pack_records(
                 [(seq.keys[n - 1], ids[(n - 1) * bt : n * bt], n * bt, ret) for n, ret in batch], bt

@@ -151,11 +151,12 @@ def pack_records(
 
     Returns:
       (keys uint32[k, 4], tokens int32[k, block_tokens], retain bool[k], lengths int32[k], valid bool[k]),
-      padded to k = 1, 16 or RECORD_BATCH (three compilations in all); valid marks the real rows.
+      padded to k = RECORD_BATCH rows (one compilation; the transition's loop stops at the first
+      padding row); valid marks the real rows.
     """
     if not 1 <= len(blocks) <= RECORD_BATCH:
         raise ValueError(f"{len(blocks)} blocks; one transition records 1 to {RECORD_BATCH}")
-    k = RECORD_BATCH if len(blocks) > 16 else 16 if len(blocks) > 1 else 1
+    k = RECORD_BATCH
     keys = np.zeros((k, 4), np.uint32)
     toks = np.zeros((k, block_tokens), np.int32)
     lengths = np.zeros((k,), np.int32)
