@@ -19,10 +19,22 @@ import hkv
 from hkv.core import prefix as px
 from hkv.store import manifest as mf
 from hkv.store.tier import DiskTier
+from hkv.testing import _force
 from models.deepseek_v4 import init
 from models.deepseek_v4.greedy import greedy_stateless
 
-from .test_prefix import BASE, BT, CFG, diverge, make_engine
+from .test_prefix import BASE, BT, CFG, diverge
+from .test_prefix import make_engine as _make_engine
+
+
+def make_engine(model, **kw):
+    """test_prefix's engine, taking the disk route whenever a restore offers it: these tests are about
+    what comes back from disk, and the engine's cost-based choice may rightly prefer recomputing a
+    tiny model's blocks (a CI run's measured disk reads, slowed by the other worker, did)."""
+    engine = _make_engine(model, **kw)
+    _force(engine, "disk")
+    return engine
+
 
 NEW = 1
 CUT = 160  # the store holds two segments: blocks [0, CUT) and [CUT, 304)
