@@ -84,7 +84,7 @@ def _child(store, jax_cache) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_is_rebuilt(tmp_path):
+def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_is_dropped(tmp_path):
     store = tmp_path / "steps"
     first = _child(store, tmp_path / "jax")  # an empty store: traces, compiles and stores every step
     assert first["traced"] > 0
@@ -97,10 +97,12 @@ def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_
     assert sorted(p.name for p in store.iterdir()) == entries  # nothing new stored
     for path in store.iterdir():
         path.write_bytes(path.read_bytes()[:100])  # truncated by a crash
-    third = _child(store, tmp_path / "jax-new")
-    assert third["tokens"] == first["tokens"] and third["traced"] > 0  # rebuilt
-    assert sorted(p.name for p in store.iterdir()) == entries
-    assert all(path.stat().st_size > 1000 for path in store.iterdir())  # and written again in full
+    third = _child(store, tmp_path / "jax")
+    assert third["tokens"] == first["tokens"] and third["traced"] > 0  # rebuilt by tracing
+    # no unreadable entry is left; steps compiled afresh (too quick for JAX's cache) are stored
+    # again, those JAX read back from its cache are not (they do not serialize whole)
+    again = list(store.iterdir())
+    assert all(path.stat().st_size > 1000 for path in again) and len(again) < len(entries)
 
 
 def test_a_later_engine_of_the_same_process_reuses_the_executables_it_holds(store, monkeypatch):
