@@ -1425,11 +1425,7 @@ class Engine:
                 # admission control: for a record slot evict only chains last used before this
                 # sequence's own previous use, shorter than what it restored, or never reused
                 if not self._make_room(
-                    kinds=("record",),
-                    used_before=seq.prev_use,
-                    shorter_than=seq.prev_len,
-                    never_hit=True,
-                    need=len(todo) - i,
+                    kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len, never_hit=True
                 ):
                     seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
                     return
@@ -1440,15 +1436,10 @@ class Engine:
         used_before: int | None = None,
         shorter_than: int | None = None,
         never_hit: bool = False,
-        need: int = 1,
     ) -> bool:
         """Evict the cheapest-to-reconstruct cached objects (see hkv.core.policy); False if nothing was.
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
-        before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order).
-        need: whole records wanted (the blocks a record batch still has to record). Only leaves are
-        candidates, so a cached chain yields one record per policy pass: the passes after the first
-        run on the host copy of the index, and one eviction step takes them all (one pass per block,
-        each reading the whole index back, cost ~0.9 s of host time in a 2K-token prefill)."""
+        before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
         p = jax.device_get(self._view.prefix)
@@ -1481,20 +1472,6 @@ class Engine:
         if not order:
             return False
         batch = order[: max(1, len(order) // 8)]
-        if "record" in kinds and need > 1:
-            gone = {r for k, r in batch if k == "record"}
-            state = meta["state"].copy()
-            while len(gone) < need:  # the next pass as if the batch so far were evicted
-                state[list(gone)] = px.RecordState.TOMBSTONE
-                rest = eviction_order(
-                    self.spec, {**meta, "state": state}, set() if unpinned else pinned, used_before, shorter_than,
-                    never_hit,
-                )  # fmt: skip
-                nxt = next((r for k, r in rest if k == "record" and r not in gone), None)
-                if nxt is None:
-                    break
-                gone.add(nxt)
-                batch.append(("record", nxt))
         nr = meta["state"].shape[0]
         snap, whole = np.zeros(nr, bool), np.zeros(nr, bool)
         for kind, r in batch:

@@ -381,37 +381,3 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
         assert int(r) == -1 and (want == "disabled" or hkv.Status(int(status)).name == want)
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_a_full_index_of_one_chain_gives_a_chunk_its_records_in_one_eviction(model):
-    """A record batch that meets a full index (whose only candidates are the leaves of cached chains)
-    gets every record it still needs from one eviction step, not one step (and one read-back of the
-    whole index) per block: a 2K-token prefill spent ~0.9 s of host time so. Outputs stay exact."""
-    config = hkv.CacheConfig(slots=1, max_context=352, page_size=8)
-    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
-    pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
-    engine = hkv.Engine(
-        model,
-        hkv.CacheConfig(slots=1, max_context=352, page_size=8, pool_pages=pages, prefix_records=12),
-        block_tokens=BT,
-        prefill_chunk=4 * BT,
-    )
-    first = BASE[: 12 * BT + 3]  # its chain fills the 12 records
-    other = np.random.default_rng(5).integers(0, CFG.vocab_size, 12 * BT + 3).tolist()
-    g1 = engine.generate([first], NEW, return_logits=True)
-    calls = []
-    real = engine._evict
-
-    def spy(layout, cache, swa, tail, whole):
-        calls.append(int(np.asarray(whole).sum()))
-        return real(layout, cache, swa, tail, whole)
-
-    engine._evict = spy
-    g2 = engine.generate([other], NEW, return_logits=True)
-    assert sum(calls) == 12  # the first chain gave way whole, leaf by leaf ...
-    assert len(calls) <= 3  # ... four records per eviction step: one per 4-block chunk
-    assert_exact(model, [first, other], g1 + g2)
-    hkv.check_invariants(engine.layout, engine.cache)
-    p = jax.device_get(engine.cache.prefix)
-    alive = np.asarray(p.state) == px.RecordState.ALIVE
-    assert sorted(np.asarray(p.length)[alive].tolist()) == [k * BT for k in range(1, 13)]  # other's chain
