@@ -1442,11 +1442,13 @@ class Engine:
         before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order)."""
         if not self.prefix_enabled:
             return False
-        p = jax.device_get(self._view.prefix)
-        meta = {
-            k: np.asarray(getattr(p, k))
-            for k in ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
-        }
+        fields = ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
+        if self.disk is not None:  # the write-behind below copies blocks from the whole index
+            p = jax.device_get(self._view.prefix)
+            meta = {k: np.asarray(getattr(p, k)) for k in fields}
+        else:  # the policy's columns only (not the token, page and TAIL snapshot arrays)
+            index = self._view.prefix
+            meta = dict(zip(fields, map(np.asarray, jax.device_get(tuple(getattr(index, k) for k in fields)))))
         live = self._live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
         order = [
