@@ -152,7 +152,7 @@ class _Step:
     def _key(self, layout, args) -> tuple[tuple, list]:
         dyn = [a for i, a in enumerate(args, 2) if i not in self._static]
         statics = tuple(a for i, a in enumerate(args, 2) if i in self._static)
-        return (layout, statics, tuple(self._steps.arg_text(a) for a in dyn)), dyn
+        return (layout, statics, tuple(self._steps.arg_sig(a) for a in dyn)), dyn
 
     def lower(self, layout, cache, *args):
         with _traced_names() as log:
@@ -188,15 +188,15 @@ class _Step:
     def _resolve(self, key, layout, cache, args, dyn):
         """The loaded executable for `key` (built and stored on a miss), or the jitted function."""
         steps = self._steps
-        graph = steps.graph_key()
+        graph = steps.graph_key
         directory = ss.store_dir()
         device = ss.single_device((cache, dyn))
         if graph is None or directory is None or device is None:
             return self._jitted
         store = ss.StepStore(directory)
         disk_key = store.key(
-            self.__name__, graph, repr(steps.kernels), repr(layout), repr(key[1]), ss.aval_text(cache), str(device),
-            *key[2],
+            self.__name__, graph, repr(steps.kernels), repr(layout), repr(key[1]), repr(ss.aval_sig(cache)), str(device),
+            *map(repr, key[2]),
         )  # fmt: skip
         with ss._PROCESS_LOCK:
             held = ss._LOADED.get(disk_key)
@@ -240,8 +240,7 @@ class CompiledSteps:
     def __init__(self, graphdef, kernels: tuple):
         self.traces: collections.Counter = collections.Counter()
         self.graphdef, self.kernels = graphdef, kernels
-        self._graph_key: list = []
-        self._arg_text: dict = {}
+        self._arg_sig: dict = {}
         opts = dict(kernels)
 
         def count(layout, name: str) -> None:
@@ -322,25 +321,24 @@ class CompiledSteps:
         if log is not None:
             log.append(name)
 
+    @functools.cached_property
     def graph_key(self) -> str | None:
-        """The step store's digest of this model structure (computed once; None: not storable)."""
-        if not self._graph_key:
-            self._graph_key.append(ss.graph_key(self.graphdef))
-        return self._graph_key[0]
+        """The step store's digest of this model structure (None: not storable)."""
+        return ss.graph_key(self.graphdef)
 
-    def arg_text(self, x) -> str:
-        """`step_store.aval_text(x)`, memoized by identity for big pytrees (weights, caches of one
-        layout are re-passed every call; a one-entry memo per object id, holding the object)."""
+    def arg_sig(self, x) -> tuple:
+        """`step_store.aval_sig(x)` (hashable: a call's in-memory key), memoized by identity for
+        pytrees (the weights are re-passed every call; the memo holds the object it is keyed by)."""
         if isinstance(x, (jax.Array, np.ndarray, int, float, bool, np.generic)):
-            return ss.aval_text(x)
-        hit = self._arg_text.get(id(x))
+            return ss.aval_sig(x)
+        hit = self._arg_sig.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]
-        text = ss.aval_text(x)
-        if len(self._arg_text) > 64:
-            self._arg_text.clear()
-        self._arg_text[id(x)] = (x, text)
-        return text
+        sig = ss.aval_sig(x)
+        if len(self._arg_sig) > 64:
+            self._arg_sig.clear()
+        self._arg_sig[id(x)] = (x, sig)
+        return sig
 
 
 def clear() -> None:

@@ -149,10 +149,11 @@ def graph_key(graphdef) -> str | None:
     return hashlib.sha256((text + "\n" + "\n".join(digests)).encode()).hexdigest()
 
 
-def aval_text(tree) -> str:
-    """The avals (shape, dtype, weak type) and pytree structure of `tree`, as text."""
+def aval_sig(tree) -> tuple:
+    """(pytree structure, avals (shape, dtype, weak type) of the leaves) of `tree`: hashable, and its
+    `repr` is the same text in every process."""
     leaves, treedef = jax.tree.flatten(tree)
-    return repr(treedef) + ";" + ";".join(str(jax.api_util.shaped_abstractify(x)) for x in leaves)
+    return treedef, tuple(map(jax.api_util.shaped_abstractify, leaves))
 
 
 def single_device(tree):
@@ -172,7 +173,6 @@ class StepStore:
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
-        self._lock = threading.Lock()
 
     def key(self, *parts: str) -> str:
         return hashlib.sha256("\n".join((_process_key(), *parts)).encode()).hexdigest()
@@ -203,6 +203,7 @@ class StepStore:
         means the next process traces again)."""
         from jax.experimental import serialize_executable
 
+        tmp = None
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             blob = pickle.dumps(
@@ -214,7 +215,8 @@ class StepStore:
                 f.write(blob)
             os.replace(tmp, self.dir / f"{key}.step")
         except Exception:  # noqa: BLE001
-            return
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)  # a half-written file is no entry
 
 
 def forget_loaded() -> None:
