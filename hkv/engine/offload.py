@@ -193,10 +193,16 @@ def swap_in(
                 overlap_gate=put(t.overlap_gate, src.overlap_gate),
             )
         )
-    c = c.replace(groups=tuple(groups), tails=tuple(new_tails))
+    pools = [g.pool for g in groups]  # written under `ok` above: unchanged where it is False
+    # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed
+    # swap_in leaves the cache unchanged without copying every pool (and compiles smaller)
+    c = c.replace(
+        groups=tuple(g.replace(pool=old.pool) for g, old in zip(groups, cache.groups)), tails=tuple(new_tails)
+    )
     c = advance(layout, c, s[None], l1[None], ok[None])
     c = slide(layout, c, s[None], ok[None])
     out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), c, cache)
+    out = out.replace(groups=tuple(g.replace(pool=p) for g, p in zip(out.groups, pools)))
     status = jnp.where(good, st, Status.BAD_REQUEST).astype(jnp.int32)
     return out, status
 

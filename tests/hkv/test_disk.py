@@ -366,6 +366,37 @@ def test_swap_in_shapes_depend_on_the_block_count_alone(engine):
     assert every == warm
 
 
+def test_swap_in_writes_the_pools_in_place_and_a_refused_one_changes_nothing(engine):
+    """The compiled disk install step neither copies nor selects a whole pool (it used to end with
+    a cache-wide `where(ok, new, old)`: three pool copies and four pool-sized selects per restore from
+    disk, at run time as well as in the program), and a refused swap_in (a slot that is not active)
+    still leaves every leaf of the cache as it was."""
+    import re
+
+    from hkv.engine import offload
+
+    layout, cache = engine.layout, engine.cache
+    rows, tails = offload.swap_in_warmup_inputs(layout)[0]
+    bt = engine.spec.block_tokens
+    args = (jnp.int32(0), jnp.int32(0), jnp.int32(bt), rows, tails)
+    fn = jax.jit(offload.swap_in, static_argnums=0, donate_argnums=1)  # as the engine compiles it
+    hlo = fn.lower(layout, cache, *args).compile().as_text()
+    pools = {tuple(g.pool.shape) for g in cache.groups}
+    whole = [
+        line
+        for line in hlo.splitlines()
+        if (m := re.search(r"= \w+\[([\d,]+)\]\S* (copy|select)\(", line))
+        and tuple(int(d) for d in m.group(1).split(",")) in pools
+    ]
+    assert whole == []
+    before = jax.device_get(cache)
+    assert not np.asarray(before.active)[0]  # slot 0 is free between generate calls
+    out, status = fn(layout, jax.tree.map(jnp.copy, cache), *args)
+    assert int(status) == int(hkv.Status.BAD_REQUEST)
+    for a, b in zip(jax.tree.leaves(jax.device_get(out)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_after_warmup_a_restore_from_disk_compiles_nothing(model, stored, tmp_path):
     """warmup() compiles the disk install step (`swap_in`) for every restore from disk into a fresh
     slot, so a request's first disk restore does not pay a compilation (which the engine would also
