@@ -57,6 +57,23 @@ class DevicePlan:
         """The same plan with plain Python ints (one device-to-host transfer)."""
         return jax.tree.map(int, jax.device_get(self))
 
+    @classmethod
+    def miss(cls, n_blocks: int) -> "DevicePlan":
+        """What `restore` returns on a freshly claimed slot when the prefix index holds no record at
+        all, for a lookup allowing `n_blocks` blocks: nothing matched (stage "hash", NO_HASH_MATCH,
+        unless no block was allowed), status OK, no record. Plain Python ints, as `host()` gives."""
+        if n_blocks < 0:
+            raise ValueError(f"n_blocks={n_blocks}: a lookup allows 0 or more blocks")
+        names = [f.name for f in dataclasses.fields(cls)]
+        fields = dict.fromkeys(names, 0)
+        fields.update(
+            first_failed_stage=0 if n_blocks else -1,
+            reason=Reason.NO_HASH_MATCH.code if n_blocks else 0,
+            status=int(Status.OK),
+            record=-1,
+        )
+        return cls(**fields)
+
 
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:

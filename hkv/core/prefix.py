@@ -282,6 +282,19 @@ def _match_chain(px: PrefixIndex, keys: jax.Array, n_blocks: jax.Array) -> jax.A
     return match
 
 
+def could_match(key: jax.Array, parent: jax.Array, state: jax.Array, first_key: jax.Array) -> jax.Array:
+    """bool[]: whether a lookup whose first block key is `first_key` (uint32[4]) can match any record.
+
+    key uint32[NR, 4], parent int32[NR], state int8[NR]: those fields of the `PrefixIndex`. A chain
+    matches from its root (a record with parent -1), so when no record (alive, or a tombstone that
+    may name a disk copy) is a root with that key, `restore` can only return the miss plan
+    (`hkv.core.plan.DevicePlan.miss`) and would change nothing but the prefix clock, whose values
+    only order records relative to each other. Reads NR * 21 bytes; `restore` reads the whole index.
+    """
+    roots = (state != RecordState.EMPTY) & (parent == -1)
+    return jnp.any(roots & jnp.all(key == first_key[None, :], axis=1))
+
+
 def _leading(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
 

@@ -99,6 +99,44 @@ def test_reuse_at_every_block_boundary_is_exact(model, warm):
     hkv.check_invariants(warm.layout, warm.cache)
 
 
+def test_a_prompt_no_cached_chain_starts_with_is_not_looked_up_on_device(model):
+    """When no record is a chain root with the prompt's first block key (an empty index, a new
+    conversation), admission builds the miss plan on the host instead of running (and, in a fresh
+    process, compiling) the device lookup; the plan is the one that lookup returns, and a prompt
+    that shares a cached root is looked up on device as before."""
+    from hkv.core import transitions as tr
+    from hkv.core.plan import DevicePlan
+
+    engine = make_engine(model)
+    layout = engine.layout
+    nb = layout.config.max_context // BT
+    keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, BT), jnp.int32)
+    lookup = jax.jit(px.restore, static_argnums=0)
+    for n in (0, 1, nb):
+        cache, slot, _ = tr.claim_slot(layout, hkv.init_cache(layout))
+        _, vec = lookup(layout, cache, slot, keys, toks, jnp.int32(n))
+        assert vec.host() == DevicePlan.miss(n), n
+    with pytest.raises(ValueError, match="n_blocks=-1"):
+        DevicePlan.miss(-1)
+
+    calls = []
+    device_lookup = engine._restore
+    engine._restore = lambda *a: calls.append(1) or device_lookup(*a)
+    prompt, other = BASE[: 3 * BT + 5], diverge(0, tail=2 * BT + 3, seed=5)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)  # an empty index
+    assert calls == []
+    assert (g.plan.hash_hit_tokens, g.plan.restored_tokens, g.plan.recompute) == (0, 0, (0, len(prompt)))
+    assert (g.plan.first_failed_stage, g.plan.reason) == ("hash", hkv.Reason.NO_HASH_MATCH)
+    (o,) = engine.generate([other], NEW, return_logits=True)  # records exist, none starts `other`
+    assert calls == [] and o.plan.reason == hkv.Reason.NO_HASH_MATCH
+    (again,) = engine.generate([prompt], NEW, return_logits=True)
+    assert calls == [1] and again.plan.restored_tokens == 3 * BT
+    assert engine.stats()["prefix"]["lookups"] == 3
+    assert engine.stats()["prefix"]["lookups_ending_in_hash_miss"] == 2
+    assert_exact(model, [prompt, other, prompt], [g, o, again])
+    hkv.check_invariants(layout, engine.cache)
+
+
 @pytest.mark.parametrize("kind, reason", [("swa", "swa_missing"), ("tail", "tail_missing")])
 def test_evicted_window_or_tail_shrinks_to_the_previous_complete_boundary(model, warm, kind, reason):
     r = record_of(warm, 160)
