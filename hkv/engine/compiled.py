@@ -20,6 +20,7 @@ compilation_cache=False)`) turns it off. A directory the user already configured
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -115,6 +116,45 @@ def _jax_cache_hits():
         _TLS.jax_hits = None
 
 
+_LATER: list = []  # the step store's background executor (created on first use)
+
+
+def _later() -> concurrent.futures.ThreadPoolExecutor:
+    """One background thread for the step store's fresh compiles (one compile at a time: XLA's CPU
+    compiler already uses every core). Its pending jobs finish before the interpreter exits."""
+    with _LOCK:
+        if not _LATER:
+            _LATER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hkv-step-store"))
+        return _LATER[0]
+
+
+def wait_for_store() -> None:
+    """Block until the step store's background compiles (see `_Step`) are done and stored."""
+    if _LATER:
+        _later().submit(lambda: None).result()
+
+
+def _spec(x):
+    """An array leaf as its `jax.ShapeDtypeStruct` (with its sharding when it is a jax.Array), so a
+    later lowering needs no live (possibly donated) buffer; other leaves as they are."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+@contextlib.contextmanager
+def _quiet():
+    """This thread's traces are not counted (`CompiledSteps.count`): the step store's background
+    rebuild of a step the foreground already built."""
+    _TLS.quiet = True
+    try:
+        yield
+    finally:
+        _TLS.quiet = False
+
+
 @contextlib.contextmanager
 def _traced_names():
     """Collect the names `CompiledSteps` counts while this thread traces (threads trace separately)."""
@@ -139,8 +179,9 @@ class _Step:
     function's; `prepare` resolves a call's executable without running it (`Engine.warmup`).
     """
 
-    def __init__(self, steps: CompiledSteps, name: str, jitted, static_argnums: tuple[int, ...]):
+    def __init__(self, steps: CompiledSteps, name: str, jitted, static_argnums: tuple[int, ...], fn=None):
         self._steps, self._jitted, self.__name__ = steps, jitted, name
+        self._fn = fn  # the traced function (the step store rebuilds it under another name)
         self._static = frozenset(static_argnums)
         self._resolved: dict = {}
         self._names: dict = {}  # call key -> names traced by `lower` (the jit reuses that trace later)
@@ -213,6 +254,8 @@ class _Step:
                 built = tuple(log) or self._names.get(key, ())  # (a trace cached by `lower` logs nothing)
                 if not from_jax_cache:
                     store.save(disk_key, compiled, built)
+                elif self._fn is not None:
+                    self._store_later(store, disk_key, built, layout, cache, args)
                 names = ()  # the trace counted itself
             else:
                 compiled, built = hit
@@ -223,6 +266,31 @@ class _Step:
         for name in names:
             steps.count(name)  # counted as the build it replaces
         return compiled
+
+    def _store_later(self, store, disk_key: str, built: tuple, layout, cache, args) -> None:
+        """Compile this call afresh in the background and store it: JAX's persistent cache had the
+        program (a cache filled before the step store, or one whose store was removed), and an
+        executable read back from that cache does not serialize whole. The same function under a
+        name derived from the store key is another program for JAX's cache, so it compiles; that
+        costs one compile and one more entry in JAX's cache, once per program, and the next
+        process loads the step from the store without tracing."""
+        fn, name = self._fn, f"{self.__name__}_stored_{disk_key[:16]}"
+
+        def renamed(*a):
+            return fn(*a)
+
+        renamed.__name__ = renamed.__qualname__ = name
+        jitted = jax.jit(renamed, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
+        specs = [a if i in self._static else jax.tree.map(_spec, a) for i, a in enumerate(args, 2)]
+        cache_spec = jax.tree.map(_spec, cache)
+
+        def job():
+            with _quiet(), _jax_cache_hits() as hits:
+                compiled = jitted.lower(layout, cache_spec, *specs).compile()
+            if not hits:  # (the renamed program too was in JAX's cache: this store lost it before)
+                store.save(disk_key, compiled, built)
+
+        _later().submit(job)
 
 
 class CompiledSteps:
@@ -292,7 +360,7 @@ class CompiledSteps:
 
         def step(fn, static=(0,), name=None):
             name = name or fn.__name__
-            return _Step(self, name, jax.jit(fn, static_argnums=static, donate_argnums=1), static)
+            return _Step(self, name, jax.jit(fn, static_argnums=static, donate_argnums=1), static, fn)
 
         self.prefill = step(prefill, (0, 7, 8))
         self.decode = step(decode, (0, 8, 9))
@@ -316,6 +384,8 @@ class CompiledSteps:
 
     def count(self, name: str) -> None:
         """One more build of step `name` (a trace, or a load from the step store)."""
+        if getattr(_TLS, "quiet", False):
+            return
         self.traces[name] += 1
         log = getattr(_TLS, "log", None)
         if log is not None:
