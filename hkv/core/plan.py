@@ -59,9 +59,10 @@ class DevicePlan:
 
     @classmethod
     def miss(cls, n_blocks: int) -> "DevicePlan":
-        """What `restore` returns on a freshly claimed slot when the prefix index holds no record at
-        all, for a lookup allowing `n_blocks` blocks: nothing matched (stage "hash", NO_HASH_MATCH,
-        unless no block was allowed), status OK, no record. Plain Python ints, as `host()` gives."""
+        """What `restore` returns on a freshly claimed slot when no record is a chain root with the
+        lookup's first block key (an empty index, for one; `hkv.core.prefix.could_match`), for a
+        lookup allowing `n_blocks` blocks: nothing matched (stage "hash", NO_HASH_MATCH, unless no
+        block was allowed), status OK, no record. Plain Python ints, as `host()` gives."""
         if n_blocks < 0:
             raise ValueError(f"n_blocks={n_blocks}: a lookup allows 0 or more blocks")
         names = [f.name for f in dataclasses.fields(cls)]

@@ -195,7 +195,7 @@ def swap_in(
         )
     pools = [g.pool for g in groups]  # written under `ok` above: unchanged where it is False
     # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed
-    # swap_in leaves the cache unchanged without copying every pool (and compiles smaller)
+    # swap_in leaves the cache unchanged without copying (or selecting over) every pool
     c = c.replace(
         groups=tuple(g.replace(pool=old.pool) for g, old in zip(groups, cache.groups)), tails=tuple(new_tails)
     )

@@ -22,11 +22,11 @@ Anything not in the key cannot reach the program except through those, so a hit 
 trace would have built. A miss (or an unreadable entry) traces and compiles as JAX always does and
 then stores the executable -- one compiled afresh: an executable JAX read back from its own
 persistent cache does not serialize whole (the next process failed to run it, "Function ... not
-found"), so when JAX's cache already held the program (a cache filled before the store existed, or a
-store that was deleted) the step is compiled again in one background thread under another name
-(another program for JAX's cache) and stored from there; pending background compiles finish before
-the process exits (`hkv.engine.compiled.wait_for_store` waits for them). The store is used by single-device engines only (sharded programs are
-traced as usual) and only while JAX's persistent cache is on: it lives in `<cache dir>/hkv-steps`
+found"), so when JAX's cache already held the program (a cache filled before the store existed, or
+a store that was deleted) the step is compiled again in one background thread under another name
+(another program for JAX's cache) and stored from there; pending background compiles finish
+before the process exits (`hkv.engine.compiled.wait_for_store` waits for them). The store is used
+by single-device engines only (sharded programs are traced as usual) and only while JAX's persistent cache is on: it lives in `<cache dir>/hkv-steps`
 (`HKV_STEP_STORE=<directory>` puts it elsewhere; `HKV_STEP_STORE=0` turns the step store alone off).
 Entries are never evicted: delete the directory to reclaim its space (~10 MB for `make demo`).
 """
