@@ -1443,7 +1443,11 @@ class Engine:
                 # admission control: for a record slot evict only chains last used before this
                 # sequence's own previous use, shorter than what it restored, or never reused
                 if not self._make_room(
-                    kinds=("record",), used_before=seq.prev_use, shorter_than=seq.prev_len, never_hit=True
+                    kinds=("record",),
+                    used_before=seq.prev_use,
+                    shorter_than=seq.prev_len,
+                    never_hit=True,
+                    need=len(batch) - int(done),
                 ):
                     seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
                     return
@@ -1454,10 +1458,18 @@ class Engine:
         used_before: int | None = None,
         shorter_than: int | None = None,
         never_hit: bool = False,
+        need: int | None = None,
     ) -> bool:
         """Evict the cheapest-to-reconstruct cached objects (see hkv.core.policy); False if nothing was.
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
-        before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order)."""
+        before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order).
+        need: whole records wanted (record slots for a batch of boundaries; None: one pass, room of
+        any kind). The policy's passes are repeated on the host snapshot, each taking what a pass
+        takes (an eighth of the candidates, at least one) and marking its records evicted (a parent
+        whose last child went becomes a leaf, a candidate of the next pass), until `need` records
+        are chosen; then ONE eviction step runs. The same records go as `need` rounds of
+        evict-and-record would evict (the records a sequence adds in between extend its own pinned
+        chain, never candidates), without a device round trip per block."""
         if not self.prefix_enabled:
             return False
         fields = ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
@@ -1491,13 +1503,30 @@ class Engine:
             unpinned = True
         if not order:
             return False
-        batch = order[: max(1, len(order) // 8)]
         nr = meta["state"].shape[0]
         snap, whole = np.zeros(nr, bool), np.zeros(nr, bool)
-        for kind, r in batch:
-            (snap if kind == "snapshot" else whole)[r] = True
+        chosen, freed = [], 0
+        while order:
+            batch = order[: max(1, len(order) // 8)]
+            for kind, r in batch:
+                (snap if kind == "snapshot" else whole)[r] = True
+                freed += kind == "record"
+            chosen += batch
+            if unpinned or need is None or freed >= need:
+                break
+            # the next pass sees this one's evictions: the records tombstones, their snapshots gone
+            meta = dict(meta, state=meta["state"].copy(), swa_held=meta["swa_held"].copy())
+            meta["tail_slot"] = meta["tail_slot"].copy()
+            meta["state"][whole] = px.RecordState.TOMBSTONE
+            meta["swa_held"][snap | whole] = False
+            meta["tail_slot"][snap | whole] = -1
+            order = [
+                (k, r)
+                for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than, never_hit)
+                if k in kinds
+            ]
         if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
-            self._offload(p, [r for _, r in batch])
+            self._offload(p, [r for _, r in chosen])
         self._tx(self._evict, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
         if unpinned:
             for q in live:

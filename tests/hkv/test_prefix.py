@@ -347,8 +347,10 @@ def test_the_prompt_being_prefilled_keeps_its_chain_under_record_pressure(model)
 def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     """`record_many` records a prefill chunk's 4 boundaries in one transition. Under record pressure
     (6 records) a batch stops at the boundary that finds no free record, the engine evicts (with
-    admission control) and retries from there: the prefix index, the outputs and every counter come
-    out identical to recording one boundary per transition."""
+    admission control: for every boundary left in the batch at once, in one eviction step) and
+    retries from there: the outputs, every counter and the prefix index's records (each by its key:
+    its content, not which index slot it landed in) come out identical to recording, and evicting
+    for, one boundary per transition."""
     config = hkv.CacheConfig(slots=1, max_context=256, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
@@ -365,19 +367,40 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
             block_tokens=BT,
             prefill_chunk=4 * BT,
         )
+        evictions = []
+        step = engine._evict
+        engine._evict = lambda *a: evictions.append(1) or step(*a)
         gens = [engine.generate([p], NEW, return_logits=True)[0] for p in prompts]
         hkv.check_invariants(engine.layout, engine.cache)
+        engine.eviction_steps = len(evictions)
         return engine, gens
 
     batched, gb = run(hkv.engine.engine.RECORD_BATCH)
     single, gs = run(1)
+    # a batch that met a full index evicted what its remaining boundaries need in ONE step
+    assert batched.eviction_steps < single.eviction_steps
     assert [g.tokens for g in gb] == [g.tokens for g in gs]
     assert [g.plan.restored_tokens for g in gb] == [g.plan.restored_tokens for g in gs]
     assert gb[2].plan.restored_tokens >= 4 * BT  # the workload reused a prefix recorded in a batch
     assert batched.stats()["prefix"]["evictions"]["records"] > 0  # and a batch met a full index
     pb, ps = jax.device_get((batched.cache.prefix, single.cache.prefix))
-    for x, y in zip(jax.tree.leaves(pb), jax.tree.leaves(ps)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    def content(p, state):
+        """Records in `state` by key: what they hold, wherever their index slot is."""
+        out = {}
+        for r in np.nonzero(np.asarray(p.state) == state)[0]:
+            par = int(p.parent[r])
+            out[bytes(np.asarray(p.key[r]))] = (
+                bytes(np.asarray(p.key[par])) if par >= 0 else None,
+                int(p.length[r]), tuple(np.asarray(p.tokens[r])), int(p.last_used[r]), int(p.hits[r]),
+                bool(p.swa_held[r]), int(p.tail_slot[r]) >= 0,
+                int(p.checksum[r]) if p.swa_held[r] or p.tail_slot[r] >= 0 else None,  # else unused
+                tuple(tuple(np.asarray(g[r])) for g in p.pages),
+            )  # fmt: skip
+        return out
+
+    assert content(pb, px.RecordState.ALIVE) == content(ps, px.RecordState.ALIVE)
+    assert set(content(pb, px.RecordState.TOMBSTONE)) == set(content(ps, px.RecordState.TOMBSTONE))
     assert jax.device_get(batched.cache.counters) == jax.device_get(single.cache.counters)
 
 
