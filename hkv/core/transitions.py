@@ -137,35 +137,48 @@ def reserve(
     inactive = jnp.any(mask & ~cache.active[slots])
     same = (slots[:, None] == slots[None, :]) & mask[:, None] & mask[None, :]
     bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < cache.lengths[slots]))
-    groups, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
+    needs, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
     for gi, g in enumerate(cache.groups):
         m = g.page_table.shape[1]
         lo, hi = required_rows(layout, gi, new_lengths)
         first = lo // ps
         last = (hi + ps - 1) // ps  # exclusive
         logical = jnp.arange(m)[None, :]
-        rows = g.page_table[slots]  # [B, M]
-        need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (rows < 0)
+        need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (g.page_table[slots] < 0)
         n_need = jnp.sum(need)
-        free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
         enough = enough & (n_need <= jnp.sum(g.refcount == 0))
-        rank = jnp.cumsum(need.reshape(-1)) - 1
-        pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1).reshape(need.shape)
-        new_rows = jnp.where(need, pages, rows)
-        new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
-        tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
-        groups.append(
-            (
-                g.replace(
-                    page_table=_set_rows(g.page_table, slots, mask, new_rows),
-                    page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
-                    refcount=g.refcount.at[tgt].add(1, mode="drop"),
-                ),
-                tgt,
-            )
-        )
+        needs.append(need)
         allocated = allocated + n_need
     ok = ~unknown & ~bad & ~over & ~inactive & enough
+
+    def allocate(groups):
+        """Map the needed pages (refcount, page table and generations) and zero them in the pools."""
+        out = []
+        for g, need in zip(groups, needs):
+            rows = g.page_table[slots]  # [B, M]
+            free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
+            rank = jnp.cumsum(need.reshape(-1)) - 1
+            pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1)
+            pages = pages.reshape(need.shape)
+            new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
+            tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
+            out.append(
+                g.replace(
+                    page_table=_set_rows(g.page_table, slots, mask, jnp.where(need, pages, rows)),
+                    page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
+                    refcount=g.refcount.at[tgt].add(1, mode="drop"),
+                    # newly mapped pages are cleared: a freed page never shows its previous occupant's rows
+                    pool=g.pool.at[:, tgt].set(0, mode="drop"),
+                )
+            )
+        return tuple(out)
+
+    # Most steps map no page (a decode step crosses a page boundary once per page_size tokens): the
+    # allocation (a nonzero, a cumsum, gathers and five scatters per group; ~110 us of a ~600 us
+    # decode step on the tiny model at batch 8) runs only when something is needed and the request
+    # is valid; otherwise every group comes back as it was. Both outcomes then share the same group
+    # values, so no select over the pools is needed below.
+    groups = jax.lax.cond(ok & (allocated > 0), allocate, lambda gs: tuple(gs), cache.groups)
     status = jnp.where(
         unknown,
         Status.UNKNOWN_SLOT,
@@ -179,15 +192,10 @@ def reserve(
             ),
         ),
     )
-    # Newly mapped pages are cleared, so a freed page never shows its previous occupant's rows. The
-    # scatter is gated on `ok` (dropped otherwise), so the same pool value serves both outcomes and
-    # no select over the whole pool is needed.
-    pools = [g.pool.at[:, jnp.where(ok, tgt, g.pool.shape[1])].set(0, mode="drop") for g, tgt in groups]
-    groups = [g.replace(pool=pool) for (g, _), pool in zip(groups, pools)]
     counters = _count(cache, "pages_allocated", allocated)
-    new = cache.replace(groups=tuple(groups), counters=counters)
+    new = cache.replace(groups=groups, counters=counters)
     fail_name = {Status.NO_PAGES: "failed_no_pages", Status.CONTEXT_CAP: "failed_context_cap"}
-    failed = cache.replace(groups=tuple(g.replace(pool=pool) for g, pool in zip(cache.groups, pools)))
+    failed = cache.replace(groups=groups)
     for st, name in fail_name.items():
         failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
     return _keep_if(ok, new, failed), status.astype(jnp.int32)
