@@ -179,16 +179,21 @@ class _Step:
     function's; `prepare` resolves a call's executable without running it (`Engine.warmup`).
     """
 
-    def __init__(self, steps: CompiledSteps, name: str, jitted, static_argnums: tuple[int, ...], fn=None):
-        self._steps, self._jitted, self.__name__ = steps, jitted, name
+    def __init__(self, steps: CompiledSteps, name: str, fn, static_argnums: tuple[int, ...]):
+        self._steps, self.__name__ = steps, name
         self._fn = fn  # the traced function (the step store rebuilds it under another name)
         self._static = frozenset(static_argnums)
+        self._jitted = self._jit(fn)
         self._resolved: dict = {}
         self._names: dict = {}  # call key -> names traced by `lower` (the jit reuses that trace later)
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
+
+    def _jit(self, fn):
+        """`fn` jitted as every step is: layout and the other static arguments static, cache donated."""
+        return jax.jit(fn, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
 
     def _key(self, layout, args) -> tuple[tuple, list]:
         dyn = [a for i, a in enumerate(args, 2) if i not in self._static]
@@ -254,7 +259,7 @@ class _Step:
                 built = tuple(log) or self._names.get(key, ())  # (a trace cached by `lower` logs nothing)
                 if not from_jax_cache:
                     store.save(disk_key, compiled, built)
-                elif self._fn is not None:
+                else:
                     self._store_later(store, disk_key, built, layout, cache, args)
                 names = ()  # the trace counted itself
             else:
@@ -280,7 +285,7 @@ class _Step:
             return fn(*a)
 
         renamed.__name__ = renamed.__qualname__ = name
-        jitted = jax.jit(renamed, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
+        jitted = self._jit(renamed)
         specs = [a if i in self._static else jax.tree.map(_spec, a) for i, a in enumerate(args, 2)]
         cache_spec = jax.tree.map(_spec, cache)
 
@@ -360,7 +365,7 @@ class CompiledSteps:
 
         def step(fn, static=(0,), name=None):
             name = name or fn.__name__
-            return _Step(self, name, jax.jit(fn, static_argnums=static, donate_argnums=1), static, fn)
+            return _Step(self, name, fn, static)
 
         self.prefill = step(prefill, (0, 7, 8))
         self.decode = step(decode, (0, 8, 9))
