@@ -33,7 +33,7 @@ from .prefix_index import PrefixIndex, RecordState, init_prefix
 from .reasons import Reason
 from .spec import ObjectKind
 from .state import HybridCache, abi_words
-from .transitions import add_refs
+from .transitions import _keep_if, add_refs
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -469,11 +469,7 @@ def restore(
         record=jnp.where(ok & do, r, -1),
     )
     counters = count_plan(layout, cache, plan).counters if count else cache.counters
-    out = jax.tree.map(
-        lambda a, b: a if a is b else jnp.where(ok, a, b),
-        claimed.replace(counters=counters),
-        cache.replace(counters=counters),
-    )
+    out = _keep_if(ok, claimed.replace(counters=counters), cache.replace(counters=counters))
     return out, plan
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from ..core.layout import CacheLayout, Status, TailState
 from ..core.spec import ObjectKind
 from ..core.state import HybridCache
-from ..core.transitions import _locate, advance, reserve, slide
+from ..core.transitions import _keep_if, _locate, advance, reserve, slide
 from ..store.tier import BlockPayload
 from .block_keys import key_bytes
 
@@ -201,7 +201,7 @@ def swap_in(
     )
     c = advance(layout, c, s[None], l1[None], ok[None])
     c = slide(layout, c, s[None], ok[None])
-    out = jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), c, cache)
+    out = _keep_if(ok, c, cache)
     out = out.replace(groups=tuple(g.replace(pool=p) for g, p in zip(out.groups, pools)))
     status = jnp.where(good, st, Status.BAD_REQUEST).astype(jnp.int32)
     return out, status
