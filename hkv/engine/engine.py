@@ -1481,11 +1481,13 @@ class Engine:
             meta = dict(zip(fields, map(np.asarray, jax.device_get(tuple(getattr(index, k) for k in fields)))))
         live = self._live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
-        order = [
-            (k, r)
-            for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than, never_hit)
-            if k in kinds
-        ]
+
+        def candidates(pins) -> list:
+            """The policy's order over `meta` (as it stands), of the kinds asked for."""
+            order = eviction_order(self.spec, meta, pins, used_before, shorter_than, never_hit)
+            return [(k, r) for k, r in order if k in kinds]
+
+        order = candidates(pinned)
         unpinned = False
         if (
             not order
@@ -1499,7 +1501,7 @@ class Engine:
             # Idle but for the request being admitted, whose own pinned chain holds the pages it needs
             # (e.g. it re-records blocks it hashed to but could not restore, so its slot shares none of
             # their pages): cached chains give way, pinned or not; it stops caching if its parent goes.
-            order = [(k, r) for k, r in eviction_order(self.spec, meta, set()) if k in kinds]
+            order = candidates(set())  # (no admission control here: its arguments are all unset)
             unpinned = True
         if not order:
             return False
@@ -1515,16 +1517,15 @@ class Engine:
             if unpinned or need is None or freed >= need:
                 break
             # the next pass sees this one's evictions: the records tombstones, their snapshots gone
-            meta = dict(meta, state=meta["state"].copy(), swa_held=meta["swa_held"].copy())
-            meta["tail_slot"] = meta["tail_slot"].copy()
-            meta["state"][whole] = px.RecordState.TOMBSTONE
-            meta["swa_held"][snap | whole] = False
-            meta["tail_slot"][snap | whole] = -1
-            order = [
-                (k, r)
-                for k, r in eviction_order(self.spec, meta, pinned, used_before, shorter_than, never_hit)
-                if k in kinds
-            ]
+            # (`meta` is rebound to copies: the arrays read back from the device are read-only)
+            gone = snap | whole
+            meta = dict(
+                meta,
+                state=np.where(whole, np.int8(px.RecordState.TOMBSTONE), meta["state"]),
+                swa_held=meta["swa_held"] & ~gone,
+                tail_slot=np.where(gone, -1, meta["tail_slot"]),
+            )
+            order = candidates(pinned)
         if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
             self._offload(p, [r for _, r in chosen])
         self._tx(self._evict, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
