@@ -144,18 +144,18 @@ def reserve(
         first = lo // ps
         last = (hi + ps - 1) // ps  # exclusive
         logical = jnp.arange(m)[None, :]
-        need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (g.page_table[slots] < 0)
+        rows = g.page_table[slots]  # [B, M]
+        need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (rows < 0)
         n_need = jnp.sum(need)
         enough = enough & (n_need <= jnp.sum(g.refcount == 0))
-        needs.append(need)
+        needs.append((need, rows))
         allocated = allocated + n_need
     ok = ~unknown & ~bad & ~over & ~inactive & enough
 
     def allocate(groups):
         """Map the needed pages (refcount, page table and generations) and zero them in the pools."""
         out = []
-        for g, need in zip(groups, needs):
-            rows = g.page_table[slots]  # [B, M]
+        for g, (need, rows) in zip(groups, needs):
             free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
             rank = jnp.cumsum(need.reshape(-1)) - 1
             pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1)
