@@ -26,8 +26,9 @@ found"), so when JAX's cache already held the program (a cache filled before the
 a store that was deleted) the step is compiled again in one background thread under another name
 (another program for JAX's cache) and stored from there; pending background compiles finish
 before the process exits (`hkv.engine.compiled.wait_for_store` waits for them). The store is used
-by single-device engines only (sharded programs are traced as usual) and only while JAX's persistent cache is on: it lives in `<cache dir>/hkv-steps`
-(`HKV_STEP_STORE=<directory>` puts it elsewhere; `HKV_STEP_STORE=0` turns the step store alone off).
+by single-device engines only (sharded programs are traced as usual) and only while JAX's
+persistent cache is on: it lives in `<cache dir>/hkv-steps` (`HKV_STEP_STORE=<directory>` puts it
+elsewhere; `HKV_STEP_STORE=0` turns the step store alone off).
 Entries are never evicted: delete the directory to reclaim its space (~10 MB for `make demo`).
 """
 
