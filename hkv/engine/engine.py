@@ -63,7 +63,7 @@ from . import offload as swap
 from . import block_keys
 from .block_keys import ROOT, key_bytes, key_words
 from .checkpoint import restore_engine, save_engine
-from .compiled import compiled_steps, enable_compilation_cache, step_name
+from .compiled import compiled_steps, enable_compilation_cache, step_name, unpack_decode
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
@@ -346,6 +346,9 @@ class Engine:
             "compile_seconds": 0.0,
         }
         self._steps = self._make_steps(kernel_options)
+        # what the model steps get as weights: the leaves (cheap per call) where the steps take them
+        flat = getattr(self._steps, "flat_weights", None)
+        self._step_weights = flat(self._weights) if flat is not None else self._weights
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
@@ -625,7 +628,7 @@ class Engine:
                 for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
                     z = np.zeros((b,), np.int32)
                     args = (
-                        self._weights,
+                        self._step_weights,
                         np.zeros((b, w), np.int32),
                         z,
                         z,
@@ -637,7 +640,7 @@ class Engine:
                     model_steps.append((self._prefill, args, name))
                 for n_stop in sorted({_pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                     z = np.zeros((s,), np.int32)
-                    args = (self._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+                    args = (self._step_weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
                             np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
                     model_steps.append(
                         (self._decode, args, step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep))
@@ -662,7 +665,11 @@ class Engine:
                 if self.window_recompute_tokens:
                     ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
                     out.append(
-                        (self._restore_window, (self._weights, slot, keys, toks, jnp.int32(0), ids), "restore_window")
+                        (
+                            self._restore_window,
+                            (self._step_weights, slot, keys, toks, jnp.int32(0), ids),
+                            "restore_window",
+                        )
                     )
                 for k in (RECORD_BATCH,):  # pack_records pads every batch to RECORD_BATCH rows
                     args = (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
@@ -1009,7 +1016,7 @@ class Engine:
             read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
             out, dt, fresh = self._timed(
-                self._prefill, self._weights, tokens, slots, n_valid, params, keep, read, name=name
+                self._prefill, self._step_weights, tokens, slots, n_valid, params, keep, read, name=name
             )
             tok, lp, status = out[0], out[1], int(out[2])
             if status == Status.OK:
@@ -1067,7 +1074,8 @@ class Engine:
         """Up to `decode_steps` tokens for every decoding request, in one on-device loop."""
         rows, args, name = self._decode_inputs()
         out, dt, fresh = self._timed(self._decode, *args, name=name)
-        self._decode_outputs(rows, jax.device_get(out[:5]), out[5], dt, fresh)
+        host = unpack_decode(jax.device_get(out[0]), self.decode_steps)
+        self._decode_outputs(rows, host, out[1], dt, fresh)
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1088,7 +1096,7 @@ class Engine:
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
         name = step_name("decode", str(k), stops=n_stop, logits=keep)
-        args = (self._weights, tokens, np.arange(s, dtype=np.int32), SamplingParams.stack(sampling, seeds), budget,
+        args = (self._step_weights, tokens, np.arange(s, dtype=np.int32), SamplingParams.stack(sampling, seeds), budget,
                 stop_ids, k, keep)  # fmt: skip
         return rows, args, name
 
@@ -1328,7 +1336,7 @@ class Engine:
                 self._restart_slot(seq)
                 vec, st = self._tx(
                     self._restore_window,
-                    self._weights,
+                    self._step_weights,
                     jnp.int32(seq.slot),
                     jnp.asarray(keys),
                     jnp.asarray(toks),

@@ -45,7 +45,7 @@ from ..core.layout import CacheConfig, CacheLayout
 from ..core.sampling import SEED_RANGE, Sampling
 from ..core.state import HybridCache, init_cache
 from ..core.weights import weights_digest
-from .compiled import CompiledSteps, compiled_steps, enable_compilation_cache, step_name
+from .compiled import CompiledSteps, compiled_steps, enable_compilation_cache, step_name, unpack_decode
 from .engine import Engine, _DeferredInterrupt, _Seq
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, RequestHandle
@@ -612,13 +612,13 @@ class MeshEngine:
         t0 = time.perf_counter()
         out = steps.decode_all(self.layout, self.cache, self._weights, tokens, slots, params, budget, stop_ids, k, keep)
         self.cache = out[0]
-        host = jax.device_get(out[1:6])
+        host = jax.device_get(out[1])  # [D, S, 2k + 3]: `pack_decode` per shard
         dt = time.perf_counter() - t0
         for d, (e, rows, _, _) in todo.items():
             if fresh:
                 e._stats["compile_seconds"] += dt
-            lg = local_shard(out[6], d) if keep else None
-            e._decode_outputs(rows, tuple(x[d] for x in host), lg, dt, fresh)
+            lg = local_shard(out[2], d) if keep else None
+            e._decode_outputs(rows, unpack_decode(host[d], k), lg, dt, fresh)
         for e in self.shards:
             if e._interrupt is not None:
                 e._interrupt.deliver()

@@ -169,6 +169,8 @@ def test_the_engine_runs_the_weights_its_fingerprint_names(seed0):
     engine = make_engine(model)
     model.embed.value = model.embed.value * 2
     assert weights_digest(engine._weights) == engine.spec.weights_digest  # the weights the engine runs
+    # the model steps get them as leaves (`CompiledSteps.flat_weights`): the same arrays
+    assert all(a is b for a, b in zip(engine._step_weights, jax.tree.leaves(engine._weights), strict=True))
     assert weights_digest(nnx.state(model)) != engine.spec.weights_digest
     assert make_engine(model).spec.fingerprint() != engine.spec.fingerprint()
 
