@@ -20,6 +20,10 @@ restore); every request still prefilling then runs its next chunk of `prefill_ch
 ids and their logprobs cross to the host). A long prompt therefore never stalls decoding: decode
 dispatches run between its chunks. With the prefix cache on, a decode dispatch stops each row at its
 next block boundary, where the boundary is recorded (and its snapshot kept, per the retention policy).
+While only decoding happens (nothing queued or prefilling, no boundary to record), the next decode
+is sent before the host hands the last one's tokens to their requests, so that bookkeeping overlaps
+the device's work (`stats()["decode_dispatched_ahead"]` counts those dispatches); the results, the
+pages and the compiled programs are those of one dispatch at a time.
 If the pools run out of pages (`Status.NO_PAGES`, cache unchanged), cached prefixes give way first;
 then the most recently admitted request is preempted: its slot is released and it is re-queued with
 the tokens it has generated, to be recomputed later. Every token is drawn from (seed, position), so a
@@ -238,6 +242,10 @@ class Engine:
     warmup: call `warmup()` at the end of construction (compile every step now, not on first use).
     """
 
+    # send a decode before the host has handed the previous one's tokens over, when nothing else can
+    # run in between (`_dispatch_ahead`); False: strictly one dispatch at a time (same results)
+    _PIPELINE = True
+
     def __init__(
         self,
         model,
@@ -339,6 +347,7 @@ class Engine:
             "prefill_steps": 0,
             "decode_steps": 0,
             "decode_dispatches": 0,
+            "decode_dispatched_ahead": 0,
             "generated_tokens": 0,
             "preemptions": 0,
             "prefill_seconds": 0.0,
@@ -373,6 +382,8 @@ class Engine:
         self._running: dict[int, _Seq] = {}  # slot -> decoding request
         self._inbox: list[_Seq] = []
         self._inbox_lock = threading.Lock()
+        # a decode dispatched ahead (`_dispatch_ahead`), its results not yet handed to its requests
+        self._ahead: tuple | None = None
         self._drive_lock = threading.Lock()
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -923,9 +934,16 @@ class Engine:
         with self._inbox_lock:
             self._queue.extend(self._inbox)
             self._inbox.clear()
-        self._step_admit_prefill()
-        if self._running:
-            self._decode_step()
+        if self._ahead is not None:
+            # the running requests' decode of this step is already on its way: hand its results
+            # over (dispatching the next one first when nothing else waits), then admit and
+            # prefill what arrived meanwhile; no second decode in this step
+            self._finish_ahead()
+            self._step_admit_prefill()
+        else:
+            self._step_admit_prefill()
+            if self._running:
+                self._decode_step()
         self._reap()
         return bool(self._queue or self._prefilling or self._running)
 
@@ -1075,7 +1093,69 @@ class Engine:
         rows, args, name = self._decode_inputs()
         out, dt, fresh = self._timed(self._decode, *args, name=name)
         host = unpack_decode(jax.device_get(out[0]), self.decode_steps)
+        self._dispatch_ahead(rows, args, host)
         self._decode_outputs(rows, host, out[1], dt, fresh)
+
+    def _finish_ahead(self) -> None:
+        """Wait for the decode `_dispatch_ahead` sent and hand its results to its requests (after
+        sending the next one when it may)."""
+        rows, args, out, t0 = self._ahead
+        self._ahead = None
+        host = unpack_decode(jax.device_get(out[0]), self.decode_steps)
+        dt = time.perf_counter() - t0
+        self._dispatch_ahead(rows, args, host)
+        # a request cancelled since would not have run this dispatch: its tokens are dropped (`_reap`
+        # releases its slot next)
+        rows = [q for q in rows if q.handle is None or not q.handle.cancelled]
+        self._decode_outputs(rows, host, out[1], dt, False)
+
+    def _dispatch_ahead(self, rows: list[_Seq], args: tuple, host: tuple) -> None:
+        """Send the next decode before the host hands these results (`host`, of a dispatch made with
+        `args`) to their requests, so that bookkeeping (tokens, streams, finished requests'
+        releases) runs while the device decodes: on a 2-core CPU, ~0.5-1 ms per dispatch less.
+
+        Only when the next step would run nothing but this decode: the same requests, none ending
+        here (its slot is released first), nothing waiting to be admitted or prefilled, no
+        cancellation, a successful step, no logits kept, no block boundary reached with the prefix
+        cache on (its record reads the cache at the boundary), the same stop-id width. Inputs are
+        computed as `_decode_inputs` would after `_decode_outputs`, so tokens, logprobs, finish
+        reasons and compiled programs are those of one dispatch at a time, and so is the order of
+        the cache's transitions unless a request arrives or is cancelled while a dispatch is ahead
+        (it is admitted, or released, after that dispatch: other page ids, same tokens)."""
+        toks, _, n_new, stopped, status = host
+        weights, tokens, slots, params, last_budget, stop_ids, k, keep = args
+        if not self._PIPELINE or status != Status.OK or keep or self._queue or self._prefilling:
+            return
+        with self._inbox_lock:
+            if self._inbox:
+                return
+        if len(rows) != len(self._running):
+            return
+        bt = self.spec.block_tokens
+        tokens, budget = tokens.copy(), np.zeros_like(last_budget)
+        width = 1
+        for q in rows:
+            if self._running.get(q.slot) is not q or (q.handle is not None and q.handle.cancelled):
+                return
+            n = int(n_new[q.slot])
+            made, fed = len(q.tokens) + n, q.fed + n
+            if stopped[q.slot] or n != last_budget[q.slot] or made >= q.max_new:
+                return  # ends here: `_decode_outputs` releases its slot before the next decode
+            if self.prefix_enabled and fed % bt == 0:
+                return  # `_after_step` records this boundary
+            room = q.max_new - made
+            if self.prefix_enabled:
+                room = min(room, bt - fed % bt)
+            budget[q.slot] = min(k, room)
+            tokens[q.slot] = toks[q.slot, n - 1]
+            width = max(width, len(q.stop_ids))
+        if not rows or _pow2(width) != stop_ids.shape[1]:
+            return
+        nxt = (weights, tokens, slots, params, budget, stop_ids, k, keep)
+        t0 = time.perf_counter()
+        out = self._tx(self._decode, *nxt)
+        self._ahead = (rows, nxt, out, t0)
+        self._stats["decode_dispatched_ahead"] += 1
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1213,6 +1293,7 @@ class Engine:
             if seq.handle is not None and seq.handle.cancelled:
                 seq.cancelled = True
         self._prefilling, self._running = {}, {}
+        self._ahead = None  # its requests are re-queued below: its results are dropped
         for seq in reversed(live):
             seq.slot = -1
             if seq.cancelled:

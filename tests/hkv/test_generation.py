@@ -167,6 +167,65 @@ def test_a_long_prompt_does_not_stall_decoding(model, truth):
     _idle_ok(engine)
 
 
+def _ahead_scenario(model, truth, pipeline: bool):
+    """Requests that stop on a stop id, sample, arrive while others decode and get cancelled, one
+    engine; returns what a user sees and what the cache keeps."""
+    engine = _engine(model)
+    engine._PIPELINE = pipeline
+    a = truth[tuple(A)][0]
+    stop = next(t for i, t in enumerate(a) if i >= 3 and t not in a[:i])  # A's first new id from its 4th token on
+    h1 = engine.submit(A, 12, stop_token_ids=(stop,))
+    h2 = engine.submit(B, 100, sampling=HOT)
+    for _ in range(12):
+        engine.step()
+    h3 = engine.submit(C, 9)  # waits for a slot (A's, when it stops)
+    for _ in range(6):
+        engine.step()
+    h2.cancel()
+    engine.run_until_idle()
+    with pytest.raises(hkv.RequestCancelledError):
+        h2.result()
+    g1, g3 = h1.result(), h3.result()
+    assert g1.finish_reason == "stop" and g1.tokens[-1] == stop and g1.tokens == a[: len(g1.tokens)]
+    assert g3.tokens[:8] == truth[tuple(C)][0] and len(g3.tokens) == 9 and g3.finish_reason == "length"
+    later = engine.generate([A, B], 8)  # restores both prefixes; decodes with nothing else to do
+    _idle_ok(engine)
+    p = jax.device_get(engine.cache.prefix)
+    records = sorted(
+        (bytes(np.asarray(p.key[r])), int(p.length[r]), int(p.state[r])) for r in range(len(p.state)) if p.state[r]
+    )
+
+    def shown(g):
+        return list(g.tokens), np.asarray(g.logprobs).tolist(), g.finish_reason
+
+    seen = [shown(g1), list(h2.tokens), shown(g3), [shown(g) for g in later]]
+    return seen, records, engine.compilations, engine.stats()["decode_dispatched_ahead"]
+
+
+def test_a_decode_dispatched_ahead_changes_nothing_a_user_sees(model, truth):
+    """While only decoding happens the engine sends the next decode before handing the last one's
+    tokens over (`Engine._dispatch_ahead`): tokens, logprobs, finish reasons, a cancelled request's
+    streamed tokens, the cached prefixes and the compiled programs equal one dispatch at a time."""
+    seen, records, compiled, ahead = _ahead_scenario(model, truth, pipeline=True)
+    seen1, records1, compiled1, ahead1 = _ahead_scenario(model, truth, pipeline=False)
+    assert ahead > 0 and ahead1 == 0
+    assert seen == seen1 and records == records1 and compiled == compiled1
+    assert [t for t, _, _ in seen[3]] == [truth[tuple(A)][0], truth[tuple(B)][0]]
+    # with no request arriving or cancelled, the cache's transitions are the same ones in the same
+    # order: the whole cache (pools, page tables, records and their snapshots) is bit for bit equal
+    caches = []
+    for pipeline in (True, False):
+        engine = _engine(model)
+        engine._PIPELINE = pipeline
+        engine.submit(A, 13)  # ends first: its slot is released before the next decode
+        engine.submit(C, 24)
+        engine.run_until_idle()
+        caches.append(jax.device_get(engine.cache))
+        assert (engine.stats()["decode_dispatched_ahead"] > 0) == pipeline
+    for x, y in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(caches[1]), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_batched_prefill_of_several_requests_is_exact(model, truth):
     engine = _engine(model, prefill_batch=2)
     gens = engine.generate([A, C], 8)
