@@ -330,6 +330,46 @@ def test_interrupted_step_requeues_its_requests_and_the_next_step_is_exact(model
     _idle_ok(engine)
 
 
+def _interrupt_around_ahead(engine, where: str):
+    """A KeyboardInterrupt right after a decode was dispatched ahead (its results not handed over
+    yet), or when the next step is about to take (or has taken) those results."""
+    name = "_dispatch_ahead" if where == "after_dispatch" else "_finish_ahead"
+    real = getattr(engine, name)
+
+    def wrapped(*args, **kw):
+        if where == "before_finish":
+            raise KeyboardInterrupt
+        out = real(*args, **kw)
+        if where == "after_finish" or engine._ahead is not None:
+            raise KeyboardInterrupt
+        return out
+
+    setattr(engine, name, wrapped)
+    return lambda: setattr(engine, name, real)
+
+
+@pytest.mark.parametrize("where", ["after_dispatch", "before_finish", "after_finish"])
+def test_an_interrupt_around_a_decode_dispatched_ahead_requeues_and_stays_exact(model, truth, where):
+    """The decode sent ahead has changed the cache before its tokens reach their requests: an
+    interrupt there must drop that dispatch with the rest of the step (requests re-queued with the
+    tokens they had), never hand its results to the re-queued requests later."""
+    engine = _engine(model)
+    handles = [engine.submit(A, 40), engine.submit(C, 40, sampling=HOT)]
+    undo = _interrupt_around_ahead(engine, where)
+    try:
+        with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="re-initialised"):
+            engine.run_until_idle()
+    finally:
+        undo()
+    assert engine.stats()["decode_dispatched_ahead"] >= 1 and engine._ahead is None
+    assert int(np.asarray(engine.cache.active).sum()) == 0 and engine.pending == 2
+    engine.run_until_idle()
+    fresh = _engine(model)
+    assert handles[0].result().tokens == fresh.generate([A], 40)[0].tokens
+    assert handles[1].result().tokens == fresh.generate([C], 40, sampling=HOT)[0].tokens
+    _idle_ok(engine)
+
+
 # --------------------------------------------------------------------------- input validation
 def test_generate_accepts_arrays_and_numpy_scalars_and_refuses_bad_input(model, truth):
     engine = _engine(model)
