@@ -55,30 +55,39 @@ def _traces_of_cached_step(monkeypatch) -> list:
 
 
 _CHILD = """
-import json, sys
+import json, sys, threading
 import hkv
+from hkv.engine import step_store as ss
 from models import toy
-calls = []
+calls, loaded = [], []
 original = toy.ToyModel.cached_step
 def counted(self, *a, **k):
     calls.append(1)
     return original(self, *a, **k)
 toy.ToyModel.cached_step = counted
+load = ss.StepStore.load
+def logged(self, key, device):
+    out = load(self, key, device)
+    if out is not None:
+        loaded.extend([name, threading.current_thread().name] for name in out[1])
+    return out
+ss.StepStore.load = logged
 model = toy.init(toy.ToyConfig(layers=(toy.Attn(window=4), toy.Compressed(ratio=4))), seed=0)
 config = hkv.CacheConfig(slots=2, max_context=64, page_size=4, prefix_records=16)
 engine = hkv.Engine(model, config, block_tokens=4, prefill_chunk=8, decode_steps=4)
-tokens = [g.tokens for g in engine.generate(json.loads(sys.argv[1]), 6)]
-print(json.dumps({"tokens": tokens, "compilations": engine.compilations, "traced": len(calls)}))
+tokens = [g.tokens for g in engine.generate(json.loads(sys.argv[1]), int(sys.argv[2]))]
+print(json.dumps({"tokens": tokens, "compilations": engine.compilations, "traced": len(calls), "loaded": loaded}))
 """
 
 
-def _child(store, jax_cache) -> dict:
+def _child(store, jax_cache, new_tokens: int = 6) -> dict:
     """A new process generating PROMPTS with the step store in `store` and JAX's cache in `jax_cache`
-    (the store keeps only executables compiled afresh, not ones JAX's cache read back)."""
+    (the store keeps only executables compiled afresh, not ones JAX's cache read back). "loaded":
+    [step name, thread] of every step read from the store."""
     env = dict(os.environ, HKV_STEP_STORE=str(store), JAX_PLATFORMS="cpu", HKV_COMPILATION_CACHE=str(jax_cache))
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(PROMPTS)], check=False, env=env, capture_output=True, text=True, timeout=600,
-        cwd=Path(__file__).resolve().parents[2],
+        [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), str(new_tokens)], check=False, env=env,
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,6 +104,11 @@ def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_
     assert second["traced"] == 0  # neither prefill nor decode was traced: loaded from the store
     assert second["compilations"] == first["compilations"]  # a load counts as the build it replaces
     assert sorted(p.name for p in store.iterdir()) == entries  # nothing new stored
+    # the decode step loads on a prefetch thread while the first prefill step loads and runs
+    threads = {name.split("[")[0]: thread for name, thread in second["loaded"]}
+    assert threads["prefill"] == "MainThread" and threads["decode"].startswith("hkv-step-prefetch")
+    one = _child(store, tmp_path / "jax", new_tokens=1)  # no request decodes: nothing prefetched
+    assert [name.split("[")[0] for name, _ in one["loaded"]] == ["prefill"] and one["traced"] == 0
     for path in store.iterdir():
         path.write_bytes(path.read_bytes()[:100])  # truncated by a crash
     third = _child(store, tmp_path / "jax")
