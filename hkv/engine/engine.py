@@ -204,6 +204,12 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _stop_width(rows) -> int:
+    """Columns of a decode step's stop-id table for these requests: their most stop ids, padded to
+    a power of two (one compiled variant per width)."""
+    return _pow2(max([len(q.stop_ids) for q in rows] + [1]))
+
+
 class Engine:
     """Generation with the hybrid cache.
 
@@ -1133,7 +1139,6 @@ class Engine:
             return
         bt = self.spec.block_tokens
         tokens, budget = tokens.copy(), np.zeros_like(last_budget)
-        width = 1
         for q in rows:
             if self._running.get(q.slot) is not q or (q.handle is not None and q.handle.cancelled):
                 return
@@ -1143,19 +1148,25 @@ class Engine:
                 return  # ends here: `_decode_outputs` releases its slot before the next decode
             if self.prefix_enabled and fed % bt == 0:
                 return  # `_after_step` records this boundary
-            room = q.max_new - made
-            if self.prefix_enabled:
-                room = min(room, bt - fed % bt)
-            budget[q.slot] = min(k, room)
+            budget[q.slot] = self._decode_budget(q, made, fed)
             tokens[q.slot] = toks[q.slot, n - 1]
-            width = max(width, len(q.stop_ids))
-        if not rows or _pow2(width) != stop_ids.shape[1]:
+        if not rows or _stop_width(rows) != stop_ids.shape[1]:
             return
         nxt = (weights, tokens, slots, params, budget, stop_ids, k, keep)
         t0 = time.perf_counter()
         out = self._tx(self._decode, *nxt)
         self._ahead = (rows, nxt, out, t0)
         self._stats["decode_dispatched_ahead"] += 1
+
+    def _decode_budget(self, q: _Seq, made: int, fed: int) -> int:
+        """Tokens request `q` may decode in its next dispatch, having generated `made` and holding
+        `fed` in its slot: at most `decode_steps`, its `max_new`, and (prefix cache on) up to its
+        next block boundary, which is recorded there."""
+        room = q.max_new - made
+        if self.prefix_enabled:
+            bt = self.spec.block_tokens
+            room = min(room, bt - fed % bt)
+        return min(self.decode_steps, room)
 
     def _idle_decode_args(self, n_stop: int, keep: bool) -> tuple:
         """Arguments (after layout, cache) of a decode step with every row idle (zero budgets): the
@@ -1174,7 +1185,7 @@ class Engine:
         if not any(q.max_new > 1 for q in rows):
             return
         keep = any(q.keep_logits for q in rows)
-        n_stop = _pow2(max([len(q.stop_ids) for q in rows] + [1]))
+        n_stop = _stop_width(rows)
         prefetch = getattr(self._decode, "prefetch", None)
         if prefetch is None or (n_stop, keep) in self._prefetched:
             return
@@ -1184,18 +1195,14 @@ class Engine:
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
         s, k = self.layout.slots, self.decode_steps
-        bt = self.spec.block_tokens
         rows = list(self._running.values())
         tokens = np.zeros((s,), np.int32)
         budget = np.zeros((s,), np.int32)
         sampling, seeds = [GREEDY] * s, [0] * s
-        n_stop = _pow2(max([len(q.stop_ids) for q in rows] + [1]))
+        n_stop = _stop_width(rows)
         stop_ids = np.full((s, n_stop), -1, np.int32)
         for q in rows:
-            room = q.max_new - len(q.tokens)
-            if self.prefix_enabled:  # stop at the next block boundary: it is recorded there
-                room = min(room, bt - q.fed % bt)
-            tokens[q.slot], budget[q.slot] = q.tokens[-1], min(k, room)
+            tokens[q.slot], budget[q.slot] = q.tokens[-1], self._decode_budget(q, len(q.tokens), q.fed)
             sampling[q.slot], seeds[q.slot] = q.sampling, q.seed
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
