@@ -105,11 +105,16 @@ def record(
     Returns (cache, record index, status). An alive record with the same key, parent and tokens is
     reused (its index returned); if it has no snapshot and `retain`, the snapshot is added. A record
     only adds references (no page is allocated), but with no free record slot it returns
-    Status.NO_PAGES and the cache unchanged (the policy evicts first). enabled=False (traced bool):
-    the cache comes back unchanged and the record index is -1 (`record_many`'s skipped blocks).
+    Status.NO_PAGES and the cache unchanged (the policy evicts first). A slot outside [0, slots) gets
+    Status.UNKNOWN_SLOT, SLOT_INACTIVE one not claimed, ORPHAN_BLOCK a block whose parent is gone (the
+    cache unchanged). enabled=False (traced bool): the cache comes back unchanged and the record index
+    is -1 (`record_many`'s skipped blocks).
     """
     px = cache.prefix
-    on = jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)
+    slot = jnp.asarray(slot, jnp.int32)
+    known = (slot >= 0) & (slot < layout.slots)  # (an index outside would wrap or clamp to another slot)
+    slot = jnp.clip(slot, 0, layout.slots - 1)
+    on = (jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)) & known
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
     retain = retain & (length == current)  # a snapshot exists only at the current length
@@ -212,7 +217,13 @@ def record(
     status = jnp.where(
         ok,
         Status.OK,
-        jnp.where(ok_slot, Status.NO_PAGES, jnp.where(cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)),
+        jnp.where(
+            ~known,
+            Status.UNKNOWN_SLOT,
+            jnp.where(
+                ok_slot, Status.NO_PAGES, jnp.where(cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)
+            ),
+        ),
     )
     return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
 
@@ -315,7 +326,9 @@ def restore(
     rows >= n_blocks ignored); n_blocks: blocks the caller allows (at most (prompt_len - 1) // bt so
     one token is left to compute logits from). Returns (cache, `DevicePlan`).
     The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
-    NO_PAGES (copy-on-write pages unavailable) the cache is unchanged and plan.status says so.
+    NO_PAGES (copy-on-write pages unavailable), UNKNOWN_SLOT (`slot` outside [0, slots)) or
+    SLOT_INACTIVE (not claimed, or not empty) the cache is unchanged but for the lookup counters
+    (count=True) and plan.status says so.
 
     recompute = R > 0 (static) is the window-recompute mode, for a hit whose SWA window or TAIL is
     missing: claim only the COMPRESSED / INDEXER rows at the longest boundary L passing stages 1-2
@@ -334,6 +347,9 @@ def restore(
     px = cache.prefix
     bt = layout.spec.block_tokens
     nb = keys.shape[0]
+    slot = jnp.asarray(slot, jnp.int32)
+    known = (slot >= 0) & (slot < layout.slots)  # (an index outside would wrap or clamp to another slot)
+    slot = jnp.clip(slot, 0, layout.slots - 1)
     match = _match_chain(px, keys, n_blocks)
     rec = jnp.maximum(match, 0)
     found = match >= 0
@@ -454,9 +470,13 @@ def restore(
     claimed = advance(layout, claimed, slots, (length - recompute * do)[None], do[None])
     if not recompute:
         claimed = slide(layout, claimed, slots, do[None])
-    valid_slot = cache.active[slot] & (cache.lengths[slot] == 0)
+    valid_slot = known & cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
-    status = jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES))
+    status = jnp.where(
+        ~known,
+        Status.UNKNOWN_SLOT,
+        jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)),
+    )
     plan = DevicePlan.make(
         hash_blocks=h,
         lifecycle_blocks=n1,

@@ -204,6 +204,12 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _cancelled(seq) -> bool:
+    """Whether a request was cancelled: by its handle (`RequestHandle.cancel`, an abandoned stream) or
+    on the request itself (`generate_text`'s stop strings, an abandoned call), before `_reap` sees it."""
+    return seq.cancelled or (seq.handle is not None and seq.handle.cancelled)
+
+
 def _stop_width(rows) -> int:
     """Columns of a decode step's stop-id table for these requests: their most stop ids, padded to
     a power of two (one compiled variant per width)."""
@@ -1110,9 +1116,10 @@ class Engine:
         host = unpack_decode(jax.device_get(out[0]), self.decode_steps)
         dt = time.perf_counter() - t0
         self._dispatch_ahead(rows, args, host)
-        # a request cancelled since would not have run this dispatch: its tokens are dropped (`_reap`
-        # releases its slot next)
-        rows = [q for q in rows if q.handle is None or not q.handle.cancelled]
+        # a request cancelled since (its handle, or `generate_text`'s stop string) would not have run
+        # this dispatch: its tokens are dropped (`_reap` releases its slot next); one released since
+        # gets nothing either (its slot may hold another request now)
+        rows = [q for q in rows if not _cancelled(q) and self._running.get(q.slot) is q]
         self._decode_outputs(rows, host, out[1], dt, False)
 
     def _dispatch_ahead(self, rows: list[_Seq], args: tuple, host: tuple) -> None:
@@ -1140,7 +1147,7 @@ class Engine:
         bt = self.spec.block_tokens
         tokens, budget = tokens.copy(), np.zeros_like(last_budget)
         for q in rows:
-            if self._running.get(q.slot) is not q or (q.handle is not None and q.handle.cancelled):
+            if self._running.get(q.slot) is not q or _cancelled(q):
                 return
             n = int(n_new[q.slot])
             made, fed = len(q.tokens) + n, q.fed + n

@@ -226,6 +226,51 @@ def test_a_decode_dispatched_ahead_changes_nothing_a_user_sees(model, truth):
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_stop_string_hit_while_a_decode_is_dispatched_ahead_caches_only_what_its_slot_computed(model, tmp_path):
+    """`generate_text`'s stop string cancels a request between two steps while the decode dispatched
+    ahead (`Engine._dispatch_ahead`) still runs it. Its results are dropped as a cancelled handle's
+    are. They once reached the request after its slot was released: its tokens were counted twice
+    and its next block was recorded from slot -1, another request's rows, so a later prompt that
+    restored that chain got wrong tokens."""
+    from hkv.engine.text import tiny_tokenizer
+
+    codec = tiny_tokenizer(CFG.vocab_size)
+    codec.save(tmp_path)
+    texts = ["quick e a p over o brown g f n lazy", "h n over j o quick and g brown d g j o"]
+
+    def run(pipeline):
+        engine = _engine(model, tokenizer=tmp_path)
+        engine._PIPELINE = pipeline
+        full = engine.generate(codec.encode(texts), 50)
+        stop = codec.decode(full[0].tokens)[4:6]  # the first text stops early, the second runs on
+        out = engine.generate_text(texts, 50, stop=[stop], stop_token_ids=[])
+        return engine, [(g.tokens, g.text, g.finish_reason) for g in out]
+
+    def records(engine):
+        p = jax.device_get(engine.cache.prefix)
+        alive = [r for r in range(len(p.state)) if p.state[r] == 1]
+        return p, alive, sorted((bytes(np.asarray(p.key[r])), int(p.length[r])) for r in alive)
+
+    engine, seen = run(True)
+    plain, seen1 = run(False)
+    assert engine.stats()["decode_dispatched_ahead"] > 0 and seen[0][2] == "stop"
+    assert seen == seen1
+    assert engine.stats()["generated_tokens"] == plain.stats()["generated_tokens"]
+    p, alive, recorded = records(engine)
+    assert recorded == records(plain)[2]
+    # every cached chain restores exactly: a prompt extending each leaf chain, twice (the first call
+    # adds the snapshot its last record lacks, the second restores the whole chain)
+    for r in [r for r in alive if not any(int(p.parent[x]) == r for x in alive)]:
+        chain, x = [], r
+        while x >= 0:
+            chain[:0], x = np.asarray(p.tokens[x]).tolist(), int(p.parent[x])
+        prompt = chain + [5, 6, 7]
+        (want,), _ = greedy_stateless(model, [prompt], 3)
+        for _ in range(2):
+            assert engine.generate([prompt], 3)[0].tokens == want
+    _idle_ok(engine)
+
+
 def test_batched_prefill_of_several_requests_is_exact(model, truth):
     engine = _engine(model, prefill_batch=2)
     gens = engine.generate([A, C], 8)

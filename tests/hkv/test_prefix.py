@@ -442,3 +442,53 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
         assert int(r) == -1 and (want == "disabled" or hkv.Status(int(status)).name == want)
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_record_and_restore_refuse_a_slot_outside_the_layout(model):
+    """A slot index outside [0, slots) is UNKNOWN_SLOT for `record`, `record_many` and `restore`,
+    with the cache unchanged. JAX wraps a negative index and clamps a large one, so slot -1 once
+    recorded the last slot's rows under the caller's keys (the engine passed -1 for a request
+    released while its decode ran ahead: wrong tokens on a later hit)."""
+    engine = hkv.Engine(
+        model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, prefix_records=16), block_tokens=BT,
+        prefill_chunk=2 * BT,
+    )  # fmt: skip
+    captured, real = {}, engine._record_many
+
+    def spy(layout, cache, slot, *args):
+        if not captured:  # slot 0 (the last slot) is active and prefilled to 2 blocks
+            captured.update(cache=jax.tree.map(jnp.copy, cache), slot=int(slot))
+        return real(layout, cache, slot, *args)
+
+    engine._record_many = spy
+    prompt = np.random.default_rng(8).integers(0, CFG.vocab_size, 3 * BT).tolist()
+    engine.generate([prompt], 1)
+    cache, layout = captured["cache"], engine.layout
+    assert captured["slot"] == 0 and int(cache.lengths[0]) == 2 * BT
+    toks = jnp.asarray(prompt[:BT], jnp.int32)
+    key = jnp.arange(4, dtype=jnp.uint32)
+
+    def unchanged(out, counters=True):
+        for a, b in zip(jax.tree.leaves(out if counters else out.replace(counters=cache.counters)),
+                        jax.tree.leaves(cache), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    ok_out, r, status = px.record(layout, cache, jnp.int32(0), key, jnp.int32(-1), toks, jnp.bool_(True), BT)
+    assert int(status) == hkv.Status.OK and int(r) >= 0  # the same call on the real slot records
+    for bad in (-1, 1, 7):
+        out, r, status = px.record(layout, cache, jnp.int32(bad), key, jnp.int32(-1), toks, jnp.bool_(True), BT)
+        assert (int(status), int(r)) == (hkv.Status.UNKNOWN_SLOT, -1), bad
+        unchanged(out)
+        keys, blocks = jnp.stack([key, key + 4]), jnp.stack([toks, toks])
+        one = jnp.array([True, False])
+        out, recs, statuses, _ = px.record_many(
+            layout, cache, jnp.int32(bad), keys, jnp.int32(-1), blocks, one, jnp.array([BT, 2 * BT], jnp.int32), one
+        )
+        assert int(statuses[0]) == hkv.Status.UNKNOWN_SLOT and int(recs[0]) == -1, bad
+        unchanged(out)
+        nb = layout.config.max_context // BT
+        out, plan = px.restore(
+            layout, cache, jnp.int32(bad), jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, BT), jnp.int32), 1
+        )
+        assert int(plan.status) == hkv.Status.UNKNOWN_SLOT and int(plan.byte_blocks) == 0, bad
+        unchanged(out, counters=False)  # (the lookup is counted)
