@@ -86,6 +86,15 @@ class PrefixQuery:
         return RestorePlan.from_device(device_plan.host(), self.block_tokens, self.prompt_tokens)
 
 
+def _index(name: str, value, lo: int, hi: int) -> int:
+    """`value` (an int, a numpy integer or a concrete integer jax scalar) as an int in [lo, hi), else
+    ValueError naming it and the range."""
+    a = np.asarray(value)
+    if a.shape != () or a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer) or not lo <= int(a) < hi:
+        raise ValueError(f"{name}={value!r} must be an integer in [{lo}, {hi})")
+    return int(a)
+
+
 def record_prefix(
     layout: CacheLayout,
     cache: HybridCache,
@@ -113,9 +122,19 @@ def record_prefix(
     Returns:
       (cache, the last record of the chain): -1 if nothing was recorded. A block refused for lack of
       record slots or pages ends the chain there (evict with `evict_cached` and call again from it).
+    Raises:
+      ValueError: `slot` not an integer in [0, layout.slots), `parent` not in [-1, prefix_records),
+        `start_block` not in [0, len(tokens) // block_tokens], or a token that is not an integer
+        (nothing is recorded then).
     """
     bt = layout.spec.block_tokens
+    slot = _index("slot", slot, 0, layout.slots)
+    parent = _index("parent", parent, -1, layout.config.prefix_records)
+    for i, t in enumerate(tokens):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"tokens[{i}]={t!r} must be an integer token id")
     ids = [int(t) for t in tokens]
+    start_block = _index("start_block", start_block, 0, len(ids) // bt + 1)
     keys = block_keys.chain_keys(ids, bt, extra=bytes(salt))
     todo = list(range(start_block, len(keys)))
     last = parent

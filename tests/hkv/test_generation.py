@@ -489,6 +489,30 @@ def test_user_jit_loop_with_prefix_restore_and_record(model, truth):
     hkv.check_invariants(layout, cache)
 
 
+def test_record_prefix_refuses_a_bad_slot_parent_start_or_token(model):
+    """`hkv.record_prefix` (the host piece of a custom loop) names a bad argument before it records
+    anything: a slot outside the layout was once recorded from another slot (JAX wraps -1)."""
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), CONFIG)
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = hkv.transitions.claim_slot(layout, cache)
+    prompt = A[:BT]
+    for kw, match in [
+        (dict(slot=-1), r"slot=-1 must be an integer in \[0, 2\)"),
+        (dict(slot=2), r"slot=2 must be an integer in \[0, 2\)"),
+        (dict(slot=True), "slot=True"),
+        (dict(slot=0.0), "slot=0.0"),
+        (dict(parent=-2), r"parent=-2 must be an integer in \[-1, 32\)"),
+        (dict(parent=32), "parent=32"),
+        (dict(start_block=2), r"start_block=2 must be an integer in \[0, 2\)"),
+        (dict(tokens=prompt[:-1] + [1.5]), r"tokens\[15\]=1.5"),
+        (dict(tokens=[True] * BT), r"tokens\[0\]=True"),
+    ]:
+        args = dict(slot=slot, tokens=prompt) | kw
+        with pytest.raises(ValueError, match=match):
+            hkv.record_prefix(layout, cache, args.pop("slot"), args.pop("tokens"), **args)
+    assert int(np.asarray(cache.prefix.clock)) == 0  # nothing was recorded (the cache is still live)
+
+
 def test_decode_loop_refuses_out_of_vocabulary_tokens(model):
     layout = hkv.CacheLayout(
         model.cache_spec(block_tokens=BT), hkv.CacheConfig(slots=1, max_context=32, page_size=8, prefix_records=0)
