@@ -4,10 +4,10 @@
 `SamplingParams` is a batch of them as device arrays (one row per sequence), so changing a request's
 temperature or seed never recompiles anything. `sample(logits, params, positions)` picks one token
 per row: greedy rows (temperature 0) take the argmax; sampled rows apply temperature, top-k, top-p
-and min-p, then draw from a key derived from (seed, position) alone. A row's token therefore never
-depends on which other rows share its batch, how its prompt was chunked, whether it was preempted
-and recomputed, or whether its prefix was restored from the cache: the same seed and the same
-logits at the same position give the same token.
+and min-p (`truncate`: without sorting the vocabulary), then draw from a key derived from (seed,
+position) alone. A row's token therefore never depends on which other rows share its batch, how its
+prompt was chunked, whether it was preempted and recomputed, or whether its prefix was restored
+from the cache: the same seed and the same logits at the same position give the same token.
 
 Logprobs are those of the chosen token under the model's own distribution (`log_softmax` of the raw
 logits, before temperature and truncation), as vLLM and the OpenAI API report them.
@@ -149,9 +149,11 @@ def token_key(seed: jax.Array, position: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position.astype(jnp.uint32))
 
 
-def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """float32[V] scaled logits -> the same with tokens outside top-k / top-p / min-p set to -inf.
-    The most likely token always survives; ties at the cut-off are all kept (deterministic)."""
+def truncate_reference(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The definition `truncate` computes without a sort: float32[V] scaled logits -> the same with
+    tokens outside top-k / top-p / min-p set to -inf, by sorting the vocabulary. The most likely token
+    always survives; ties at the cut-off are all kept (deterministic). (Used by the tests and
+    benchmarks/sampling.py.)"""
     v = logits.shape[-1]
     order = jnp.sort(logits)[::-1]  # descending
     probs = jax.nn.softmax(order)
@@ -162,6 +164,41 @@ def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.
     keep = keep.at[0].set(True)
     cut = jnp.min(jnp.where(keep, order, jnp.inf))
     return jnp.where(logits >= cut, logits, -jnp.inf)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (a < b iff key(a) < key(b); -0.0 and 0.0 are one key; no NaN)."""
+    i = jax.lax.bitcast_convert_type(x + 0.0, jnp.int32)  # (-0.0 + 0.0 is 0.0)
+    i = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)  # negative floats order backwards as ints
+    return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """float32[V] scaled logits -> the same with tokens outside top-k / top-p / min-p set to -inf.
+
+    The most likely token always survives and ties at the cut-off are all kept, as in
+    `truncate_reference`, but without sorting the vocabulary (a sort of DeepSeek-V4's 129,280 logits
+    per sampled row cost ~50 ms on a 2-core CPU and is slow on accelerators too; see
+    benchmarks/sampling.py). Each rule keeps the tokens at or above a cut-off value. The top-k /
+    top-p cut-off is the smallest value t such that fewer than top_k tokens, holding less than top_p of
+    the probability, lie strictly above t: both counts fall as t rises, so 32 halvings of the float32
+    order (`_order_key`) find it, each one pass over the vocabulary. min-p keeps exp(x - max) >= min_p.
+    The kept set equals the reference's except where float rounding of a probability sum decides a
+    top-p tie (the sums add the same probabilities in another order). top_p >= 1 keeps every token."""
+    key = _order_key(logits)
+    e = jnp.exp(logits - jnp.max(logits))  # unnormalized probabilities (0 at -inf)
+    probs = e / jnp.sum(e)
+    k = jnp.where(top_k > 0, top_k, logits.shape[-1])
+
+    def halve(_, bounds):
+        lo, hi = bounds  # few enough above hi (true at the start: nothing is above the max), not above lo
+        mid = lo + (hi - lo) // 2
+        above = key > mid
+        ok = (jnp.sum(above) < k) & ((top_p >= 1.0) | (jnp.sum(jnp.where(above, probs, 0.0)) < top_p))
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    _, cut = jax.lax.fori_loop(0, 32, halve, (jnp.uint32(0), jnp.max(key)))
+    return jnp.where((key >= cut) & (e >= min_p), logits, -jnp.inf)
 
 
 def sample(
@@ -188,7 +225,7 @@ def sample(
 
     def draw(_):
         def row(lg, t, k, p, m, seed, pos):
-            scaled = _truncate(lg / jnp.maximum(t, 1e-6), k, p, m)
+            scaled = truncate(lg / jnp.maximum(t, 1e-6), k, p, m)
             return jax.random.categorical(token_key(seed, pos), scaled).astype(jnp.int32)
 
         drawn = jax.vmap(row)(

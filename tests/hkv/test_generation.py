@@ -124,6 +124,38 @@ def test_sample_truncation_rules():
     np.testing.assert_allclose(lps, np.log(0.5 / 0.95), rtol=1e-5)  # vocab_size=3: the 4th id is padding
 
 
+def test_truncation_without_a_sort_keeps_what_the_sorted_definition_keeps():
+    """`truncate` (32 halvings of the float order, no sort) against `truncate_reference` (a sort of
+    the vocabulary) on random logits: small and DeepSeek-V4-sized vocabularies, ties, -inf padding,
+    every rule alone and together. The kept sets are equal wherever no top-p partial sum lies
+    within 1e-4 of top_p (there float rounding of the sums, added in another order, may decide)."""
+    from hkv.core.sampling import truncate, truncate_reference
+
+    rng = np.random.default_rng(11)
+    both = jax.jit(lambda x, k, p, m: (truncate(x, k, p, m), truncate_reference(x, k, p, m)))
+    checked = 0
+    for v in (4, 128, 129_280):
+        for case in range(16):
+            x = rng.normal(0, rng.choice([0.5, 2.0, 6.0]), v).astype(np.float32)
+            if case % 3 == 1:
+                x = np.round(x * 2) / 2  # many ties
+            if case % 4 == 2:
+                x[rng.random(v) < 0.3] = -np.inf  # padding ids
+                x[0] = 1.0
+            k = int(rng.choice([0, 1, 2, 5, 40]))
+            p = float(rng.choice([1.0, 0.3, 0.9, 0.95]))
+            m = float(rng.choice([0.0, 0.05, 0.5]))
+            got, want = both(x, np.int32(k), np.float32(p), np.float32(m))
+            order = np.sort(x)[::-1]
+            probs = np.exp(order - order[0]) / np.sum(np.exp(order - order[0]))
+            before = np.cumsum(probs) - probs
+            if p < 1.0 and np.min(np.abs(before - p)) < 1e-4:
+                continue  # a sum within rounding of top_p: either answer is right
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=f"v={v} k={k} p={p} m={m}")
+            checked += 1
+    assert checked >= 30
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
