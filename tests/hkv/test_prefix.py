@@ -473,22 +473,25 @@ def test_record_and_restore_refuse_a_slot_outside_the_layout(model):
                         jax.tree.leaves(cache), strict=True):  # fmt: skip
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    ok_out, r, status = px.record(layout, cache, jnp.int32(0), key, jnp.int32(-1), toks, jnp.bool_(True), BT)
+    record = jax.jit(px.record, static_argnums=0)  # one compilation each (eager: one per op)
+    record_many = jax.jit(px.record_many, static_argnums=0)
+    restore = jax.jit(px.restore, static_argnums=0)
+    ok_out, r, status = record(layout, cache, jnp.int32(0), key, jnp.int32(-1), toks, jnp.bool_(True), jnp.int32(BT))
     assert int(status) == hkv.Status.OK and int(r) >= 0  # the same call on the real slot records
     for bad in (-1, 1, 7):
-        out, r, status = px.record(layout, cache, jnp.int32(bad), key, jnp.int32(-1), toks, jnp.bool_(True), BT)
+        out, r, status = record(layout, cache, jnp.int32(bad), key, jnp.int32(-1), toks, jnp.bool_(True), jnp.int32(BT))
         assert (int(status), int(r)) == (hkv.Status.UNKNOWN_SLOT, -1), bad
         unchanged(out)
         keys, blocks = jnp.stack([key, key + 4]), jnp.stack([toks, toks])
         one = jnp.array([True, False])
-        out, recs, statuses, _ = px.record_many(
+        out, recs, statuses, _ = record_many(
             layout, cache, jnp.int32(bad), keys, jnp.int32(-1), blocks, one, jnp.array([BT, 2 * BT], jnp.int32), one
         )
         assert int(statuses[0]) == hkv.Status.UNKNOWN_SLOT and int(recs[0]) == -1, bad
         unchanged(out)
         nb = layout.config.max_context // BT
-        out, plan = px.restore(
-            layout, cache, jnp.int32(bad), jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, BT), jnp.int32), 1
+        out, plan = restore(
+            layout, cache, jnp.int32(bad), jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, BT), jnp.int32), jnp.int32(1)
         )
         assert int(plan.status) == hkv.Status.UNKNOWN_SLOT and int(plan.byte_blocks) == 0, bad
         unchanged(out, counters=False)  # (the lookup is counted)
