@@ -33,7 +33,7 @@ from .prefix_index import PrefixIndex, RecordState, init_prefix
 from .reasons import Reason
 from .spec import ObjectKind
 from .state import HybridCache, abi_words
-from .transitions import _keep_if, add_refs
+from .transitions import _keep_if, add_refs, checked_slot
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -111,9 +111,7 @@ def record(
     is -1 (`record_many`'s skipped blocks).
     """
     px = cache.prefix
-    slot = jnp.asarray(slot, jnp.int32)
-    known = (slot >= 0) & (slot < layout.slots)  # (an index outside would wrap or clamp to another slot)
-    slot = jnp.clip(slot, 0, layout.slots - 1)
+    known, slot = checked_slot(layout, slot)
     on = (jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)) & known
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
@@ -347,9 +345,7 @@ def restore(
     px = cache.prefix
     bt = layout.spec.block_tokens
     nb = keys.shape[0]
-    slot = jnp.asarray(slot, jnp.int32)
-    known = (slot >= 0) & (slot < layout.slots)  # (an index outside would wrap or clamp to another slot)
-    slot = jnp.clip(slot, 0, layout.slots - 1)
+    known, slot = checked_slot(layout, slot)
     match = _match_chain(px, keys, n_blocks)
     rec = jnp.maximum(match, 0)
     found = match >= 0

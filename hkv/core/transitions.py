@@ -63,11 +63,18 @@ def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, ja
     return out, jnp.where(ok, slot, -1), jnp.where(ok, Status.OK, Status.SLOT_CAP).astype(jnp.int32)
 
 
+def checked_slot(layout: CacheLayout, slot) -> tuple[jax.Array, jax.Array]:
+    """(known: `slot` is in [0, slots), the slot clipped into that range) for a transition on one
+    slot: it indexes with the clipped slot and changes nothing unless known (an index outside would
+    wrap, or clamp, to another slot)."""
+    slot = jnp.asarray(slot, jnp.int32)
+    return (slot >= 0) & (slot < layout.slots), jnp.clip(slot, 0, layout.slots - 1)
+
+
 def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tuple[HybridCache, jax.Array]:
     """Free every page of `slot`, clear its tails and state-table rows. UNKNOWN_SLOT if `slot` is not
     in [0, slots), SLOT_INACTIVE if it is not claimed; the cache is then unchanged."""
-    known = (slot >= 0) & (slot < layout.slots)
-    slot = jnp.clip(slot, 0, layout.slots - 1)
+    known, slot = checked_slot(layout, slot)
     ok = known & cache.active[slot]
     groups = []
     released = jnp.zeros((), jnp.int32)

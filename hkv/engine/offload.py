@@ -24,7 +24,7 @@ import numpy as np
 from ..core.layout import CacheLayout, Status, TailState
 from ..core.spec import ObjectKind
 from ..core.state import HybridCache
-from ..core.transitions import _keep_if, _locate, advance, reserve, slide
+from ..core.transitions import _keep_if, _locate, advance, checked_slot, reserve, slide
 from ..store.tier import BlockPayload
 from .block_keys import key_bytes
 
@@ -153,11 +153,9 @@ def swap_in(
     and the slot holds l0 tokens; NO_PAGES if the pools cannot hold it — the cache then unchanged.
     """
     bt = layout.spec.block_tokens
-    slot = jnp.asarray(slot, jnp.int32)
-    s = jnp.clip(slot, 0, layout.slots - 1)
+    known, s = checked_slot(layout, slot)
     good = (
-        (slot >= 0)
-        & (slot < layout.slots)
+        known
         & cache.active[s]
         & (cache.lengths[s] == l0)
         & (l0 < l1)
