@@ -15,7 +15,9 @@ and the ratio 43 layers / 4 layers per mode. Each (depth, mode) runs in a fresh 
 that no figure depends on what compiled before it in the same process (JAX's in-memory caches, the
 allocator, a process grown by the loop's 43-layer programs); JAX's persistent compilation cache is turned off.
 Per program it also prints where the first call went: trace + lower (Python: tracing the model,
-stacking weights, emitting StableHLO) vs XLA compile.
+emitting StableHLO) vs XLA compile. The model holds repeating layers' weights stacked
+(`layer_scan.LayerStack`), so `scan` mode passes them to the scan as they are (no copy per call,
+whatever the weights' size) and `loop` mode slices each layer out of its stack.
 
     python benchmarks/compile_depth.py                       # both depths, both modes (~15 min on 2 CPU cores)
     python benchmarks/compile_depth.py --depths 4 43 --modes scan
@@ -83,7 +85,7 @@ def measure(layers: int, scan: bool) -> dict[str, float]:
     parts["decode"] = first_call_seconds(jax.jit(step), cache, weights, one, slots, jnp.array([1, 1], jnp.int32))
     parts["forward"] = first_call_seconds(jax.jit(forward), weights, jnp.concatenate([chunk, chunk], axis=1))
     runs = layer_runs(model, scan, layout.spec)
-    traced = sum(r.period for r in runs)
+    traced = sum(r.period for _, r in runs)
     print(f"layers={layers:3d} mode={'scan' if scan else 'loop'}  traced layer bodies={traced:3d}  "
           + "  ".join(f"{k} {v[0]:7.2f} s" for k, v in parts.items())
           + "   (trace+lower / compile: " + "  ".join(f"{k} {v[1]:.1f}/{v[2]:.1f}" for k, v in parts.items()) + ")",

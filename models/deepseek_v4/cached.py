@@ -29,7 +29,7 @@ from hkv.core.state import HybridCache
 
 from .compressor import compress_windows
 from .hyper_connection import merge
-from .layer_scan import layer_runs, stacked_layers
+from .layer_scan import layer_runs
 from .norms import rms_norm
 
 
@@ -94,8 +94,8 @@ def cached_step(
     select the `pallas_kernels` implementation of the decode ops (None: Pallas on GPU/TPU, the jnp
     reference on CPU). seal=False rebuilds SWA rows and TAIL only, leaving compressed entries and
     indexer keys as they are (the prefix cache's window rebuild). scan_layers: run repeating layers under
-    one `jax.lax.scan` (None: `layer_scan.use_scan` decides, scanning small models; False: a Python
-    loop over the layers; see `models.deepseek_v4.layer_scan`). read_tokens: a bound on the tokens any
+    one `jax.lax.scan` over their stacked weights (None: `layer_scan.SCAN_LAYERS`, True; False: a
+    Python loop over the layers; see `models.deepseek_v4.layer_scan`). read_tokens: a bound on the tokens any
     row holds after the step, so prefill reads of compressed entries cover only that many tokens
     (`hkv.Step.read_tokens`; None: max_context).
 
@@ -108,12 +108,12 @@ def cached_step(
         rope = model.rope_tables(step.positions)
         streams = model.embed_streams(step.tokens)
         freqs = model.freqs["compress"]
-        for run in layer_runs(model, scan_layers, step.layout.spec):
-            if run.count == 1:
-                for i in range(run.start, run.stop):
-                    cache, streams = _layer(model.layers[i], LayerCache(step, i), cache, streams, step, rope, freqs)
+        for g, run in layer_runs(model, scan_layers, step.layout.spec):
+            if g is None:
+                i = run.start
+                cache, streams = _layer(model.layers.module(i), LayerCache(step, i), cache, streams, step, rope, freqs)
                 continue
-            graphdefs, states = stacked_layers(model, run)
+            graphdefs, states = model.layers.stacked(g)
 
             def body(cache, streams, views, x, graphdefs=graphdefs):
                 for gd, st, view in zip(graphdefs, x, views):

@@ -25,7 +25,7 @@ from .cache_spec import cache_spec
 from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
-from .layer_scan import stateless_layers
+from .layer_scan import LayerStack, stateless_layers
 from .moe import MoE
 from .norms import linear, rms_norm
 from .rope import cos_sin, inv_freq
@@ -108,7 +108,9 @@ class DeepseekV4(nnx.Module):
             eps=cfg.hc_eps,
             norm_eps=cfg.rms_norm_eps,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
+        # repeating runs of layers are held stacked (one module per period position, a leading axis per
+        # repetition) so that steps scan them; `self.layers[i]` is still layer i (`layer_scan.LayerStack`)
+        self.layers = LayerStack([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
         # Static (hashable) copies of the float32 inverse frequencies; exact round trip via float.
         self._freqs = tuple((fam, tuple(float(v) for v in inv_freq(cfg, fam))) for fam in ("main", "compress"))
 
@@ -169,8 +171,8 @@ class DeepseekV4(nnx.Module):
     def __call__(self, tokens: jnp.ndarray, *, scan_layers: bool | None = None) -> jnp.ndarray:
         """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t].
 
-        scan_layers: run repeating layers under one `jax.lax.scan` (None: `layer_scan.use_scan`
-        decides, scanning small models; False: a Python loop; see `models.deepseek_v4.layer_scan`)."""
+        scan_layers: run repeating layers under one `jax.lax.scan` over their stacked weights (None:
+        `layer_scan.SCAN_LAYERS`, True; False: a Python loop; see `models.deepseek_v4.layer_scan`)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))

@@ -304,3 +304,31 @@ def test_reserve_rejects_a_slot_twice_or_a_shrinking_length(model):
         out, st = tr.reserve(layout, cache, jnp.array(slots), jnp.array(lengths), jnp.ones(len(slots), bool))
         assert int(st) == Status.BAD_REQUEST
         _assert_same(before, _snapshot(out))
+
+
+def test_a_model_holding_stacked_layers_generates_restores_and_fingerprints_exactly():
+    """A model whose repeating layers are held stacked (layers 1-4: (CSA, HCA) x 2, scanned): the
+    engine's tokens equal the stateless forward's, a second turn restores its prefix exactly, and a
+    weight edited through `model.layers[i]` (a view into the stack) reaches the engine's fingerprint."""
+    from flax import nnx
+
+    from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+    from models.deepseek_v4.layer_scan import LayerView
+
+    cfg = tiny_config(num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, HCA),
+                      mlp_layer_types=(HASH_MOE, MOE, MOE, MOE, MOE))  # fmt: skip
+    model = init(cfg, seed=3)
+    assert [r.count for r in model.layers.runs] == [1, 2] and isinstance(model.layers[4], LayerView)
+    prompts = [np.random.default_rng(7).integers(0, cfg.vocab_size, n).tolist() for n in (45, 58)]
+    conf = hkv.CacheConfig(slots=2, max_context=160, page_size=8, prefix_records=16)
+    engine = hkv.Engine(model, conf, block_tokens=16, prefill_chunk=32)
+    assert engine.spec.weights_digest == hkv.weights_digest(nnx.state(model))
+    _assert_oracle(engine.generate(prompts, 4, return_logits=True), greedy_stateless(model, prompts, 4))
+    turn2 = [prompts[0] + [3, 1, 4, 1, 5, 9, 2]]
+    (g,) = engine.generate(turn2, 3, return_logits=True)
+    assert g.plan.restored_tokens >= 32, g.plan
+    _assert_oracle([g], greedy_stateless(model, turn2, 3))
+    hkv.check_invariants(engine.layout, engine.cache)
+    w = model.layers[4].attn.wq_a
+    w.value = w.value + 1e-3
+    assert hkv.Engine(model, conf, block_tokens=16).spec.weights_digest != engine.spec.weights_digest

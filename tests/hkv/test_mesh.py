@@ -106,7 +106,8 @@ def test_deepseek_v4_weights_split_heads_and_experts_and_replicate_the_kv_head(m
     specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(sh)}
 
     def spec(layer, *names):
-        key = f"['layers'][{layer}]" + "".join(f"['{n}']" for n in names) + ".value"
+        g, j, _ = model.layers.locate(layer)
+        key = f"['layers']['groups'][{g}][{j}]" + "".join(f"['{n}']" for n in names) + ".value"
         return specs[key]
 
     assert spec(1, "attn", "wq_b") == PartitionSpec("model", None)  # query heads
@@ -116,6 +117,25 @@ def test_deepseek_v4_weights_split_heads_and_experts_and_replicate_the_kv_head(m
     assert spec(1, "attn", "wkv") == PartitionSpec()  # the one shared K=V head: replicated
     assert spec(1, "attn", "compressor", "wkv") == PartitionSpec()
     assert specs["['embed'].value"] == PartitionSpec()
+
+
+def test_stacked_layers_keep_their_repetition_axis_whole_and_split_the_same_dims():
+    """Weights of a stacked run ([repetitions, ...], `models.deepseek_v4.layer_scan`) split the same
+    dimension counted from the end; the leading repetition axis is never split."""
+    from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+
+    cfg = tiny_config(num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, HCA),
+                      mlp_layer_types=(HASH_MOE, MOE, MOE, MOE, MOE))  # fmt: skip
+    stacked = init(cfg, seed=0)
+    _, weights = nnx.split(stacked)
+    sh = weight_shardings(weights, mesh_of(4, 2), "model", tensor_parallel_dim)
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(sh)}
+    csa = "['layers']['groups'][1][0]"  # layers 1 and 3
+    assert specs[csa + "['attn']['wq_b'].value"] == PartitionSpec(None, "model", None)
+    assert specs[csa + "['attn']['wo_b'].value"] == PartitionSpec(None, None, "model")
+    assert specs[csa + "['ffn']['w_up'].value"] == PartitionSpec(None, "model", None, None)
+    assert specs[csa + "['attn']['indexer']['wq_b'].value"] == PartitionSpec(None, "model", None)
+    assert specs[csa + "['attn']['wkv'].value"] == PartitionSpec()
 
 
 def test_mesh_tokens_equal_the_single_device_engine_with_prefix_routing(mesh_engine, reference):

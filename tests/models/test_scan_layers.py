@@ -53,9 +53,10 @@ def test_deepseek_v4_pattern_at_43_layers_traces_three_layer_bodies():
 def test_model_runs_follow_the_layer_structure():
     model = init(REPEATING, 0)
     spec = model.cache_spec()
-    assert layer_runs(model, True, spec) == (LayerRun(0, 1, 1), LayerRun(1, 2, 2))
-    assert layer_runs(model, False, spec) == tuple(LayerRun(i, 1, 1) for i in range(5))
-    assert all(r.count == 1 for r in layer_runs(init(IRREGULAR, 0), True))
+    assert model.layers.runs == (LayerRun(0, 1, 1), LayerRun(1, 2, 2))
+    assert layer_runs(model, True, spec) == ((None, LayerRun(0, 1, 1)), (1, LayerRun(1, 2, 2)))
+    assert layer_runs(model, False, spec) == tuple((None, LayerRun(i, 1, 1)) for i in range(5))
+    assert all(r.count == 1 for _, r in layer_runs(init(IRREGULAR, 0), True))
 
 
 # ------------------------------------------------------------------------------ stateless
@@ -118,15 +119,95 @@ def test_cached_decode_scanned_equals_unrolled():
     _assert_same(init(REPEATING, 3), chunks)
 
 
-def test_auto_scan_only_for_small_layer_weights(monkeypatch):
-    """SCAN_LAYERS None (the default) scans only when the layers' weights are small: the scan stacks
-    them inside jit on every call, a copy a real checkpoint should not pay."""
-    from models.deepseek_v4 import layer_scan
+def _stacked_leaves(model):
+    """{path: leaf} of the weights of `model.layers`' stacked runs (leading axis = repetition)."""
+    st = nnx.state(model)
+    stacked_groups = {str(g) for g, run in enumerate(model.layers.runs) if run.count > 1}
+    return {
+        jax.tree_util.keystr(p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(st)
+        if jax.tree_util.keystr(p).startswith("['layers']['groups']")
+        and jax.tree_util.keystr(p).split("]")[2].strip("[") in stacked_groups
+    }
+
+
+def test_repeating_layers_are_held_stacked_and_a_scan_takes_them_uncopied():
+    """The model holds each repeating run's weights stacked (built once), so a jitted step passes them
+    to the scan as they are: no per-call stacking copy of the weights (a real checkpoint scans too)."""
+    model = init(REPEATING, 0)
+    stacked = _stacked_leaves(model)
+    assert stacked and all(x.shape[0] == 2 for x in stacked.values())  # (CSA, HCA) x 2
+    graphdef, state = nnx.split(model)
+    leaves = jax.tree.leaves(state)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    rebuild = lambda w: nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), w))
+    # the stateless forward: the stacked leaves are the scan's operands themselves
+    jaxpr = jax.make_jaxpr(lambda *w: rebuild(w)(tokens))(*leaves).jaxpr
+    scanned = [v for e in jaxpr.eqns if e.primitive.name == "scan" for v in e.invars]
+    by_id = {id(x): v for x, v in zip(leaves, jaxpr.invars)}
+    assert all(any(by_id[id(x)] is v for v in scanned) for x in stacked.values())
+    # both forwards and the cached step: nothing anywhere builds an array of a stacked weight's shape
+    shapes = {(tuple(x.shape), x.dtype) for x in stacked.values()}
+    for fn in (lambda *w: rebuild(w)(tokens), lambda *w: _cached_logits(rebuild(w))):
+        built = [e for e in _eqns(jax.make_jaxpr(fn)(*leaves).jaxpr) if e.primitive.name in ("stack", "concatenate")]
+        assert not [e for e in built if (tuple(e.outvars[0].aval.shape), e.outvars[0].aval.dtype) in shapes]
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations (scan bodies, cond branches)."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def _cached_logits(model):
+    layout = CacheLayout(model.cache_spec(), CacheConfig(slots=1, max_context=32, page_size=4, prefix_records=0))
+    cache, _, _ = tr.claim_slot(layout, init_cache(layout))
+    one = jnp.ones((1,), jnp.int32)
+    return model.cached_step(layout, cache, jnp.zeros((1, 4), jnp.int32), one * 0, one * 4)[1]
+
+
+def test_layer_views_read_and_write_the_stacked_weights():
+    """`model.layers[i]` of a stacked run reads layer i's slice (equal to its checkpoint tensor), writes
+    its `.value` back into the stack (the forward sees the change, the other repetition keeps its
+    weights), refuses a wrong shape, and runs the layer when called."""
+    from models.deepseek_v4.layer_scan import LayerView
+    from models.deepseek_v4.model import random_tensors
 
     model = init(REPEATING, 0)
-    spec = model.cache_spec()
-    assert layer_scan.SCAN_LAYERS is None and layer_scan.layer_weight_bytes(model) > 0
-    assert any(r.count > 1 for r in layer_runs(model, None, spec))
-    monkeypatch.setattr(layer_scan, "SCAN_MAX_BYTES", layer_scan.layer_weight_bytes(model) - 1)
-    assert all(r.count == 1 for r in layer_runs(model, None, spec))
-    assert any(r.count > 1 for r in layer_runs(model, True, spec))  # an explicit choice still wins
+    tensors = random_tensors(REPEATING, 0)
+    assert len(model.layers) == 5 and len(list(model.layers)) == 5
+    assert not isinstance(model.layers[0], LayerView) and isinstance(model.layers[3], LayerView)
+    for i in range(5):
+        np.testing.assert_array_equal(
+            np.asarray(model.layers[i].attn.wq_a.value), tensors[f"layers.{i}.attn.wq_a.weight"]
+        )
+    assert model.layers[-1].attn.compressor.ratio == model.layers[2].attn.compressor.ratio  # static attributes
+    with pytest.raises(IndexError, match="5"):
+        model.layers[5]
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, REPEATING.vocab_size, (1, 12)), jnp.int32)
+    before = np.asarray(model(tokens))
+    w = model.layers[3].ffn.w_down
+    w.value = w.value * 2.0
+    ref = init(REPEATING, 0)
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[3].ffn.w_down.value), 2.0 * np.asarray(ref.layers[3].ffn.w_down.value)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[1].ffn.w_down.value), np.asarray(ref.layers[1].ffn.w_down.value)
+    )
+    assert float(np.abs(np.asarray(model(tokens)) - before).max()) > 0
+    with pytest.raises(ValueError, match="shape"):
+        w.value = w.value[:1]
+    with pytest.raises(AttributeError, match="value"):
+        model.layers[3].eps = 0.5
+    streams = model.embed_streams(tokens)
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    args = (tokens, positions, model.rope_tables(positions), model.freqs)
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[3](streams, *args)), np.asarray(model.layers.module(3)(streams, *args))
+    )
