@@ -21,6 +21,7 @@ whatever the weights' size) and `loop` mode slices each layer out of its stack.
 
     python benchmarks/compile_depth.py                       # both depths, both modes (~15 min on 2 CPU cores)
     python benchmarks/compile_depth.py --depths 4 43 --modes scan
+    python benchmarks/compile_depth.py --family gemma3          # Gemma 3 (5 sliding : 1 full) at 6 and 62 layers
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def v4_shaped(layers: int):
     return tiny_config(num_hidden_layers=layers, layer_types=(), mlp_layer_types=(), index_n_heads=16)
 
 
+def build(family: str, layers: int):
+    """A random model of `family` at `layers` layers, tiny widths: DeepSeek-V4's default pattern, or
+    Gemma 3's 5 sliding : 1 full (Gemma-3-27B has 62 layers)."""
+    if family == "gemma3":
+        from models import gemma3
+
+        return gemma3.init(gemma3.tiny_config(num_hidden_layers=layers), seed=0)
+    return init(v4_shaped(layers), seed=0)
+
+
 def first_call_seconds(fn, *args) -> tuple[float, float, float]:
     """(total, trace + lower, compile) seconds of the first call fn(*args) of a jitted fn: trace and
     lower, compile, run once (blocks on the result)."""
@@ -61,9 +72,9 @@ def first_call_seconds(fn, *args) -> tuple[float, float, float]:
     return time.perf_counter() - t0, t1 - t0, t2 - t1
 
 
-def measure(layers: int, scan: bool) -> dict[str, float]:
+def measure(layers: int, scan: bool, family: str = "deepseek_v4") -> dict[str, float]:
     """{"prefill" | "decode" | "forward": first-call seconds} for one depth and mode (in this process)."""
-    model = init(v4_shaped(layers), seed=0)
+    model = build(family, layers)
     layout = CacheLayout(model.cache_spec(), CacheConfig(slots=2, max_context=128, page_size=16, prefix_records=0))
     graphdef, weights = nnx.split(model)
 
@@ -93,9 +104,9 @@ def measure(layers: int, scan: bool) -> dict[str, float]:
     return {k: v[0] for k, v in parts.items()}
 
 
-def measure_fresh(layers: int, mode: str) -> dict[str, float]:
+def measure_fresh(layers: int, mode: str, family: str) -> dict[str, float]:
     """`measure` in a fresh Python process (prints its line; returns its figures)."""
-    cmd = [sys.executable, __file__, "--one", str(layers), mode]
+    cmd = [sys.executable, __file__, "--one", str(layers), mode, "--family", family]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     lines = out.splitlines()
     for line in lines[:-1]:
@@ -105,19 +116,24 @@ def measure_fresh(layers: int, mode: str) -> dict[str, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--depths", type=int, nargs="+", default=[4, 43])
+    ap.add_argument("--family", choices=["deepseek_v4", "gemma3"], default="deepseek_v4")
+    ap.add_argument("--depths", type=int, nargs="+", help="default: 4 43 (DeepSeek-V4), 6 62 (Gemma 3)")
     ap.add_argument("--modes", nargs="+", choices=["loop", "scan"], default=["loop", "scan"])
     ap.add_argument("--one", nargs=2, metavar=("DEPTH", "MODE"), help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
     if args.one:
         jax.config.update("jax_enable_compilation_cache", False)
-        print(json.dumps(measure(int(args.one[0]), args.one[1] == "scan")))
+        print(json.dumps(measure(int(args.one[0]), args.one[1] == "scan", args.family)))
         return
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}", flush=True)
+    args.depths = args.depths or ([6, 62] if args.family == "gemma3" else [4, 43])
+    print(
+        f"{args.family}, jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}",
+        flush=True,
+    )
     results = {}
     for mode in args.modes:
         for depth in args.depths:
-            results[mode, depth] = measure_fresh(depth, mode)
+            results[mode, depth] = measure_fresh(depth, mode, args.family)
     lo, hi = min(args.depths), max(args.depths)
     if lo != hi:
         for mode in args.modes:

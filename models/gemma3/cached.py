@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from hkv.core.layers import LayerCache, Step, run_step
+from hkv.core.layers import scan_layers as scan_layers_
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
+from models.layer_stack import layer_runs
 
 
 def cached_step(
@@ -37,6 +40,7 @@ def cached_step(
     interpret: bool = False,
     seal: bool = True,
     read_tokens: int | None = None,
+    scan_layers: bool | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -44,7 +48,9 @@ def cached_step(
     `pallas_kernels` implementation of the decode attention (None: Pallas on GPU/TPU, the jnp reference
     on CPU). `seal` is accepted for the protocol; Gemma 3 has no compressed objects, so it changes nothing.
     `read_tokens` bounds the tokens any row holds after the step: prefill of a full-attention layer
-    then reads that many past rows, not max_context (`hkv.Step.read_tokens`).
+    then reads that many past rows, not max_context (`hkv.Step.read_tokens`). scan_layers: run the
+    repeating layers (5 sliding : 1 full) under one `jax.lax.scan` over their stacked weights (None:
+    `models.layer_stack.SCAN_LAYERS`, True; False: a Python loop; see `models.layer_stack`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache is
@@ -52,16 +58,28 @@ def cached_step(
     """
     scale = model.cfg.scaling
 
+    def one(layer, view: LayerCache, cache: HybridCache, x, step: Step, rope):
+        cos, sin = rope[layer.layer_type]
+        q, k, v = layer.attn.project_qkv(layer.input_norm(x), cos, sin)
+        cache = view.write_kv(cache, k, v)
+        o = view.attend(cache, q, k, v, scale=scale)
+        return cache, layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
+
     def forward(cache: HybridCache, step: Step):
         rope = model.rope_tables(step.positions)
         x = model.embed(step.tokens)
-        for i, layer in enumerate(model.layers):
-            view = LayerCache(step, i)
-            cos, sin = rope[layer.layer_type]
-            q, k, v = layer.attn.project_qkv(layer.input_norm(x), cos, sin)
-            cache = view.write_kv(cache, k, v)
-            o = view.attend(cache, q, k, v, scale=scale)
-            x = layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
+        for g, run in layer_runs(model, scan_layers, step.layout.spec):
+            if g is None:
+                cache, x = one(model.layers.module(run.start), LayerCache(step, run.start), cache, x, step, rope)
+                continue
+            graphdefs, states = model.layers.stacked(g)
+
+            def body(cache, x, views, xs, graphdefs=graphdefs):
+                for gd, st, view in zip(graphdefs, xs, views):
+                    cache, x = one(nnx.merge(gd, st), view, cache, x, step, rope)
+                return cache, x
+
+            cache, x = scan_layers_(step, cache, run, body, x, states)
         return cache, model.logits(x)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.layer_stack import LayerStack, layer_runs
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .cache_spec import cache_spec
@@ -206,7 +207,9 @@ class Gemma3(nnx.Module):
         else:
             self.lm_head = nnx.Param(jnp.asarray(tensors["lm_head.weight"], dtype))
         self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
+        # repeating runs of layers (5 sliding : 1 full) are held stacked so that steps scan them;
+        # `self.layers[i]` is still layer i (`models.layer_stack.LayerStack`)
+        self.layers = LayerStack([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])
         # float32(sqrt(hidden)) cast to the weight dtype (transformers' embed_scale buffer; 55.4256 -> 55.5 in bf16)
         self._embed_scale = float(np.float32(cfg.hidden_size**0.5))
         # Static (hashable) float32 inverse frequencies per layer type; exact round trip via float.
@@ -247,9 +250,10 @@ class Gemma3(nnx.Module):
         """The `hkv.CacheSpec` of this model (storage dtype = the model dtype), see `cache_spec.cache_spec`."""
         return cache_spec(self.cfg, dtype=self.dtype.name, block_tokens=block_tokens, model_id=model_id)
 
-    def cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options):
-        """One cached step through hkv (`hkv.CachedModel.cached_step`), see `cached.cached_step`."""
-        return cached_step(self, layout, cache, tokens, slots, n_valid, **kernel_options)
+    def cached_step(self, layout, cache, tokens, slots, n_valid, **options):
+        """One cached step through hkv (`hkv.CachedModel.cached_step`), see `cached.cached_step`
+        (options: kernel_backend, interpret, seal, scan_layers, read_tokens)."""
+        return cached_step(self, layout, cache, tokens, slots, n_valid, **options)
 
     def check_tokens(self, tokens) -> None:
         """Raise ValueError for token ids outside [0, vocab_size) or a bad shape (host-side check)."""
@@ -262,9 +266,12 @@ class Gemma3(nnx.Module):
             )
 
     # ---------------------------------------------------------------- forward
-    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, tokens: jnp.ndarray, *, scan_layers: bool | None = None) -> jnp.ndarray:
         """Stateless forward: int32[B, T] -> float32[B, T, vocab]. Position t sees tokens [0, t]
-        (sliding layers: the last `cfg.window` of them, t included)."""
+        (sliding layers: the last `cfg.window` of them, t included).
+
+        scan_layers: run repeating layers under one `jax.lax.scan` over their stacked weights (None:
+        `models.layer_stack.SCAN_LAYERS`, True; False: a Python loop over the layers)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
@@ -273,10 +280,24 @@ class Gemma3(nnx.Module):
             FULL: attention_mask(positions, positions),
             SLIDING: attention_mask(positions, positions, self.cfg.window),
         }
-        x = self.embed(tokens)
-        for layer in self.layers:
+
+        def one(layer, x):
             cos, sin = rope[layer.layer_type]
-            x = layer(x, cos, sin, masks[layer.layer_type])
+            return layer(x, cos, sin, masks[layer.layer_type])
+
+        x = self.embed(tokens)
+        for g, run in layer_runs(self, scan_layers):
+            if g is None:
+                x = one(self.layers.module(run.start), x)
+                continue
+            graphdefs, states = self.layers.stacked(g)
+
+            def body(x, xs, graphdefs=graphdefs):
+                for gd, st in zip(graphdefs, xs):
+                    x = one(nnx.merge(gd, st), x)
+                return x, None
+
+            x, _ = jax.lax.scan(body, x, states)
         return self.logits(x)
 
 

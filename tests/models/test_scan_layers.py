@@ -6,6 +6,9 @@ sum of an HCA compressor, a few ulp), so logits are compared to 1e-5 and greedy 
 the cache's bookkeeping (lengths, page tables, counters) must be identical.
 """
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,11 +206,65 @@ def test_layer_views_read_and_write_the_stacked_weights():
     assert float(np.abs(np.asarray(model(tokens)) - before).max()) > 0
     with pytest.raises(ValueError, match="shape"):
         w.value = w.value[:1]
+    with pytest.raises(ValueError, match="unsafe cast"):
+        w.value = jnp.ones(w.shape, jnp.complex64)
     with pytest.raises(AttributeError, match="value"):
         model.layers[3].eps = 0.5
+    # the rest of the Variable API: [...], get_value / set_value, jnp.asarray, an indexed write
+    v = model.layers[3].attn.wq_a
+    np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(v.get_value()))
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(v)), np.asarray(v.value))
+    v[0, :3] = jnp.zeros(3)
+    assert float(jnp.abs(model.layers[3].attn.wq_a.value[0, :3]).max()) == 0.0
+    assert float(jnp.abs(model.layers[1].attn.wq_a.value[0, :3]).max()) > 0.0  # the other repetition
+    v.set_value(ref.layers[3].attn.wq_a.value)
+    np.testing.assert_array_equal(np.asarray(v.value), np.asarray(ref.layers[3].attn.wq_a.value))
+    # a sequence: slices, numpy integer indices
+    assert [type(x).__name__ for x in model.layers[0:3]] == ["DecoderLayer", "LayerView", "LayerView"]
+    assert model.layers[np.int64(3)] == model.layers[3] != model.layers[1]
+    # copies and methods act on the layer's own weights, never on the whole stack
+    copied = copy.deepcopy(model.layers[3])
+    assert not isinstance(copied, LayerView) and copied.attn.wq_a.value.shape == v.shape
+    with pytest.raises(TypeError, match="pickle the model"):
+        pickle.dumps(model.layers[3])
+    x = jnp.asarray(
+        np.random.default_rng(6).normal(size=(1, 12, REPEATING.hc_mult, REPEATING.hidden_size)), jnp.float32
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[3].ffn_block(x, tokens)), np.asarray(model.layers.module(3).ffn_block(x, tokens))
+    )
     streams = model.embed_streams(tokens)
     positions = jnp.arange(12, dtype=jnp.int32)[None]
     args = (tokens, positions, model.rope_tables(positions), model.freqs)
     np.testing.assert_array_equal(
         np.asarray(model.layers[3](streams, *args)), np.asarray(model.layers.module(3)(streams, *args))
     )
+
+
+# ---------------------------------------------------------------------------------- Gemma 3
+def test_gemma3_holds_its_sliding_layers_stacked_and_scans_them_like_the_loop():
+    """Gemma 3 uses the same `LayerStack`: 5 sliding layers stacked, the full layer alone; the scanned
+    stateless forward and cached steps equal the loop (to float32 rounding, same greedy picks)."""
+    from models import gemma3
+    from models.layer_stack import LayerView
+
+    model = gemma3.init(gemma3.tiny_config(), 0)
+    assert model.layers.runs == (LayerRun(0, 1, 5), LayerRun(5, 1, 1))
+    assert isinstance(model.layers[3], LayerView) and model.layers[3].layer_type == gemma3.SLIDING
+    assert model.layers[5].layer_type == gemma3.FULL
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 512, (2, 40)), jnp.int32)
+    fwd = jax.jit(lambda s, t, scan: nnx.merge(graphdef, s)(t, scan_layers=scan), static_argnums=2)
+    scanned, unrolled = np.asarray(fwd(state, tokens, True)), np.asarray(fwd(state, tokens, False))
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(scanned.argmax(-1), unrolled.argmax(-1))
+    _assert_same(model, [(tokens[:, :16], [16, 16]), (tokens[:, 16:32], [16, 9]), (tokens[:, 32:33], [1, 1])])
+
+
+def test_gemma3_27b_pattern_traces_seven_layer_bodies():
+    """62 layers, (5 sliding : 1 full) x 10 then 2 sliding: a scan over the first 2 sliding layers, then one
+    of period 6 (sliding x 3, full, sliding x 2) x 10: 7 layer bodies traced instead of 62."""
+    from models import gemma3
+
+    cfg = gemma3.gemma3_27b_config()
+    assert plan_layer_runs(list(cfg.layer_types)) == (LayerRun(0, 1, 2), LayerRun(2, 6, 10))

@@ -1,0 +1,291 @@
+"""Decoder layers held stacked (`LayerStack`), so that a step runs repeating layers under one scan.
+
+Shared by the model families (`models.deepseek_v4`, `models.gemma3`). A model builds its decoder
+layers one module each, then hands them to `LayerStack`, which keys each layer by its structure (the
+NNX graph with its static attributes and the shapes and dtypes of its weights) and splits the stack
+into runs of a repeating period (`hkv.core.layers.plan_layer_runs`). A repeating run keeps, per
+position of its period, ONE module whose weights carry a leading axis of the run's repetitions
+(stacked once, when the model is built); layers nothing repeats around stay one module each.
+
+A step (`layer_runs`) scans a stacked run's weights as they are: the traced program holds one
+period of layers whatever the depth, and no call copies or re-stacks weights, whatever their size.
+
+`model.layers` stays a sequence of layers: `len(model.layers)`, `model.layers[i]`, iteration. Layer
+i of a repeating run is a `LayerView`: reading `model.layers[i].attn.wq_a.value` gives that layer's
+slice, assigning `.value` writes the slice back into the stacked weight (the next `nnx.split(model)`
+sees it), calling it runs the layer. Parameter paths are those of the stacked modules
+(`layers.groups.G.J.<name>`, leading axis = repetition), which `hkv.weights_digest` and tensor
+parallel rules (negative dims) see.
+
+`scan_layers` (every `scan_layers=None` argument defers to `SCAN_LAYERS`, default True) only chooses
+how a step runs the stacked runs: under a scan, or one layer at a time (`scan_layers=False`: the
+Python loop, each layer's weights sliced out of its stack inside jit).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hkv.core.layers import LayerRun, plan_layer_runs
+
+__all__ = ["SCAN_LAYERS", "LayerStack", "LayerView", "VariableView", "layer_key", "layer_runs", "use_scan"]
+
+SCAN_LAYERS: bool = True  # the default of every `scan_layers=None`: False runs the layers one at a time
+
+
+def use_scan(scan_layers: bool | None) -> bool:
+    """Whether repeating layers run under a scan: scan_layers True / False decide, None defers to
+    `SCAN_LAYERS`."""
+    return bool(SCAN_LAYERS if scan_layers is None else scan_layers)
+
+
+def layer_key(layer: nnx.Module, layer_spec=None) -> tuple:
+    """A hashable structure key of one layer: equal keys run the same code on same-shaped weights."""
+    graphdef, state = nnx.split(layer)
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves)
+    return graphdef, shapes, layer_spec
+
+
+def _wrap(value, r: int):
+    """What attribute or item access on a stacked module returns through a view of repetition r."""
+    if isinstance(value, nnx.Variable):
+        return VariableView(value, r)
+    if isinstance(value, nnx.Module):
+        return LayerView(value, r)
+    return value
+
+
+class VariableView:
+    """Repetition `r` of a stacked weight (`LayerView`), with the reading and writing half of the NNX
+    Variable API: `.value`, `get_value()`, `view[...]` and `jnp.asarray(view)` read the layer's slice
+    ([...] of the stacked array minus its leading axis); assigning `.value`, `set_value(x)` or
+    `view[index] = x` writes into that slice of the stacked variable (the next `nnx.split(model)`
+    sees it).
+
+    A write keeps the stacked weight's shape and dtype: a value of another shape, or one that only an
+    unsafe cast would store (e.g. floats into an integer table), is a ValueError. Each write builds a
+    new stacked array (`.at[r].set`: transiently twice that weight's memory; the old array stays valid
+    for whoever holds it, e.g. an `Engine` built before the write)."""
+
+    __slots__ = ("_r", "_var")
+
+    def __init__(self, var: nnx.Variable, r: int):
+        self._var, self._r = var, r
+
+    def get_value(self) -> jax.Array:
+        """The layer's slice of the stacked weight."""
+        return self._var.get_value()[self._r]
+
+    def set_value(self, new) -> None:
+        """Write `new` (the layer's weight shape) into the layer's slice."""
+        self[...] = new
+
+    value = property(get_value, set_value)
+
+    def __getitem__(self, index):
+        return self.get_value()[index]
+
+    def __setitem__(self, index, new) -> None:
+        stacked = self._var.get_value()
+        new = jnp.asarray(new)
+        want = jax.eval_shape(lambda x: x[self._r][index], jax.ShapeDtypeStruct(stacked.shape, stacked.dtype)).shape
+        if new.shape != want:
+            raise ValueError(f"value.shape={new.shape} must be {want}, the shape of the layer's weight[{index!r}]")
+        if not jnp.can_cast(new.dtype, stacked.dtype, casting="same_kind"):
+            raise ValueError(
+                f"value.dtype={new.dtype} cannot be stored in the stacked weight's dtype {stacked.dtype} "
+                "without an unsafe cast; cast it first"
+            )
+        at = (self._r, *index) if isinstance(index, tuple) else (self._r, index)
+        self._var.set_value(stacked.at[at].set(new.astype(stacked.dtype)))
+
+    def __jax_array__(self) -> jax.Array:
+        return self.get_value()
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.get_value(), dtype=dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._var.get_value().shape[1:])
+
+    @property
+    def dtype(self):
+        return self._var.get_value().dtype
+
+    def __repr__(self) -> str:
+        return f"VariableView({type(self._var).__name__}, repetition={self._r}, shape={self.shape}, dtype={self.dtype})"
+
+
+class LayerView:
+    """Layer `r` of a stacked module (one layer of a repeating run, or one of its sub-modules).
+
+    Attribute and item access mirror the module: sub-modules come back as `LayerView`s, weights as
+    `VariableView`s (read and write the layer's slice), static attributes as they are, and methods
+    bound to the layer's own weights (`module()`), so `view.ffn_block(x, ids)` and `view(...)` run
+    the layer. `module()` (also `copy.deepcopy(view)`) is a module of the layer's weights: a copy,
+    the thing to hand to NNX or JAX transforms (`nnx.split`, `nnx.jit`, `jax.grad`), which take
+    modules and arrays, not views. Views cannot be pickled (pickle the model, or `module()`)."""
+
+    __slots__ = ("_r", "_stacked")
+
+    def __init__(self, stacked: nnx.Module, r: int):
+        object.__setattr__(self, "_stacked", stacked)
+        object.__setattr__(self, "_r", r)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # private and special names (copy, pickle, vars) are not the layer's
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        value = getattr(self._stacked, name)
+        if inspect.ismethod(value) and value.__self__ is self._stacked:
+            return getattr(self.module(), name)
+        return _wrap(value, self._r)
+
+    def __getitem__(self, index):
+        return _wrap(self._stacked[index], self._r)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(
+            f"cannot set {name!r} on a stacked layer's view: assign a weight's `.value` instead (it writes the slice back)"
+        )
+
+    def module(self) -> nnx.Module:
+        """A module of this layer's weights (sliced copies; works inside jit)."""
+        graphdef, state = nnx.split(self._stacked)
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[self._r], state))
+
+    def __call__(self, *args, **kwargs):
+        return self.module()(*args, **kwargs)
+
+    def __copy__(self) -> LayerView:
+        return LayerView(self._stacked, self._r)
+
+    def __deepcopy__(self, memo) -> nnx.Module:
+        return self.module()
+
+    def __reduce__(self):
+        raise TypeError("a LayerView cannot be pickled: pickle the model, or the layer's `module()` (a copy)")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LayerView) and other._stacked is self._stacked and other._r == self._r
+
+    def __hash__(self) -> int:
+        return hash((id(self._stacked), self._r))
+
+    def __repr__(self) -> str:
+        return f"LayerView({type(self._stacked).__name__}, repetition={self._r})"
+
+
+class LayerStack(nnx.Module):
+    """The decoder layers of a model, repeating runs held stacked (see the module docstring).
+
+    Attributes:
+      runs: the `LayerRun`s covering every layer in order (count > 1: held stacked).
+      groups: one `nnx.List` per run: its `period` modules; a stacked run's weights have a leading
+        axis [run.count] (repetition r of position j is layer run.start + r * run.period + j).
+    """
+
+    def __init__(self, layers: list[nnx.Module], *, stack: bool = True):
+        """Args:
+        layers: the decoder layers in order. A list is consumed: each stacked module's entries are set
+          to None once stacked, so their weights are freed as stacking proceeds (peak memory: the
+          layers plus one period position's stacked copy).
+        stack: False holds every layer as its own module (nothing scans).
+        """
+        if not isinstance(layers, list):
+            layers = list(layers)
+        n = len(layers)
+        runs = plan_layer_runs([layer_key(m) for m in layers]) if stack else tuple(LayerRun(i, 1, 1) for i in range(n))
+        groups = []
+        for run in runs:
+            if run.count == 1:
+                groups.append(nnx.List([layers[i] for i in range(run.start, run.stop)]))
+                continue
+            mods = []
+            for j in range(run.period):
+                parts = [nnx.split(layers[i]) for i in run.layers(j)]
+                mods.append(nnx.merge(parts[0][0], jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in parts])))
+                for i in run.layers(j):
+                    layers[i] = None
+                del parts
+            groups.append(nnx.List(mods))
+        self.runs = runs
+        self.groups = nnx.List(groups)
+
+    def __len__(self) -> int:
+        return self.runs[-1].stop if self.runs else 0
+
+    def locate(self, i: int) -> tuple[int, int, int | None]:
+        """Layer i -> (run index g, period position j, repetition r; None when the run is not stacked)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"layer index {i} must be in [{-n}, {n})")
+        i %= n
+        for g, run in enumerate(self.runs):
+            if i < run.stop:
+                r, j = divmod(i - run.start, run.period)
+                return (g, j, r) if run.count > 1 else (g, i - run.start, None)
+        raise AssertionError("runs cover every layer")
+
+    def __getitem__(self, i):
+        """Layer i (an int, numpy integers too): its module, or a `LayerView` when its run is held
+        stacked; a slice gives a list of those."""
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if isinstance(i, bool):
+            raise TypeError("layer index must be an int, got bool")
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"layer index must be an int or a slice, got {type(i).__name__}") from None
+        g, j, r = self.locate(i)
+        return self.groups[g][j] if r is None else LayerView(self.groups[g][j], r)
+
+    def __iter__(self) -> Iterator:
+        return (self[i] for i in range(len(self)))
+
+    def module(self, i: int) -> nnx.Module:
+        """Layer i as a module (a stacked layer's weights sliced out: a copy; inside jit, a slice)."""
+        layer = self[i]
+        return layer.module() if isinstance(layer, LayerView) else layer
+
+    def stacked(self, g: int) -> tuple[list, list]:
+        """Run g held stacked: per period position j, (graphdefs, states) with leaves [count, ...]."""
+        parts = [nnx.split(m) for m in self.groups[g]]
+        return [gd for gd, _ in parts], [st for _, st in parts]
+
+
+def layer_runs(model, scan_layers: bool | None = None, spec=None) -> tuple[tuple[int | None, LayerRun], ...]:
+    """The runs a step executes `model.layers` in: (g, run) with g the stacked run of `model.layers`
+    a scan takes its weights from, or (None, run) for a single layer (run.count == 1).
+
+    Args:
+      model: a model whose `layers` is a `LayerStack` (`DeepseekV4`, `Gemma3`).
+      scan_layers: False: every layer on its own (the Python loop); None: `SCAN_LAYERS`.
+      spec: the cache's `CacheSpec` or None (stateless). A stacked run whose repetitions hold
+        different cache objects at a position (never for DeepSeek-V4 or Gemma 3: the cache follows
+        the layer's structure) runs one layer at a time.
+    Returns:
+      pairs covering every layer in order.
+    """
+    stack = model.layers
+    out: list[tuple[int | None, LayerRun]] = []
+    for g, run in enumerate(stack.runs):
+        scanned = run.count > 1 and use_scan(scan_layers)
+        if scanned and spec is not None:
+            scanned = all(
+                spec.layers[i] == spec.layers[run.start + j] for j in range(run.period) for i in run.layers(j)
+            )
+        if scanned:
+            out.append((g, run))
+        else:
+            out.extend((None, LayerRun(i, 1, 1)) for i in range(run.start, run.stop))
+    return tuple(out)
