@@ -154,7 +154,8 @@ class LayerView:
 
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError(
-            f"cannot set {name!r} on a stacked layer's view: assign a weight's `.value` instead (it writes the slice back)"
+            f"cannot set {name!r} on a stacked layer's view: "
+            "assign a weight's `.value` instead (it writes the slice back)"
         )
 
     def module(self) -> nnx.Module:

@@ -176,8 +176,8 @@ def _cached_logits(model):
 
 def test_layer_views_read_and_write_the_stacked_weights():
     """`model.layers[i]` of a stacked run reads layer i's slice (equal to its checkpoint tensor), writes
-    its `.value` back into the stack (the model state the next `nnx.split` passes on holds it, the other repetition keeps its
-    weights), refuses a wrong shape or an unsafe dtype, and runs the layer when called."""
+    its `.value` back into the stack (the state the next `nnx.split` passes on holds it, the other
+    repetition keeps its weights), refuses a wrong shape or an unsafe dtype, and runs the layer."""
     from models.deepseek_v4.layer_scan import LayerView
     from models.deepseek_v4.model import random_tensors
 
