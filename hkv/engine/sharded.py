@@ -99,7 +99,7 @@ def weight_shardings(weights, mesh: Mesh, model_axis: str | None, dim_of: Callab
 
     Args:
       weights: an `nnx.State` (or any pytree of arrays).
-      dim_of: (path "layers.1.attn.wq_b", shape) -> the dimension to split (may be negative) or None.
+      dim_of: (path "layers.groups.1.0.attn.wq_b", shape) -> the dimension to split (may be negative) or None.
     """
     m = mesh.shape[model_axis] if model_axis is not None else 1
 

@@ -48,8 +48,9 @@ _TP_DIMS = {
 
 
 def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
-    """The dimension of the weight at `path` (e.g. "layers.1.attn.wq_b") that tensor/expert
-    parallelism splits, or None to replicate it: query heads and their sinks, the grouped output
+    """The dimension of the weight at `path` (e.g. "layers.groups.1.0.attn.wq_b"; a stacked run's leaves
+    are [repetitions, ...], so dims count from the end) that tensor/expert parallelism splits, or None
+    to replicate it: query heads and their sinks, the grouped output
     projection, the indexer's heads and the routed experts are split; the single shared K=V head
     (`wkv`), the compressors, norms, hyper-connections, embeddings and the shared expert are
     replicated (the cache they produce is replicated within a data shard)."""
