@@ -200,6 +200,9 @@ def accepts_read_tokens(model) -> bool:
     return "read_tokens" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+RESTORE_CHOICES = ("cheapest", "longest")  # `Engine(restore_choice=...)`
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -252,6 +255,12 @@ class Engine:
     progress_bars: tqdm bars for compilations and long `generate` calls (None: when stderr is a
     terminal or in a notebook; see `hkv.engine.progress`).
     warmup: call `warmup()` at the end of construction (compile every step now, not on first use).
+    restore_choice: how a lookup picks among its routes to a prompt's end when the device cache is
+    short of the hash hit (`RESTORE_CHOICES`): "cheapest" (default) takes the least estimated time
+    from costs measured as the engine runs (prefill seconds per chunk, disk seconds per token), so a
+    model whose prefill is cheap may recompute rather than read the disk; "longest" takes the route
+    that restores the most tokens (disk over a window rebuild over recomputing; ties: the cheaper),
+    whatever the timings: reproducible plans, e.g. to exercise the disk tier.
     """
 
     # send a decode before the host has handed the previous one's tokens over, when nothing else can
@@ -280,6 +289,7 @@ class Engine:
         tokenizer=None,
         progress_bars: bool | None = None,
         warmup: bool = False,
+        restore_choice: str = "cheapest",
     ):
         def positive(name, v):
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -318,6 +328,8 @@ class Engine:
             config = dataclasses.replace(config, prefix_records=0)
         if disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
+        if restore_choice not in RESTORE_CHOICES:
+            raise ValueError(f"restore_choice={restore_choice!r} must be one of {RESTORE_CHOICES}")
         check_protocol(model)
         self._bind_model(model, block_tokens, model_id)  # _graphdef, _weights, spec
         self.layout = CacheLayout(self.spec, config)
@@ -384,6 +396,7 @@ class Engine:
         self._record_many, self._evict = t.record_many, t.evict
         self._swap_in, self._mark_on_disk = t.swap_in, t.mark_on_disk
         self.window_recompute_tokens = window_rebuild_tokens(self.spec)  # 0: no exact rebuild route
+        self.restore_choice = restore_choice
         self._stats.update(
             ttft_seconds=[], window_recomputes=0, disk_restores=0, disk_restored_tokens=0, disk_blocks_offloaded=0
         )
@@ -1444,6 +1457,9 @@ class Engine:
             len(ids), plan.restored_tokens, abi_ok if window_ok else None, probe["reach"] if probe else 0
         )
         choice = min(costs, key=costs.get)
+        if self.restore_choice == "longest":
+            reach = {"shrink": plan.restored_tokens, "window": abi_ok, "disk": probe["reach"] if probe else 0}
+            choice = max(costs, key=lambda k: (reach[k], -costs[k]))
         if probe is not None and (choice == "disk" or "disk" not in costs):
             plan, vec = self._disk_extend(seq, ids, probe, plan, vec)  # also names disk failures
         if choice == "window" or (choice == "disk" and plan.disk_tokens is None and window_ok):

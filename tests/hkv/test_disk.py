@@ -445,6 +445,27 @@ def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp
     assert_same([g], reference(model, [prompt]))
 
 
+def test_restore_choice_longest_reads_a_disk_that_cheapest_finds_too_slow(model, stored, tmp_path):
+    """`restore_choice="cheapest"` (the default) weighs measured costs: with disk reads measured at 1 s
+    per token it recomputes the tiny model's prompt instead; "longest" restores from disk whatever the
+    timings (the notebook's reproducible route). Both outputs are exact; a bad choice is named."""
+    prompt = diverge(CUT, tail=3, seed=21)
+    ref = reference(model, [prompt])
+    plans = {}
+    for choice in ("cheapest", "longest"):
+        root = tmp_path / choice
+        shutil.copytree(stored, root)
+        engine = _make_engine(model, disk=DiskTier(str(root)), restore_choice=choice)
+        engine._cost["disk_token"] = 1.0  # as if this engine had timed a disk read at 1 s per token
+        (g,) = engine.generate([prompt], NEW, return_logits=True)
+        assert_same([g], ref)
+        plans[choice] = g.plan
+    assert plans["cheapest"].disk_tokens is None and plans["cheapest"].restored_tokens == 0, plans["cheapest"]
+    assert plans["longest"].disk_tokens == (0, CUT) and plans["longest"].restored_tokens == CUT, plans["longest"]
+    with pytest.raises(ValueError, match=r"restore_choice='fastest' must be one of \('cheapest', 'longest'\)"):
+        _make_engine(model, restore_choice="fastest")
+
+
 def test_disk_tier_needs_the_prefix_cache(model, tmp_path):
     with pytest.raises(ValueError, match="prefix_records"):
         hkv.Engine(
