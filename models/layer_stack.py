@@ -33,9 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hkv.core.layers import LayerRun, plan_layer_runs
+from hkv.core.layers import LayerCache, LayerRun, Step, plan_layer_runs
+from hkv.core.layers import scan_layers as scan_cached_layers
+from hkv.core.state import HybridCache
 
-__all__ = ["SCAN_LAYERS", "LayerStack", "LayerView", "VariableView", "layer_key", "layer_runs", "use_scan"]
+__all__ = [
+    "SCAN_LAYERS",
+    "LayerStack",
+    "LayerView",
+    "VariableView",
+    "layer_key",
+    "layer_runs",
+    "run_cached_layers",
+    "run_layers",
+    "use_scan",
+]
 
 SCAN_LAYERS: bool = True  # the default of every `scan_layers=None`: False runs the layers one at a time
 
@@ -46,12 +58,11 @@ def use_scan(scan_layers: bool | None) -> bool:
     return bool(SCAN_LAYERS if scan_layers is None else scan_layers)
 
 
-def layer_key(layer: nnx.Module, layer_spec=None) -> tuple:
+def layer_key(layer: nnx.Module) -> tuple:
     """A hashable structure key of one layer: equal keys run the same code on same-shaped weights."""
     graphdef, state = nnx.split(layer)
     leaves = jax.tree_util.tree_leaves_with_path(state)
-    shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves)
-    return graphdef, shapes, layer_spec
+    return graphdef, tuple((jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype)) for p, x in leaves)
 
 
 def _wrap(value, r: int):
@@ -194,17 +205,15 @@ class LayerStack(nnx.Module):
         axis [run.count] (repetition r of position j is layer run.start + r * run.period + j).
     """
 
-    def __init__(self, layers: list[nnx.Module], *, stack: bool = True):
+    def __init__(self, layers: list[nnx.Module]):
         """Args:
         layers: the decoder layers in order. A list is consumed: each stacked module's entries are set
           to None once stacked, so their weights are freed as stacking proceeds (peak memory: the
           layers plus one period position's stacked copy).
-        stack: False holds every layer as its own module (nothing scans).
         """
         if not isinstance(layers, list):
             layers = list(layers)
-        n = len(layers)
-        runs = plan_layer_runs([layer_key(m) for m in layers]) if stack else tuple(LayerRun(i, 1, 1) for i in range(n))
+        runs = plan_layer_runs([layer_key(m) for m in layers])
         groups = []
         for run in runs:
             if run.count == 1:
@@ -290,3 +299,42 @@ def layer_runs(model, scan_layers: bool | None = None, spec=None) -> tuple[tuple
         else:
             out.extend((None, LayerRun(i, 1, 1)) for i in range(run.start, run.stop))
     return tuple(out)
+
+
+def run_layers(model, carry, one, scan_layers: bool | None = None):
+    """A stateless forward's decoder layers: `one(layer, carry) -> carry` for every layer of
+    `model.layers` in order, each stacked run under one `jax.lax.scan` over its weights as held (or
+    every layer on its own with scan_layers=False). Returns the carry after the last layer."""
+    for g, run in layer_runs(model, scan_layers):
+        if g is None:
+            carry = one(model.layers.module(run.start), carry)
+            continue
+        graphdefs, states = model.layers.stacked(g)
+
+        def body(carry, xs, graphdefs=graphdefs):
+            for gd, st in zip(graphdefs, xs):
+                carry = one(nnx.merge(gd, st), carry)
+            return carry, None
+
+        carry, _ = jax.lax.scan(body, carry, states)
+    return carry
+
+
+def run_cached_layers(model, step: Step, cache: HybridCache, carry, one, scan_layers: bool | None = None):
+    """A cached step's decoder layers: `one(layer, view, cache, carry) -> (cache, carry)` for every
+    layer of `model.layers` in order, `view` its `LayerCache`; each stacked run under one
+    `hkv.core.layers.scan_layers` over its weights as held (or one layer at a time with
+    scan_layers=False). Returns (cache, carry) after the last layer."""
+    for g, run in layer_runs(model, scan_layers, step.layout.spec):
+        if g is None:
+            cache, carry = one(model.layers.module(run.start), LayerCache(step, run.start), cache, carry)
+            continue
+        graphdefs, states = model.layers.stacked(g)
+
+        def body(cache, carry, views, xs, graphdefs=graphdefs):
+            for gd, st, view in zip(graphdefs, xs, views):
+                cache, carry = one(nnx.merge(gd, st), view, cache, carry)
+            return cache, carry
+
+        cache, carry = scan_cached_layers(step, cache, run, body, carry, states)
+    return cache, carry

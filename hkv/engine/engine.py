@@ -1453,13 +1453,12 @@ class Engine:
             plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok and abi_ok - plan.restored_tokens > r
         )
         probe = self._disk_probe(seq, keys, ids, usable, plan.restored_tokens) if self.disk is not None else None
-        costs = self._restore_costs(
-            len(ids), plan.restored_tokens, abi_ok if window_ok else None, probe["reach"] if probe else 0
-        )
-        choice = min(costs, key=costs.get)
+        reach = {"shrink": plan.restored_tokens, "window": abi_ok, "disk": probe["reach"] if probe else 0}
+        costs = self._restore_costs(len(ids), plan.restored_tokens, abi_ok if window_ok else None, reach["disk"])
         if self.restore_choice == "longest":
-            reach = {"shrink": plan.restored_tokens, "window": abi_ok, "disk": probe["reach"] if probe else 0}
             choice = max(costs, key=lambda k: (reach[k], -costs[k]))
+        else:
+            choice = min(costs, key=costs.get)
         if probe is not None and (choice == "disk" or "disk" not in costs):
             plan, vec = self._disk_extend(seq, ids, probe, plan, vec)  # also names disk failures
         if choice == "window" or (choice == "disk" and plan.disk_tokens is None and window_ok):

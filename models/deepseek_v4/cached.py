@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from hkv.core.layers import LayerCache, Step, run_step
-from hkv.core.layers import scan_layers as scan_layers_
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
+from models.layer_stack import run_cached_layers
 
 from .compressor import compress_windows
 from .hyper_connection import merge
-from .layer_scan import layer_runs
 from .norms import rms_norm
 
 
@@ -108,19 +106,11 @@ def cached_step(
         rope = model.rope_tables(step.positions)
         streams = model.embed_streams(step.tokens)
         freqs = model.freqs["compress"]
-        for g, run in layer_runs(model, scan_layers, step.layout.spec):
-            if g is None:
-                i = run.start
-                cache, streams = _layer(model.layers.module(i), LayerCache(step, i), cache, streams, step, rope, freqs)
-                continue
-            graphdefs, states = model.layers.stacked(g)
 
-            def body(cache, streams, views, x, graphdefs=graphdefs):
-                for gd, st, view in zip(graphdefs, x, views):
-                    cache, streams = _layer(nnx.merge(gd, st), view, cache, streams, step, rope, freqs)
-                return cache, streams
+        def one(layer, view: LayerCache, cache: HybridCache, streams):
+            return _layer(layer, view, cache, streams, step, rope, freqs)
 
-            cache, streams = scan_layers_(step, cache, run, body, streams, states)
+        cache, streams = run_cached_layers(model, step, cache, streams, one, scan_layers)
         return cache, model.logits(streams)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,

@@ -22,9 +22,6 @@ each layer's pool by a traced index: `hkv.core.layers.scan_layers`), so logits a
 
 from __future__ import annotations
 
-import jax
-from flax import nnx
-
 from models.layer_stack import (  # noqa: F401 (re-exported: the DeepSeek-V4 names of the shared pieces)
     SCAN_LAYERS,
     LayerStack,
@@ -32,6 +29,7 @@ from models.layer_stack import (  # noqa: F401 (re-exported: the DeepSeek-V4 nam
     VariableView,
     layer_key,
     layer_runs,
+    run_layers,
     use_scan,
 )
 
@@ -42,16 +40,4 @@ def stateless_layers(model, streams, tokens, positions, rope, scan_layers: bool 
     tokens int32[B, T], positions int32[B, T], rope {family: (cos, sin)} (see `DeepseekV4.__call__`).
     """
     freqs = model.freqs
-    for g, run in layer_runs(model, scan_layers):
-        if g is None:
-            streams = model.layers.module(run.start)(streams, tokens, positions, rope, freqs)
-            continue
-        graphdefs, states = model.layers.stacked(g)
-
-        def body(streams, x, graphdefs=graphdefs):
-            for gd, st in zip(graphdefs, x):
-                streams = nnx.merge(gd, st)(streams, tokens, positions, rope, freqs)
-            return streams, None
-
-        streams, _ = jax.lax.scan(body, streams, states)
-    return streams
+    return run_layers(model, streams, lambda layer, s: layer(s, tokens, positions, rope, freqs), scan_layers)

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from hkv.core.layers import LayerCache, Step, run_step
-from hkv.core.layers import scan_layers as scan_layers_
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
-from models.layer_stack import layer_runs
+from models.layer_stack import run_cached_layers
 
 
 def cached_step(
@@ -58,28 +56,17 @@ def cached_step(
     """
     scale = model.cfg.scaling
 
-    def one(layer, view: LayerCache, cache: HybridCache, x, step: Step, rope):
-        cos, sin = rope[layer.layer_type]
-        q, k, v = layer.attn.project_qkv(layer.input_norm(x), cos, sin)
-        cache = view.write_kv(cache, k, v)
-        o = view.attend(cache, q, k, v, scale=scale)
-        return cache, layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
-
     def forward(cache: HybridCache, step: Step):
         rope = model.rope_tables(step.positions)
-        x = model.embed(step.tokens)
-        for g, run in layer_runs(model, scan_layers, step.layout.spec):
-            if g is None:
-                cache, x = one(model.layers.module(run.start), LayerCache(step, run.start), cache, x, step, rope)
-                continue
-            graphdefs, states = model.layers.stacked(g)
 
-            def body(cache, x, views, xs, graphdefs=graphdefs):
-                for gd, st, view in zip(graphdefs, xs, views):
-                    cache, x = one(nnx.merge(gd, st), view, cache, x, step, rope)
-                return cache, x
+        def one(layer, view: LayerCache, cache: HybridCache, x):
+            cos, sin = rope[layer.layer_type]
+            q, k, v = layer.attn.project_qkv(layer.input_norm(x), cos, sin)
+            cache = view.write_kv(cache, k, v)
+            o = view.attend(cache, q, k, v, scale=scale)
+            return cache, layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
 
-            cache, x = scan_layers_(step, cache, run, body, x, states)
+        cache, x = run_cached_layers(model, step, cache, model.embed(step.tokens), one, scan_layers)
         return cache, model.logits(x)
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,

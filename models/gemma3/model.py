@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.layer_stack import LayerStack, layer_runs
+from models.layer_stack import LayerStack, run_layers
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .cache_spec import cache_spec
@@ -285,19 +285,7 @@ class Gemma3(nnx.Module):
             cos, sin = rope[layer.layer_type]
             return layer(x, cos, sin, masks[layer.layer_type])
 
-        x = self.embed(tokens)
-        for g, run in layer_runs(self, scan_layers):
-            if g is None:
-                x = one(self.layers.module(run.start), x)
-                continue
-            graphdefs, states = self.layers.stacked(g)
-
-            def body(x, xs, graphdefs=graphdefs):
-                for gd, st in zip(graphdefs, xs):
-                    x = one(nnx.merge(gd, st), x)
-                return x, None
-
-            x, _ = jax.lax.scan(body, x, states)
+        x = run_layers(self, self.embed(tokens), one, scan_layers)
         return self.logits(x)
 
 
