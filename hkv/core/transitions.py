@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .layout import CacheLayout, Residency, Status, TailState
 from .spec import ObjectKind
@@ -344,21 +345,25 @@ def advance(layout: CacheLayout, cache: HybridCache, slots, new_lengths, mask) -
 
 
 def block_forms(layout: CacheLayout, lengths: jax.Array) -> jax.Array:
-    """uint8[S, NB] object bits per block implied by `lengths` (what `check_invariants` expects)."""
+    """uint8[S, NB] object bits per block implied by `lengths` (what `check_invariants` expects).
+
+    Computed with numpy when `lengths` is a numpy array (`check_invariants`, on the host: no eager
+    device op per group), with jax.numpy otherwise (inside a transition)."""
+    xp = np if isinstance(lengths, np.ndarray) else jnp
     bt = layout.spec.block_tokens
-    start = jnp.arange(layout.num_blocks)[None, :] * bt
+    start = xp.arange(layout.num_blocks)[None, :] * bt
     end = start + bt
     n = lengths[:, None]
     written = start < n
-    form = jnp.zeros(written.shape, jnp.int32)
+    form = xp.zeros(written.shape, xp.int32)
     for grp in layout.groups:
         if grp.kind == ObjectKind.SWA:
-            lo = 0 if grp.keep is None else jnp.maximum(n - grp.keep, 0)
-            form = form | jnp.where(written & (end > lo), form_bits(ObjectKind.SWA), 0)
+            lo = 0 if grp.keep is None else xp.maximum(n - grp.keep, 0)
+            form = form | xp.where(written & (end > lo), form_bits(ObjectKind.SWA), 0)
         else:
             m = grp.unit
             sealed_to = (n // m) * m  # tokens covered by sealed entries
             bit = form_bits(ObjectKind.COMPRESSED if grp.kind == ObjectKind.COMPRESSED else ObjectKind.INDEXER)
-            form = form | jnp.where(written & (start < sealed_to), bit, 0)
-            form = form | jnp.where(written & (end > sealed_to), form_bits(ObjectKind.TAIL), 0)
-    return form.astype(jnp.uint8)
+            form = form | xp.where(written & (start < sealed_to), bit, 0)
+            form = form | xp.where(written & (end > sealed_to), form_bits(ObjectKind.TAIL), 0)
+    return form.astype(xp.uint8)

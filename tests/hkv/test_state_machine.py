@@ -427,7 +427,10 @@ class Harness:
         """check_invariants, and the host model == the cache (pages, counters, rows, tails)."""
         lay = self.layout
         check_invariants(lay, self.cache)
-        c = jax.device_get(self.cache)
+        # the fields compared below (a fetch costs per leaf: the pools are read through read_j)
+        c = jax.device_get(
+            self.cache.replace(groups=tuple(g.replace(pool=None) for g in self.cache.groups), prefix=None)
+        )
         assert np.asarray(c.active).tolist() == self.active
         assert np.asarray(c.lengths).tolist() == self.length
         for gi in range(len(self.groups)):
@@ -749,6 +752,39 @@ def test_forged_refcount_is_caught(delta, used):
     msg = "negative refcounts" if rc[page] < 0 else r"refcount != references"
     with pytest.raises(InvariantError, match=rf"group {gi}: {msg} at pages \[{page}"):
         check_invariants(h.layout, _forge(c, gi, refcount=rc))
+
+
+@pytest.mark.parametrize("layout", [DEEPSEEK_TIGHT, GEMMA_TIGHT], ids=["deepseek", "gemma"])
+def test_block_forms_on_the_host_equal_the_transitions(layout):
+    """`check_invariants` computes the expected state-table forms with numpy; transitions with
+    jax.numpy. Both agree at every length, for every slot."""
+    cap = layout.config.max_context
+    for start in range(0, cap + 1, layout.slots):
+        lengths = np.minimum(np.arange(start, start + layout.slots), cap).astype(np.int32)
+        host = tr.block_forms(layout, lengths)
+        assert isinstance(host, np.ndarray) and host.dtype == np.uint8
+        np.testing.assert_array_equal(host, np.asarray(tr.block_forms(layout, jnp.asarray(lengths))), str(lengths))
+
+
+@pytest.mark.parametrize("kind", ["form", "residency", "indexer_version"])
+def test_a_forged_state_table_entry_is_caught(kind):
+    """One state-table entry of a live block that disagrees with the slot's length is named."""
+    h, s = _filled()
+    c = jax.device_get(h.cache)
+    table = {k: np.asarray(getattr(c.table, k)).copy() for k in ("form", "residency", "indexer_version")}
+    if kind == "form":
+        table["form"][s, 1] ^= 0x1  # drop (or add) one object bit of the slot's second block
+        match = rf"state table form of slot {s} block 1"
+    elif kind == "residency":
+        table["residency"][s, 0] = 0  # ABSENT while its objects are on device
+        match = "residency disagrees"
+    else:
+        table["indexer_version"][s, 0] = 0  # a written block without a version
+        match = "indexer versions"
+    forged = c.replace(table=c.table.replace(**{kind: jnp.asarray(table[kind])}))
+    with pytest.raises(InvariantError, match=match):
+        check_invariants(h.layout, forged)
+    check_invariants(h.layout, c)  # the untouched copy passes
 
 
 def test_reads_past_capacity_are_not_aliased():
