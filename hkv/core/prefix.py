@@ -60,7 +60,7 @@ def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tupl
     t = jnp.maximum(tail_slot, 0)
     for ci, s in enumerate(px.snaps):
         for ai, a in enumerate((s.tail_kv, s.tail_gate, s.overlap_kv, s.overlap_gate)):
-            if a.shape[1]:
+            if a.shape[0] and a.shape[1]:  # (no snapshot slots: tail_snapshots=0)
                 acc = acc + _bytes_checksum(a[t], 7919 * (4 * ci + ai + 1))
     ps = layout.page_size
     for gi, grp in enumerate(layout.groups):
@@ -139,7 +139,8 @@ def record(
     do = can & ~exists & ok_slot
     snap_free = ~px.snap_used
     has_snap = retain & jnp.any(snap_free)
-    t = jnp.where(has_snap, jnp.argmax(snap_free), -1).astype(jnp.int32)
+    # (no snapshot slots at all -- tail_snapshots=0 -- records keep no TAIL/window: argmax of nothing is undefined)
+    t = jnp.where(has_snap, jnp.argmax(snap_free), -1).astype(jnp.int32) if snap_free.shape[0] else jnp.int32(-1)
     # a boundary crossed again (e.g. a branch point) may add the snapshot its record lacked
     upgrade = exists & ok_slot & has_snap & ~px.swa_held[r] & (px.tail_slot[r] < 0)
     snap_now = (do & has_snap) | upgrade

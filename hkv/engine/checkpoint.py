@@ -627,6 +627,12 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
             f"it was computed by this model's weights; refusing it (re-create it: run the engine and "
             f"save again; this hkv writes version {FORMAT_VERSION})"
         )
+    if "config" in engine_kwargs:
+        raise EngineCheckpointError(
+            f"config cannot be overridden when restoring {str(path)!r}: the saved cache's arrays have the shapes "
+            f"of the saved CacheConfig (see hkv.engine.checkpoint.read_metadata(path)['config']); to serve "
+            f"another config build a new hkv.Engine (its prefix cache starts empty)"
+        )
     c, e = doc["config"], doc["engine"]
     try:
         config = CacheConfig(
@@ -653,10 +659,17 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     def refuse_fingerprint(spec) -> None:
         saved_fp, new_fp = doc["abi_fingerprint"], spec.fingerprint()
         if saved_fp != new_fp:
+            saved_spec, now = doc["spec"], spec.to_json()
+            overridden = [k for k in ("block_tokens",) if k in engine_kwargs and saved_spec.get(k) != now.get(k)]
+            if overridden:  # the caller's own override changed the cache's shape, not the model
+                advice = (
+                    f"restore without overriding {', '.join(overridden)} (the cache was saved with the saved value)"
+                )
+            else:
+                advice = "restore with the same weights (bit for bit), dtype and dims"
             raise EngineCheckpointError(
                 f"ABI fingerprint mismatch: checkpoint {str(path)!r} was saved with {saved_fp}, this model/engine "
-                f"gives {new_fp} (differs in {_abi_diff(doc['spec'], spec.to_json())}); restore with the same "
-                f"weights (bit for bit), dtype and dims"
+                f"gives {new_fp} (differs in {_abi_diff(saved_spec, now)}); {advice}"
             )
 
     def refuse_leaves(fresh_with_path) -> None:

@@ -297,6 +297,7 @@ class Engine:
             return int(v)
 
         prefill_chunk = positive("prefill_chunk", prefill_chunk)
+        block_tokens = positive("block_tokens", block_tokens)
         if isinstance(prefill_buckets, (int, np.integer)) or not all(
             isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and 1 <= w < prefill_chunk
             for w in prefill_buckets
@@ -878,8 +879,14 @@ class Engine:
             if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
             if arr.ndim != 1 or arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+                hint = (
+                    f" (prompts is a batch: one prompt is [[{int(arr)}, ...]], not [{int(arr)}, ...])"
+                    if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and arr.dtype != bool
+                    else ""
+                )
                 raise ValueError(
-                    f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, dtype {arr.dtype}"
+                    f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, "
+                    f"dtype {arr.dtype}{hint}"
                 )
             if arr.size + max_new > cap:
                 raise ValueError(

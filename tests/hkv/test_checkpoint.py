@@ -161,6 +161,15 @@ def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path
     # model_id is a label: another label on the same weights restores, and the label is the new one
     relabelled = hkv.Engine.restore(path, model, model_id="other")
     assert relabelled.spec.model_id == "other" and relabelled.spec.fingerprint() == saved_fp
+    # the caller's own overrides are named as the cause (not the weights), before any engine is built
+    assert "weights (bit for bit)" in str(e.value)
+    with pytest.raises(
+        hc.EngineCheckpointError, match="block_tokens: 16 -> 8.*restore without overriding block_tokens"
+    ):
+        hkv.Engine.restore(path, model, block_tokens=8)
+    other_config = hkv.CacheConfig(slots=3, max_context=352, page_size=8)
+    with pytest.raises(hc.EngineCheckpointError, match="config cannot be overridden"):  # was "multiple values"
+        hkv.Engine.restore(path, model, config=other_config)
 
 
 def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):

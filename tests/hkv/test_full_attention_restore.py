@@ -24,10 +24,12 @@ from tests.hkv.test_state_machine import Harness, deepseek_like_spec, gemma_like
 BT = 8
 
 
-def _recorded_chain(spec, blocks=3):
-    """A slot filled with blocks * BT tokens, every boundary recorded without a snapshot, then
-    released; a fresh slot claimed. Returns (layout, cache, fresh slot, keys, tokens)."""
-    layout = CacheLayout(spec, CacheConfig(slots=2, max_context=48, page_size=4, prefix_records=8))
+def _recorded_chain(spec, blocks=3, *, retain=False, tail_snapshots=None):
+    """A slot filled with blocks * BT tokens, every boundary recorded (without a snapshot unless
+    `retain` and a snapshot slot is free), then released; a fresh slot claimed. Returns (layout,
+    cache, fresh slot, keys, tokens)."""
+    config = CacheConfig(slots=2, max_context=48, page_size=4, prefix_records=8, tail_snapshots=tail_snapshots)
+    layout = CacheLayout(spec, config)
     h = Harness(layout)
     s = h.claim()
     assert h.append([(s, blocks * BT)]) == Status.OK
@@ -47,7 +49,7 @@ def _recorded_chain(spec, blocks=3):
             jnp.asarray(keys[n - 1]),
             jnp.int32(parent),
             jnp.asarray(toks[n - 1]),
-            jnp.bool_(False),
+            jnp.bool_(retain),
             jnp.int32(n * BT),
         )
         assert int(st) == Status.OK
@@ -68,6 +70,22 @@ def test_window_rebuild_is_refused_for_a_spec_with_full_attention_layers():
     _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(3))
     v = plan.host()
     assert v.hash_blocks == 3 and v.byte_blocks == 0 and v.reason == Reason.SWA_MISSING.code
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_layout_without_snapshot_slots_records_and_rebuilds_windows(retain):
+    """CacheConfig(tail_snapshots=0) is accepted, so recording must work without snapshot slots
+    (it failed to trace: argmax of the empty free-slot mask, then a read of the empty snapshot
+    pool): the records keep the compressed entries and a restore rebuilds the window."""
+    spec = deepseek_like_spec()
+    layout, cache, slot, keys, toks = _recorded_chain(spec, blocks=4, retain=retain, tail_snapshots=0)
+    assert layout.tail_snapshots == 0
+    assert not np.asarray(cache.prefix.swa_held).any() and (np.asarray(cache.prefix.tail_slot) == -1).all()
+    _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(4))
+    assert plan.host().byte_blocks == 0  # nothing restores as it is: no record holds a window
+    _, plan = px.restore(layout, cache, slot, keys, toks, jnp.int32(4), recompute=window_rebuild_tokens(spec))
+    v = plan.host()
+    assert v.status == Status.OK and v.byte_blocks == 4
 
 
 def test_window_rebuild_still_serves_specs_whose_layers_all_have_windows():
