@@ -459,11 +459,11 @@ def test_generate_accepts_arrays_and_numpy_scalars_and_refuses_bad_input(model, 
         (dict(prompts=[[1, 2], [3, [4]]], max_new_tokens=2), "prompt 1"),
         (dict(prompts=[A], max_new_tokens=2, stop_token_ids=[CFG.vocab_size]), "stop token id"),
         (dict(prompts=[A], max_new_tokens=2, sampling=0.5), "sampling"),
-        (dict(prompts=[5, 6, 7], max_new_tokens=2), r"prompts is a batch: one prompt is \[\[5, \.\.\.\]\]"),
+        ({"prompts": [5, 6, 7], "max_new_tokens": 2}, r"prompts is a batch: one prompt is \[\[5, \.\.\.\]\]"),
     ]:
         with pytest.raises(ValueError, match=match):
             engine.generate(**bad)
-    for bad in (dict(decode_steps=0), dict(block_tokens=0), dict(block_tokens=16.0), dict(block_tokens=True)):
+    for bad in ({"decode_steps": 0}, {"block_tokens": 0}, {"block_tokens": 16.0}, {"block_tokens": True}):
         # (block_tokens=0 was a ZeroDivisionError, 16.0 an error from inside JAX; True was accepted)
         with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be a positive integer"):
             _engine(model, **bad)
