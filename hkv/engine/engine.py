@@ -780,28 +780,36 @@ class Engine:
         `flush_disk`). Returns the number of blocks queued. E.g. before a planned shutdown."""
         if self.disk is None:
             raise ValueError("write_through needs a disk tier (Engine(..., disk=hkv.DiskTier(path)))")
-        return self._offload(jax.device_get(self._view.prefix))
+        with self._exclusive():
+            return self._offload(jax.device_get(self._view.prefix))
 
     def evict_prefixes(self) -> int:
         """Evict every cached prefix record from device memory (between `generate` calls), writing the
-        snapshot blocks the disk tier lacks first when there is one. Returns the records evicted."""
-        if self._live():
-            raise ValueError(f"evict_prefixes while {len(self._live())} sequences run; call it between steps")
-        if not self.prefix_enabled:
-            return 0
-        p = jax.device_get(self._view.prefix)
-        alive = np.asarray(p.state) == px.RecordState.ALIVE
-        if self.disk is not None:
-            self._offload(p)
-        every = jnp.asarray(alive)
-        with self._guard():
-            self._tx(self._evict, every, every, every)
+        snapshot blocks the disk tier lacks first when there is one. Returns the records evicted.
+        Requests cancelled since the last step (e.g. an abandoned stream) are dropped first; a
+        ValueError if others still run, `EngineBusyError` if another thread drives the engine."""
+        with self._exclusive():
+            self._between_steps("evict_prefixes")
+            if not self.prefix_enabled:
+                return 0
+            p = jax.device_get(self._view.prefix)
+            alive = np.asarray(p.state) == px.RecordState.ALIVE
+            if self.disk is not None:
+                self._offload(p)
+            every = jnp.asarray(alive)
+            with self._guard():
+                self._tx(self._evict, every, every, every)
         self._say(f"evicted {int(alive.sum())} cached prefix records from device memory")
         return int(alive.sum())
 
     def flush_disk(self) -> None:
         """Wait for every disk write issued so far and mark the committed blocks on disk (nothing to
-        wait for once the tier was closed: `DiskTier.close` finished its writes)."""
+        wait for once the tier was closed: `DiskTier.close` finished its writes). `EngineBusyError`
+        if another thread drives the engine (marking blocks is a transition of the cache)."""
+        with self._exclusive():
+            self._flush_disk()
+
+    def _flush_disk(self) -> None:
         if self.disk is not None:
             if not self.disk.closed:
                 self.disk.flush()
@@ -810,9 +818,14 @@ class Engine:
     def save(self, path, *, overwrite: bool = False) -> None:
         """Warm-restart checkpoint: the whole `HybridCache` (orbax) and the engine's settings (JSON),
         written atomically; pending disk-tier writes are finished first so the saved prefix index's
-        `on_disk` bits match the store. Only between `generate` calls. See `hkv.engine.checkpoint`."""
-        self.flush_disk()
-        save_engine(self, path, overwrite=overwrite)
+        `on_disk` bits match the store. Only between `generate` calls (requests cancelled since the
+        last step are dropped first); `EngineBusyError` if another thread drives the engine. See
+        `hkv.engine.checkpoint`."""
+        with self._exclusive():
+            with self._guard():
+                self._reap()
+            self._flush_disk()
+            save_engine(self, path, overwrite=overwrite)
 
     @classmethod
     def restore(cls, path, model, **engine_kwargs) -> Engine:
@@ -923,15 +936,25 @@ class Engine:
         return _Seq(index, prompt, max_new, sampling, seed, stops, bool(keep_logits), handle)
 
     @contextlib.contextmanager
-    def _drive(self):
-        """Scope of a call that advances the engine: one thread at a time (`EngineBusyError`
-        otherwise), a live disk tier, and `_guard`'s exception safety."""
+    def _exclusive(self):
+        """One thread at a time in a call that runs transitions or reads the cache between them
+        (`EngineBusyError` otherwise): step / generate / run_until_idle / a handle's stream, and
+        evict_prefixes / write_through / save."""
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError(
                 "another thread is driving this engine (step / generate / run_until_idle / a handle's "
-                "stream); drive it from one thread and submit() from any"
+                "stream / evict_prefixes / write_through / save); drive it from one thread and submit() from any"
             )
         try:
+            yield
+        finally:
+            self._drive_lock.release()
+
+    @contextlib.contextmanager
+    def _drive(self):
+        """Scope of a call that advances the engine: `_exclusive`, a live disk tier, and `_guard`'s
+        exception safety."""
+        with self._exclusive():
             if self.disk is not None and self.disk.closed:
                 raise DiskTierClosedError(
                     f"this engine's disk tier ({self.disk.spec!r}) was closed; build the engine "
@@ -939,8 +962,15 @@ class Engine:
                 )
             with self._guard():
                 yield
-        finally:
-            self._drive_lock.release()
+
+    def _between_steps(self, what: str) -> None:
+        """For a call allowed only between steps (inside `_exclusive`): first drop the requests cancelled
+        since the last step (an abandoned stream's slot is freed now, not at the next step), then
+        refuse with a ValueError if sequences still run."""
+        with self._guard():
+            self._reap()
+        if self._live():
+            raise ValueError(f"{what} while {len(self._live())} sequences run; call it between steps")
 
     def _try_step(self) -> bool:
         """One `step` if no other thread drives the engine (a handle waiting for its tokens); False if busy."""

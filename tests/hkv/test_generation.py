@@ -325,6 +325,39 @@ def test_abandoned_stream_frees_its_slot(model, truth):
     assert engine.generate([A], 8)[0].tokens == truth[tuple(A)][0]
 
 
+def test_calls_between_steps_drop_abandoned_streams_and_refuse_while_the_engine_is_driven(model, truth, tmp_path):
+    """evict_prefixes and save right after a stream was abandoned drop its request first (they
+    used to refuse: "while 1 sequences run" until some later step freed the slot); called while
+    the engine is being driven (here from a progress callback of a running generate) they, and
+    flush_disk / write_through, are EngineBusyError instead of racing the driving thread's
+    transitions on the same cache."""
+    engine = _engine(model)
+    for i, call in enumerate((engine.evict_prefixes, lambda: engine.save(tmp_path / "ck"))):
+        h = engine.submit(C, 8)
+        for k, _ in enumerate(h):
+            if k == 1:
+                break  # abandoned: cancelled, its slot still held until something reaps it
+        call()
+        assert h.cancelled and engine.pending == 0
+        _idle_ok(engine)
+    seen = []
+
+    def progress(msg):
+        if msg.startswith("prefilled") and not seen:
+            for call in (busy.evict_prefixes, busy.flush_disk, busy.write_through, lambda: busy.save(tmp_path / "x")):
+                try:
+                    call()
+                    seen.append(None)
+                except Exception as e:  # noqa: BLE001 (recorded and asserted below)
+                    seen.append(type(e).__name__)
+
+    busy = _engine(model, progress=progress, disk=hkv.DiskTier(str(tmp_path / "store")))
+    assert busy.generate([A], 8)[0].tokens == truth[tuple(A)][0]
+    assert seen == ["EngineBusyError"] * 4
+    _idle_ok(busy)
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_second_driving_thread_gets_engine_busy_while_submit_still_works(model, truth):
     entered, release = threading.Event(), threading.Event()
 
