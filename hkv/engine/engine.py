@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -63,15 +63,14 @@ from ..core.sampling import GREEDY, SEED_RANGE, Sampling, SamplingParams
 from ..core.state import init_cache
 from ..core.weights import weights_digest
 from ..store.tier import DiskTier, DiskTierClosedError
-from . import offload as swap
 from . import block_keys
+from . import offload as swap
 from .block_keys import ROOT, key_bytes, key_words
 from .checkpoint import restore_engine, save_engine
 from .compiled import compiled_steps, enable_compilation_cache, step_name, unpack_decode
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
-
 
 __all__ = ["CacheCapacityError", "Engine", "EngineBusyError", "Generation", "RequestCancelledError", "RequestHandle"]
 
@@ -351,6 +350,12 @@ class Engine:
             )
         self.compilation_cache = enable_compilation_cache(compilation_cache)
         self.tokenizer = _codec(tokenizer)
+        if self.tokenizer is not None and self.tokenizer.vocab_size > model.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} token ids but the model's vocabulary has "
+                f"{model.vocab_size}: its ids >= {model.vocab_size} could not be fed to the model (use the "
+                f"checkpoint's own tokenizer)"
+            )
         self._bars = Bars(progress_bars)
         self.model = model
         self.disk = disk
@@ -574,7 +579,7 @@ class Engine:
         max_new_tokens: int,
         *,
         sampling: Sampling | None = None,
-        stop: Sequence[str] = (),
+        stop: Iterable[str] | None = (),
         stop_token_ids: Sequence[int] | None = None,
         include_stop: bool = False,
     ) -> list[Generation]:
@@ -583,9 +588,10 @@ class Engine:
         Args:
           texts: a non-empty list of strings.
           max_new_tokens, sampling: as in `generate`.
-          stop: strings that end a text's generation as soon as they appear in its decoded output; the
-            request stops there (its slot is freed at once) and its text ends before the stop string
-            (with it when include_stop). Tokens are cut after the one that completed it.
+          stop: strings (any iterable; None = none) that end a text's generation as soon as they appear
+            in its decoded output; the request stops there (its slot is freed at once) and its text
+            ends before the stop string (with it when include_stop). Tokens are cut after the one
+            that completed it.
           stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids.
         Returns:
           one `Generation` per text with `.text` set (finish_reason "stop" for a stop string or id).
@@ -596,8 +602,13 @@ class Engine:
             raise ValueError("generate_text needs a tokenizer: hkv.Engine(..., tokenizer=<checkpoint folder>)")
         if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
             raise ValueError(f"texts must be a non-empty list of strings; got {type(texts).__name__}")
-        if isinstance(stop, str) or any(not isinstance(x, str) or not x for x in stop):
-            raise ValueError(f"stop={stop!r} must be a list of non-empty strings")
+        if stop is None:
+            stop = ()
+        if isinstance(stop, str) or not isinstance(stop, Iterable):
+            raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")  # noqa: TRY004
+        stop = tuple(stop)  # once: a generator would be used up by the check below and read empty after
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
         prompts, max_new = self._validate(self.tokenizer.encode(list(texts)), max_new_tokens)
         ids = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
         sampling, stops = self._validate_options(sampling, ids, False)

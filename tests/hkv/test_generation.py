@@ -613,10 +613,25 @@ def test_generate_text_with_a_checkpoint_tokenizer_and_stop_strings(model, tmp_p
     (g,) = engine.generate_text([prompt], 12, stop=[stop], stop_token_ids=[])
     assert g.finish_reason == "stop" and stop not in g.text and full.text.startswith(g.text)
     assert g.tokens == greedy[: len(g.tokens)] and len(g.tokens) <= cut
+    # stop strings from a generator are read once (the check used to use it up: no stop at all);
+    # None is no stop string (it was a TypeError)
+    (gen,) = engine.generate_text([prompt], 12, stop=(x for x in [stop]), stop_token_ids=[])
+    assert (gen.text, gen.tokens, gen.finish_reason) == (g.text, g.tokens, "stop")
+    (none,) = engine.generate_text([prompt], 12, stop=None, stop_token_ids=[])
+    assert none.text == full.text and none.finish_reason == "length"
     with pytest.raises(ValueError, match="texts"):
         engine.generate_text("not a list", 4)
+    for bad in ("x", 5, [""], [3]):
+        with pytest.raises(ValueError, match="stop="):
+            engine.generate_text([prompt], 4, stop=bad)
     with pytest.raises(ValueError, match="tokenizer"):
         _engine(model).generate_text(["x"], 4)
+    # a tokenizer with ids the model has no embedding for is refused when the engine is built
+    # (it failed in the first generate_text: "token ids range [3, 297] must lie in [0, 128)")
+    with pytest.raises(
+        ValueError, match=f"tokenizer has 300 token ids but the model's vocabulary has {CFG.vocab_size}"
+    ):
+        _engine(model, tokenizer=tiny_tokenizer(300))
     _idle_ok(engine)
 
 
