@@ -660,11 +660,9 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
         saved_fp, new_fp = doc["abi_fingerprint"], spec.fingerprint()
         if saved_fp != new_fp:
             saved_spec, now = doc["spec"], spec.to_json()
-            overridden = [k for k in ("block_tokens",) if k in engine_kwargs and saved_spec.get(k) != now.get(k)]
-            if overridden:  # the caller's own override changed the cache's shape, not the model
-                advice = (
-                    f"restore without overriding {', '.join(overridden)} (the cache was saved with the saved value)"
-                )
+            if "block_tokens" in engine_kwargs and saved_spec.get("block_tokens") != now.get("block_tokens"):
+                # the caller's own override changed the cache's shape, not the model
+                advice = "restore without overriding block_tokens (the cache was saved with the saved value)"
             else:
                 advice = "restore with the same weights (bit for bit), dtype and dims"
             raise EngineCheckpointError(

@@ -800,7 +800,9 @@ class Engine:
         Requests cancelled since the last step (e.g. an abandoned stream) are dropped first; a
         ValueError if others still run, `EngineBusyError` if another thread drives the engine."""
         with self._exclusive():
-            self._between_steps("evict_prefixes")
+            self._drop_cancelled()
+            if self._live():
+                raise ValueError(f"evict_prefixes while {len(self._live())} sequences run; call it between steps")
             if not self.prefix_enabled:
                 return 0
             p = jax.device_get(self._view.prefix)
@@ -833,8 +835,7 @@ class Engine:
         last step are dropped first); `EngineBusyError` if another thread drives the engine. See
         `hkv.engine.checkpoint`."""
         with self._exclusive():
-            with self._guard():
-                self._reap()
+            self._drop_cancelled()  # (save_engine refuses while others run)
             self._flush_disk()
             save_engine(self, path, overwrite=overwrite)
 
@@ -905,7 +906,7 @@ class Engine:
             if arr.ndim != 1 or arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
                 hint = (
                     f" (prompts is a batch: one prompt is [[{int(arr)}, ...]], not [{int(arr)}, ...])"
-                    if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer) and arr.dtype != bool
+                    if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer)
                     else ""
                 )
                 raise ValueError(
@@ -950,11 +951,12 @@ class Engine:
     def _exclusive(self):
         """One thread at a time in a call that runs transitions or reads the cache between them
         (`EngineBusyError` otherwise): step / generate / run_until_idle / a handle's stream, and
-        evict_prefixes / write_through / save."""
+        evict_prefixes / write_through / flush_disk / save."""
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError(
                 "another thread is driving this engine (step / generate / run_until_idle / a handle's "
-                "stream / evict_prefixes / write_through / save); drive it from one thread and submit() from any"
+                "stream / evict_prefixes / write_through / flush_disk / save); drive it from one thread and "
+                "submit() from any"
             )
         try:
             yield
@@ -974,14 +976,11 @@ class Engine:
             with self._guard():
                 yield
 
-    def _between_steps(self, what: str) -> None:
-        """For a call allowed only between steps (inside `_exclusive`): first drop the requests cancelled
-        since the last step (an abandoned stream's slot is freed now, not at the next step), then
-        refuse with a ValueError if sequences still run."""
+    def _drop_cancelled(self) -> None:
+        """For a call allowed only between steps (inside `_exclusive`): drop the requests cancelled
+        since the last step now (an abandoned stream's slot would otherwise wait for the next step)."""
         with self._guard():
             self._reap()
-        if self._live():
-            raise ValueError(f"{what} while {len(self._live())} sequences run; call it between steps")
 
     def _try_step(self) -> bool:
         """One `step` if no other thread drives the engine (a handle waiting for its tokens); False if busy."""
