@@ -595,6 +595,8 @@ class Engine:
           stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids.
         Returns:
           one `Generation` per text with `.text` set (finish_reason "stop" for a stop string or id).
+          An id the tokenizer has no token for (a model vocabulary padded past the tokenizer's, as
+          DeepSeek-V4's) stays in `.tokens` and adds no text.
         """
         from .text import StopStrings
 
@@ -614,7 +616,10 @@ class Engine:
         sampling, stops = self._validate_options(sampling, ids, False)
         with self._drive():
             seqs = [self._new_seq(i, p, max_new, sampling, stops, False) for i, p in enumerate(prompts)]
-            readers = [StopStrings(self.tokenizer, list(stop), include_stop=include_stop) for _ in seqs]
+            vocab = self.model.vocab_size  # ids past the tokenizer's decode to no text
+            readers = [
+                StopStrings(self.tokenizer, list(stop), include_stop=include_stop, vocab_size=vocab) for _ in seqs
+            ]
             fed = [0] * len(seqs)
             self._queue.extend(seqs)
 

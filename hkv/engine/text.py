@@ -69,6 +69,17 @@ def _read_json(path: Path) -> dict:
 # Input errors are ValueErrors naming the bad value, across hkv (hence the TRY004 exemptions below).
 
 
+def _check_id(value: Any, what: str, vocab_size: int) -> int:
+    """`value` as an int token id in [0, vocab_size), or a ValueError naming it."""
+    try:
+        i = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what}={value!r} must be an int token id") from None
+    if not 0 <= i < vocab_size:
+        raise ValueError(f"{what}={i} must lie in [0, vocab_size={vocab_size})")
+    return i
+
+
 class TextCodec:
     """A `tokenizers.Tokenizer` with the settings generation needs: BOS on encode, EOS ids, vocab size.
 
@@ -116,13 +127,7 @@ class TextCodec:
         return i
 
     def _check_id(self, value: Any, what: str) -> int:
-        try:
-            i = operator.index(value)
-        except TypeError:
-            raise ValueError(f"{what}={value!r} must be an int token id") from None
-        if not 0 <= i < self._vocab_size:
-            raise ValueError(f"{what}={i} must lie in [0, vocab_size={self._vocab_size})")
-        return i
+        return _check_id(value, what, self._vocab_size)
 
     @classmethod
     def from_file(
@@ -323,9 +328,14 @@ class StopStrings:
         stop: the stop strings (non-empty str each); empty for plain streaming.
         include_stop: keep the stop string at the end of the final text.
         skip_special_tokens: leave special tokens (BOS, EOS, ...) out of the text.
+        vocab_size: ids accepted by `feed`: [0, vocab_size). None: the codec's vocab_size. A model
+            whose vocabulary is padded past its tokenizer's (DeepSeek-V4) can generate ids the
+            tokenizer has no token for: pass the model's vocab_size and those ids decode to no text
+            (as `tokenizers` decodes them).
 
     Raises:
-        ValueError: stop is a bare string, or stop[i] is not a non-empty str.
+        ValueError: stop is a bare string, stop[i] is not a non-empty str, or vocab_size is smaller
+            than the codec's.
     """
 
     def __init__(
@@ -335,7 +345,13 @@ class StopStrings:
         *,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        vocab_size: int | None = None,
     ):
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < codec.vocab_size
+        ):
+            msg = f"vocab_size={vocab_size!r} must be None or an int >= the tokenizer's {codec.vocab_size}"
+            raise ValueError(msg)
         if isinstance(stop, str):
             msg = f"stop must be a list of strings, got the string {stop!r} (write [{stop!r}])"
             raise ValueError(msg)  # noqa: TRY004
@@ -343,6 +359,7 @@ class StopStrings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty str, got {s!r}")
         self.codec = codec
+        self._vocab = codec.vocab_size if vocab_size is None else vocab_size
         self.stop = tuple(dict.fromkeys(stop))
         self.include_stop = include_stop
         self._skip = skip_special_tokens
@@ -382,7 +399,7 @@ class StopStrings:
             raise RuntimeError("StopStrings.feed after finish(): start a new StopStrings for a new stream")
         many = isinstance(ids, Iterable)
         ids = list(ids) if many else [ids]
-        checked = [self.codec._check_id(t, f"ids[{i}]" if many else "id") for i, t in enumerate(ids)]
+        checked = [_check_id(t, f"ids[{i}]" if many else "id", self._vocab) for i, t in enumerate(ids)]
         out = []
         for t in checked:
             if self.stopped:

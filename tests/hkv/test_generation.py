@@ -635,6 +635,25 @@ def test_generate_text_with_a_checkpoint_tokenizer_and_stop_strings(model, tmp_p
     _idle_ok(engine)
 
 
+def test_generate_text_with_a_tokenizer_smaller_than_the_model_vocabulary(model):
+    """A model whose vocabulary is padded past its tokenizer's (DeepSeek-V4: 129,280 rows) may sample
+    an id the tokenizer has no token for. Its text is empty (as `tokenizers` decodes it) and the
+    generation goes on; it was a ValueError "ids[0]=... must lie in [0, vocab_size=...)" from the
+    incremental decoder, raised in the middle of the run."""
+    from hkv.engine.text import tiny_tokenizer
+
+    codec = tiny_tokenizer(110)  # the model has 128 ids: 110 .. 127 have no token
+    engine = _engine(model, tokenizer=codec)
+    hot = hkv.Sampling(temperature=8.0, seed=11)  # nearly uniform: padded ids are drawn
+    (g,) = engine.generate_text(["the quick brown fox"], 24, sampling=hot, stop_token_ids=[])
+    assert any(t >= codec.vocab_size for t in g.tokens)  # the case under test happened
+    assert g.finish_reason == "length" and len(g.tokens) == 24
+    assert g.text == codec.tokenizer.decode(g.tokens)
+    (s,) = engine.generate_text(["the quick brown fox"], 24, sampling=hot, stop=["\x00never"], stop_token_ids=[])
+    assert (s.tokens, s.text) == (g.tokens, g.text)
+    _idle_ok(engine)
+
+
 def test_stats_count_prefilled_tokens_after_each_admissions_restore(model):
     """prefill_tokens counts what an admission ran: the prompt minus what its restore brought back."""
     engine = _engine(model)

@@ -244,6 +244,22 @@ def test_special_tokens_skipped_and_bad_ids_rejected():
         StopStrings(CODEC, "END")
 
 
+def test_ids_past_the_tokenizer_up_to_the_model_vocab_decode_to_no_text():
+    """A model vocabulary padded past the tokenizer's: StopStrings(vocab_size=model's) accepts those
+    ids (no text, as `tokenizers` decodes them); past vocab_size they stay an error."""
+    a, b = token_of(CODEC, "a"), token_of(CODEC, "b")
+    s = StopStrings(CODEC, ["ab"], vocab_size=200)
+    assert s.feed([a, 150]) == TextDelta("", False, 2)  # "a" is held back: it could start "ab"
+    assert s.feed([199, b]) == TextDelta("", True, 4) and s.text == ""
+    plain = StopStrings(CODEC, vocab_size=200)
+    assert plain.feed([a, 128, b, 199]).text == "ab" and plain.finish().text == ""
+    with pytest.raises(ValueError, match=r"ids\[0\]=200 must lie in \[0, vocab_size=200\)"):
+        StopStrings(CODEC, vocab_size=200).feed([200])
+    for bad in (100, 12.5, True):
+        with pytest.raises(ValueError, match=rf"vocab_size={bad!r} must be None or an int >= the tokenizer's 128"):
+            StopStrings(CODEC, vocab_size=bad)
+
+
 BIG = tiny_tokenizer(300)  # every byte has a token: random ids spell arbitrary (often invalid) UTF-8
 
 
