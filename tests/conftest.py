@@ -11,16 +11,6 @@ import tempfile
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-# The suite compiles far more than it runs (tiny models, a few tokens per test), so XLA's CPU backend
-# skips its LLVM optimizations here: measured on 2 cores, test_engine + test_generation +
-# test_state_machine with an empty compilation cache took 552 s instead of 697 s, same 86 passes
-# (a decode step of the tiny model runs ~2.5x slower; the tokens are the same). Subprocesses the tests
-# start inherit it. HKV_TEST_XLA_DEFAULT=1 runs the suite under XLA's default optimization level.
-if os.environ.get("HKV_TEST_XLA_DEFAULT", "") in ("", "0") and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-
 # The step store (hkv.engine.step_store) stays off in the suite: tests count traces and compilations
 # of steps they build; tests/hkv/test_step_store.py turns it on in directories of its own.
 os.environ.setdefault("HKV_STEP_STORE", "0")
