@@ -611,14 +611,22 @@ class Engine:
         stop = tuple(stop)  # once: a generator would be used up by the check below and read empty after
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
-        prompts, max_new = self._validate(self.tokenizer.encode(list(texts)), max_new_tokens)
+        encoded = self.tokenizer.encode(list(texts))
+        for i, (text, p) in enumerate(zip(texts, encoded)):
+            if not p:
+                raise ValueError(
+                    f"texts[{i}]={text!r:.60} encodes to no tokens (this tokenizer adds no BOS); every prompt "
+                    "needs >= 1 token"
+                )
+        prompts, max_new = self._validate(encoded, max_new_tokens)
         ids = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
         sampling, stops = self._validate_options(sampling, ids, False)
         with self._drive():
             seqs = [self._new_seq(i, p, max_new, sampling, stops, False) for i, p in enumerate(prompts)]
             vocab = self.model.vocab_size  # ids past the tokenizer's decode to no text
             readers = [
-                StopStrings(self.tokenizer, list(stop), include_stop=include_stop, vocab_size=vocab) for _ in seqs
+                StopStrings(self.tokenizer, list(stop), include_stop=include_stop, vocab_size=vocab, context=p)
+                for p in prompts
             ]
             fed = [0] * len(seqs)
             self._queue.extend(seqs)

@@ -34,6 +34,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode writes for bytes that are not (yet) a character
+CONTEXT_TOKENS = 6  # prompt ids `StopStrings` decodes before the first generated one (as TGI's 5)
 
 
 def _tokenizers():
@@ -332,6 +333,11 @@ class StopStrings:
             whose vocabulary is padded past its tokenizer's (DeepSeek-V4) can generate ids the
             tokenizer has no token for: pass the model's vocab_size and those ids decode to no text
             (as `tokenizers` decodes them).
+        context: the ids the stream continues (the prompt; its last `CONTEXT_TOKENS` are used), decoded
+            before the first generated id and not emitted. Decoders that strip the leading space of
+            a text (SentencePiece's Metaspace / Strip) would drop the space of the first generated
+            word without it: " fox" after a prompt read "fox", and a stop string " fox" was missed.
+            Ignored when those ids do not decode to whole characters.
 
     Raises:
         ValueError: stop is a bare string, stop[i] is not a non-empty str, or vocab_size is smaller
@@ -346,6 +352,7 @@ class StopStrings:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         vocab_size: int | None = None,
+        context: Sequence[int] = (),
     ):
         if vocab_size is not None and (
             isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < codec.vocab_size
@@ -375,6 +382,11 @@ class StopStrings:
         self.stop_string: str | None = None  # the stop string that ended the stream
         self.consumed = 0
         self._finished = False
+        ctx = list(context)[-CONTEXT_TOKENS:]
+        ctx = [_check_id(t, f"context[{len(context) - len(ctx) + i}]", self._vocab) for i, t in enumerate(ctx)]
+        ctx_text = self.codec._decode(ctx, self._skip) if ctx else ""
+        if ctx_text and not ctx_text.endswith(_REPLACEMENT):  # whole characters: the window starts there
+            self._ids, self._read, self._prefix_len = ctx, len(ctx), len(ctx_text)
 
     @property
     def text(self) -> str:

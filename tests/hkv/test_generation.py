@@ -621,6 +621,8 @@ def test_generate_text_with_a_checkpoint_tokenizer_and_stop_strings(model, tmp_p
     assert none.text == full.text and none.finish_reason == "length"
     with pytest.raises(ValueError, match="texts"):
         engine.generate_text("not a list", 4)
+    with pytest.raises(ValueError, match=r"texts\[1\]='' encodes to no tokens \(this tokenizer adds no BOS\)"):
+        engine.generate_text([prompt, ""], 4)  # (it said "prompt 1 is empty", naming no text)
     for bad in ("x", 5, [""], [3]):
         with pytest.raises(ValueError, match="stop="):
             engine.generate_text([prompt], 4, stop=bad)

@@ -244,6 +244,41 @@ def test_special_tokens_skipped_and_bad_ids_rejected():
         StopStrings(CODEC, "END")
 
 
+def _sentencepiece_like():
+    """A word-level tokenizer with SentencePiece's Metaspace pre-tokenizer and decoder, which strips
+    the leading space of the text it decodes ("▁fox" alone decodes to "fox")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "▁the", "▁quick", "▁fox", "▁jumps", "▁over", "▁dog", "é", "▁"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return TextCodec(tok, eos_tokens=["</s>"])
+
+
+def test_a_stream_continues_its_context_so_a_leading_space_is_kept():
+    """With the prompt as context, the first generated word keeps its leading space under a decoder
+    that strips it (it read "fox jumps" and a stop string " fox" at the start was missed), and the
+    streamed text is what decoding prompt + output adds to the prompt's text."""
+    sp = _sentencepiece_like()
+    (prompt,) = sp.encode(["the quick"])
+    out = [5, 6, 7, 3, 8]  # " fox jumps over the dog"
+    s = StopStrings(sp, context=prompt)
+    streamed = "".join(s.feed(t).text for t in out) + s.finish().text
+    whole = sp.decode(prompt + out)
+    assert streamed == whole[len(sp.decode(prompt)) :] == " fox jumps over the dog"
+    assert StopStrings(sp, [" fox"], context=prompt).feed(out) == TextDelta("", True, 1)
+    assert StopStrings(sp, [" over"], context=prompt).feed(out) == TextDelta(" fox jumps", True, 3)
+    # only the last CONTEXT_TOKENS ids are decoded; a context that ends inside a character is ignored
+    assert StopStrings(sp, context=[3] * 1000 + prompt).feed(out).text == " fox jumps over the dog"
+    small = tiny_tokenizer(TINY_MIN_VOCAB)  # é is two byte tokens there
+    e1, e2 = small.encode(["é"])[0]
+    s = StopStrings(small, context=[token_of(small, "a"), e1])  # ends inside é: decodes as "a\ufffd"
+    assert s.feed([e2]).text == "" and s.finish().text == "\ufffd"  # as without context
+    with pytest.raises(ValueError, match=r"context\[1\]=999 must lie in \[0, vocab_size=11\)"):
+        StopStrings(sp, context=[3, 999])
+
+
 def test_ids_past_the_tokenizer_up_to_the_model_vocab_decode_to_no_text():
     """A model vocabulary padded past the tokenizer's: StopStrings(vocab_size=model's) accepts those
     ids (no text, as `tokenizers` decodes them); past vocab_size they stay an error."""
