@@ -196,6 +196,20 @@ class LayerView:
         return f"LayerView({type(self._stacked).__name__}, repetition={self._r})"
 
 
+def _not_a_pytree(view: LayerView):
+    raise TypeError(
+        f"{view!r} is a view of one layer of a stacked run, not a module or a pytree: pass "
+        "`view.module()` (a module of the layer's weights, a copy) to nnx.split / nnx.state / nnx.jit / "
+        "jax transforms, or the whole model"
+    )
+
+
+# A view is registered as a pytree only to refuse flattening by name: unregistered, nnx.split(view)
+# returned a state whose one leaf was the view itself (silently not the layer's weights) and
+# nnx.state(view) failed with an IndexError.
+jax.tree_util.register_pytree_node(LayerView, _not_a_pytree, lambda aux, children: _not_a_pytree(aux))
+
+
 class LayerStack(nnx.Module):
     """The decoder layers of a model, repeating runs held stacked (see the module docstring).
 

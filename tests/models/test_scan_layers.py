@@ -222,6 +222,14 @@ def test_layer_views_read_and_write_the_stacked_weights():
     assert not isinstance(copied, LayerView) and copied.attn.wq_a.value.shape == v.shape
     with pytest.raises(TypeError, match="pickle the model"):
         pickle.dumps(model.layers[3])
+    # NNX and JAX refuse a view by name (nnx.split returned a state whose one leaf was the view itself,
+    # nnx.state raised IndexError); its module() is what they take
+    for refuse in (nnx.split, nnx.state, jax.tree.leaves):
+        with pytest.raises(TypeError, match=r"not a module or a pytree: pass `view.module\(\)`"):
+            refuse(model.layers[3])
+    np.testing.assert_array_equal(
+        np.asarray(nnx.state(model.layers[3].module())["attn"]["wq_a"].get_value()), np.asarray(v.value)
+    )
     x = jnp.asarray(
         np.random.default_rng(6).normal(size=(1, 12, REPEATING.hc_mult, REPEATING.hidden_size)), jnp.float32
     )
