@@ -22,7 +22,7 @@ demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m models.deepseek_v4.demo
 
 # Test files run in HKV_TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
-# module fixtures are built once). XLA compiles on one thread: 2 workers use both cores of a 2-core box.
+# module fixtures are built once). One XLA compile uses ~1.6 cores on average: 2 workers keep a 2-core box busy.
 HKV_TEST_WORKERS ?= 2
 
 test: $(STAMP)

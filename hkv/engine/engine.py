@@ -389,7 +389,7 @@ class Engine:
         flat = getattr(self._steps, "flat_weights", None)
         self._step_weights = flat(self._weights) if flat is not None else self._weights
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
-        self._prefetched: set[tuple[int, bool]] = set()  # decode variants `_prefetch_decode` asked for
+        self._asked_ahead: set[tuple] = set()  # the step variants `_build_ahead` asked for
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
         self._restore_window = self._steps.restore_window
@@ -731,10 +731,7 @@ class Engine:
                             "restore_window",
                         )
                     )
-                for k in (RECORD_BATCH,):  # pack_records pads every batch to RECORD_BATCH rows
-                    args = (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
-                            jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32), jnp.arange(k) < 0)  # fmt: skip
-                    out.append((self._record_many, args, "record_many"))
+                out.append((self._record_many, self._record_args(slot), "record_many"))
                 none = jnp.zeros((self.layout.config.prefix_records,), bool)
                 out.append((self._evict, (none, none, none), "evict"))
                 if self.disk is not None:
@@ -767,7 +764,7 @@ class Engine:
 
     def _precompile(self, calls: list, times: dict[str, float]) -> None:
         """Compile `calls` [(jitted step, arguments after (layout, cache), name)] in parallel threads
-        (XLA compiles a program on one thread; JAX keeps each for the step's next call with the same
+        (one XLA compile keeps ~1.6 cores busy on average; JAX keeps each for the step's next call with the same
         argument types, so `warmup` then only runs them). An optimization only: a step that fails
         to compile here compiles at its call."""
         workers = min(len(calls), os.cpu_count() or 1)
@@ -1078,7 +1075,8 @@ class Engine:
         """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
         stats["compile_seconds"], with a progress message on the first use of a bucket."""
         self._names.add(name)
-        fresh = self._steps.traces[name] == 0
+        building = getattr(fn, "building", None)  # (built ahead on another thread: this call waits for it)
+        fresh = self._steps.traces[name] == 0 or (building is not None and building(self.layout, *args))
         if fresh:
             self._say(f"compiling {name} (once per process; cached on disk)")
         t0 = time.perf_counter()
@@ -1117,7 +1115,7 @@ class Engine:
             keep = any(q.keep_logits for q in rows)
             read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
-            self._prefetch_decode(rows)
+            self._build_ahead(rows)
             out, dt, fresh = self._timed(
                 self._prefill, self._step_weights, tokens, slots, n_valid, params, keep, read, name=name
             )
@@ -1256,21 +1254,33 @@ class Engine:
         return (self._step_weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
                 np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
 
-    def _prefetch_decode(self, rows: list[_Seq]) -> None:
-        """Before their prefill, start loading the decode step these requests will run next from the
-        step store (`_Step.prefetch`; once per stop width and logits choice), so that in a new
-        process it loads while the prefill step loads and runs (the demo's first `generate` in a
-        second process: 2.9-3.0 -> 2.4-2.5 s on a 2-core CPU). Nothing when the store does not
-        hold it or no row will decode."""
-        if not any(q.max_new > 1 for q in rows):
-            return
-        keep = any(q.keep_logits for q in rows)
-        n_stop = _stop_width(rows)
-        prefetch = getattr(self._decode, "prefetch", None)
-        if prefetch is None or (n_stop, keep) in self._prefetched:
-            return
-        self._prefetched.add((n_stop, keep))
-        prefetch(self.layout, self.cache, *self._idle_decode_args(n_stop, keep))
+    def _record_args(self, slot: jax.Array) -> tuple:
+        """Arguments (after layout, cache) of a record step for `slot` that records nothing: the
+        shapes and types `_after_step` gives (`pack_records` pads every batch to RECORD_BATCH rows)."""
+        k, bt = RECORD_BATCH, self.spec.block_tokens
+        return (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
+                jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32), jnp.arange(k) < 0)  # fmt: skip
+
+    def _build_ahead(self, rows: list[_Seq]) -> None:
+        """Before their prefill, start building the steps these requests run next on background
+        threads (`_Step.build_ahead`): the decode step for their stop width and logits choice (when
+        a row will decode), and, once per engine, the prefix cache's record step and the slot
+        release, so that they compile while the prefill step compiles and runs (or, in a new
+        process, load from the step store while it loads). Each variant is asked for once per
+        engine; one already built is not built again."""
+        slot = jnp.int32(0)  # as requests pass it
+        ahead = {("release",): (self._release, lambda: (slot,))}
+        if self.prefix_enabled:
+            ahead[("record_many",)] = (self._record_many, lambda: self._record_args(slot))
+        if any(q.max_new > 1 for q in rows):
+            keep, n_stop = any(q.keep_logits for q in rows), _stop_width(rows)
+            ahead[("decode", n_stop, keep)] = (self._decode, lambda: self._idle_decode_args(n_stop, keep))
+        for variant in sorted(ahead.keys() - self._asked_ahead, key=lambda v: v[0] != "decode"):
+            fn, args = ahead[variant]
+            self._asked_ahead.add(variant)
+            build = getattr(fn, "build_ahead", None)
+            if build is not None:
+                build(self.layout, self.cache, *args())
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""

@@ -5,6 +5,7 @@ Every engine here has the same model and layout, so they share one set of compil
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -675,6 +676,43 @@ def test_compilations_name_every_bucket_once(model, truth):
     engine.generate([B], 8, stop_token_ids=[toks[7], toks[6], toks[5], toks[4]])
     names = engine.compilations
     assert "decode[4]+stops4" in names and set(names.values()) == {1}
+
+
+def test_the_decode_step_builds_on_another_thread_while_the_first_prefill_builds(model, truth, monkeypatch):
+    """Before a first prefill the engine starts building the decode step that follows it on a
+    background thread (`_Step.build_ahead`), so the two compile at once; the calls then use those
+    programs: one compilation each (not one ahead and one at the call: the uncommitted slot scalar
+    lowered as a spec with a sharding was another jit key), the same tokens."""
+    from hkv.engine import compiled
+
+    threads = []
+    count = compiled.CompiledSteps.count
+
+    def logged(self, name):
+        threads.append((name, threading.current_thread().name))
+        count(self, name)
+
+    monkeypatch.setattr(compiled.CompiledSteps, "count", logged)
+    xla = collections.Counter()  # XLA compilations (or persistent-cache reads) by function name
+
+    def compiled_one(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            xla[fun_name] += 1
+
+    engine = _engine(model, decode_steps=3)  # a decode variant no other test of this module builds
+    jax.monitoring.register_event_duration_secs_listener(compiled_one)
+    try:
+        (g,) = engine.generate([A], 8)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled_one)
+    assert g.tokens == truth[tuple(A)][0]
+    built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
+    assert built["decode"] == "hkv-step-ahead"  # (the prefill step, when not built by an earlier test: here)
+    assert built.get("prefill", "MainThread") == "MainThread"
+    assert engine.compilations["decode[3]"] == 1 and xla["jit(decode)"] == 1
+    # the slot release and the record step are built ahead too (unless an earlier test built them)
+    assert xla["jit(release_slot)"] <= 1 and xla["jit(record_many)"] <= 1
+    _idle_ok(engine)
 
 
 def test_warmup_compiles_every_step_and_changes_nothing(model, truth):

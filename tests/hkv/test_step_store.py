@@ -62,7 +62,7 @@ from models import toy
 calls, loaded = [], []
 original = toy.ToyModel.cached_step
 def counted(self, *a, **k):
-    calls.append(1)
+    calls.append(threading.current_thread().name)
     return original(self, *a, **k)
 toy.ToyModel.cached_step = counted
 load = ss.StepStore.load
@@ -76,14 +76,16 @@ model = toy.init(toy.ToyConfig(layers=(toy.Attn(window=4), toy.Compressed(ratio=
 config = hkv.CacheConfig(slots=2, max_context=64, page_size=4, prefix_records=16)
 engine = hkv.Engine(model, config, block_tokens=4, prefill_chunk=8, decode_steps=4)
 tokens = [g.tokens for g in engine.generate(json.loads(sys.argv[1]), int(sys.argv[2]))]
-print(json.dumps({"tokens": tokens, "compilations": engine.compilations, "traced": len(calls), "loaded": loaded}))
+print(json.dumps({"tokens": tokens, "compilations": engine.compilations, "traced": len(calls), "loaded": loaded,
+                  "traced_on": sorted(set(calls))}))
 """
 
 
 def _child(store, jax_cache, new_tokens: int = 6) -> dict:
     """A new process generating PROMPTS with the step store in `store` and JAX's cache in `jax_cache`
     (the store keeps only executables compiled afresh, not ones JAX's cache read back). "loaded":
-    [step name, thread] of every step read from the store."""
+    [step name, thread] of every step read from the store; "traced_on": the threads that traced the
+    model."""
     env = dict(os.environ, HKV_STEP_STORE=str(store), JAX_PLATFORMS="cpu", HKV_COMPILATION_CACHE=str(jax_cache))
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), str(new_tokens)], check=False, env=env,
@@ -97,6 +99,8 @@ def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_
     store = tmp_path / "steps"
     first = _child(store, tmp_path / "jax")  # an empty store: traces, compiles and stores every step
     assert first["traced"] > 0
+    # the decode step is built on a background thread while the first prefill step builds and runs
+    assert sorted({t.rsplit("_", 1)[0] for t in first["traced_on"]}) == ["MainThread", "hkv-step-ahead"]
     entries = sorted(p.name for p in store.iterdir())
     assert entries and all(name.endswith(".step") for name in entries)
     second = _child(store, tmp_path / "jax")
@@ -104,9 +108,9 @@ def test_a_new_process_loads_every_step_without_tracing_and_an_unreadable_entry_
     assert second["traced"] == 0  # neither prefill nor decode was traced: loaded from the store
     assert second["compilations"] == first["compilations"]  # a load counts as the build it replaces
     assert sorted(p.name for p in store.iterdir()) == entries  # nothing new stored
-    # the decode step loads on a prefetch thread while the first prefill step loads and runs
+    # the decode step loads on a background thread while the first prefill step loads and runs
     threads = {name.split("[")[0]: thread for name, thread in second["loaded"]}
-    assert threads["prefill"] == "MainThread" and threads["decode"].startswith("hkv-step-prefetch")
+    assert threads["prefill"] == "MainThread" and threads["decode"].startswith("hkv-step-ahead")
     one = _child(store, tmp_path / "jax", new_tokens=1)  # no request decodes: nothing prefetched
     assert [name.split("[")[0] for name, _ in one["loaded"]] == ["prefill"] and one["traced"] == 0
     for path in store.iterdir():
