@@ -131,6 +131,10 @@ def test_a_later_engine_of_the_same_process_reuses_the_executables_it_holds(stor
     first = _engine(_model())
     want = [g.tokens for g in first.generate(PROMPTS, 6)]
     built = first.compilations
+    # the first engine's background work ends first: a step JAX's cache held is compiled again for
+    # the store on a background thread (`_Step._store_later`), which traces the model
+    compiled.wait_for_ahead()
+    compiled.wait_for_store()
     calls = _traces_of_cached_step(monkeypatch)
     compiled._SHARED.clear()  # a new CompiledSteps, as when the shared entry was pushed out
     second = _engine(_model())
