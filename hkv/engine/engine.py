@@ -1268,10 +1268,9 @@ class Engine:
         release, so that they compile while the prefill step compiles and runs (or, in a new
         process, load from the step store while it loads). Each variant is asked for once per
         engine; one already built is not built again."""
-        slot = jnp.int32(0)  # as requests pass it
-        ahead = {("release",): (self._release, lambda: (slot,))}
+        ahead = {("release",): (self._release, lambda: (jnp.int32(0),))}  # the slot as requests pass it
         if self.prefix_enabled:
-            ahead[("record_many",)] = (self._record_many, lambda: self._record_args(slot))
+            ahead[("record_many",)] = (self._record_many, lambda: self._record_args(jnp.int32(0)))
         if any(q.max_new > 1 for q in rows):
             keep, n_stop = any(q.keep_logits for q in rows), _stop_width(rows)
             ahead[("decode", n_stop, keep)] = (self._decode, lambda: self._idle_decode_args(n_stop, keep))

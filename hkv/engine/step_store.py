@@ -183,10 +183,6 @@ class StepStore:
     def key(self, *parts: str) -> str:
         return hashlib.sha256("\n".join((_process_key(), *parts)).encode()).hexdigest()
 
-    def has(self, key: str) -> bool:
-        """Whether an entry is stored under `key` (it may still turn out unreadable on `load`)."""
-        return (self.dir / f"{key}.step").is_file()
-
     def load(self, key: str, device):
         """(jax.stages.Compiled on `device`, names traced when it was built), or None (absent or
         unreadable: an unreadable entry is removed)."""
