@@ -33,12 +33,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
+from pallas_kernels import index_math as im
 from pallas_kernels import input_checks as checks
 
 
 def visible_entries(lengths, n_compressed, compress_ratio: int, capacity: int):
     """int32[batch]: compressed entries the newest token may attend to."""
-    causal = jax.lax.div(jnp.maximum(lengths, 0), compress_ratio)
+    causal = im.div(jnp.maximum(lengths, 0), compress_ratio)
     return jnp.clip(jnp.minimum(n_compressed, causal), 0, capacity)
 
 
@@ -368,10 +369,10 @@ def compressed_rows_reference(compressed_pool, compressed_page_table, entries, v
     """[batch, n, D] rows of compressed `entries` (int32[batch, n]); invalid ones are not looked up."""
     c_page_size = compressed_pool.shape[1]
     c_pages_per_seq = compressed_page_table.shape[1]
-    safe = jnp.where(valid, entries, 0)
-    logical = (safe // c_page_size) % c_pages_per_seq
-    pages = jnp.where(valid, jnp.take_along_axis(compressed_page_table, logical, axis=1), 0)
-    return compressed_pool[pages, safe % c_page_size]
+    safe = jnp.where(valid, entries, 0)  # (entries >= 0 where valid)
+    logical = im.rem(im.div(safe, c_page_size), c_pages_per_seq)
+    pages = jnp.where(valid, im.take_rows(compressed_page_table, logical), 0)
+    return compressed_pool[pages, im.rem(safe, c_page_size)]
 
 
 def hca_decode_attention_reference(

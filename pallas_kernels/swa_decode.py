@@ -33,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
+from pallas_kernels import index_math as im
 from pallas_kernels import input_checks as checks
 
 # GPU tiles: query heads per program (Triton dot tiles need >= 16) and rows folded per step. Untuned
@@ -298,9 +299,9 @@ def window_rows_reference(window_pool, window_page_table, lengths, window: int):
     start = jnp.maximum(lengths - window, 0)  # [batch]
     positions = start[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]  # [batch, window]
     valid = positions < lengths[:, None]
-    logical = (positions // page_size) % pages_per_seq
-    pages = jnp.where(valid, jnp.take_along_axis(window_page_table, logical, axis=1), 0)
-    return window_pool[pages, positions % page_size], valid
+    logical = im.rem(im.div(positions, page_size), pages_per_seq)  # (positions >= 0)
+    pages = jnp.where(valid, im.take_rows(window_page_table, logical), 0)
+    return window_pool[pages, im.rem(positions, page_size)], valid
 
 
 def swa_decode_attention_reference(

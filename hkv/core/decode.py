@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import index_math as im
+
 from .layout import CacheLayout, Status
 from .sampling import Sampling, SamplingParams, sample
 from .state import HybridCache
@@ -106,7 +108,7 @@ def step_and_sample(
     n_run = jnp.where(bad, 0, n_valid)  # a refused step runs no row: the cache comes back unchanged
     cache, logits, status = model.cached_step(layout, cache, tokens, slots, n_run, **step_options)
     status = jnp.where(bad, jnp.int32(Status.BAD_TOKEN), status)
-    last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, V]
+    last = im.take_rows(logits, jnp.clip(n_valid - 1, 0, c - 1)[:, None])[:, 0]  # [B, V]
     tok, lp = sample(last, params, cache.lengths[slots], model.vocab_size)
     emit = (n_valid > 0) & (status == Status.OK)
     tok, lp = jnp.where(emit, tok, 0), jnp.where(emit, lp, 0.0)

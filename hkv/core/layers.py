@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels as pk
+from pallas_kernels import index_math as im
 
 from . import transitions as tr
 from .layout import CacheLayout, Status
@@ -220,8 +221,8 @@ def read_size(sizes: Sequence[int | None], tokens: int) -> int | None:
 
 # ------------------------------------------------------------------------------ attention math
 def causal_entry_limit(positions: jax.Array, ratio: int) -> jax.Array:
-    """Compressed entries visible to a query at absolute position t: (t + 1) // ratio."""
-    return (positions + 1) // ratio
+    """Compressed entries visible to a query at absolute position t: (t + 1) // ratio (t >= 0)."""
+    return im.div(positions + 1, ratio)
 
 
 def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, head_dim: int) -> jax.Array:
@@ -445,7 +446,7 @@ class LayerCache:
         see)."""
         st, m = self.step, self.ratio
         n_max = st.context_bound // m
-        n_now = st.new_len // m
+        n_now = im.div(st.new_len, m)
         w = jnp.arange(n_max)[None, :]
         rows, ok = jnp.broadcast_to(w, (st.slots.shape[0], n_max)), w < n_now[:, None]
         entries = self._read(cache, kind, rows, ok)
@@ -518,7 +519,8 @@ class LayerCache:
         tail_index = [(l, n) for l, n, _ in layout.spec.compressors()].index((self.layer, which))
         t = cache.tails[tail_index]
         b, c = kv.shape[:2]
-        tail_len = st.start % m
+        # positions and counts are >= 0: `index_math` (one op each, no sign corrections)
+        tail_len = im.rem(st.start, m)
         lb = -(-(m - 1 + c) // m) * m  # static buffer length: open-window rows + chunk, whole windows
         j = jnp.arange(lb)[None, :]
         ci = j - tail_len[:, None]
@@ -526,14 +528,15 @@ class LayerCache:
         from_chunk = (ci >= 0) & (ci < st.n_valid[:, None])
 
         def assemble(tail_rows, chunk_rows):
-            tr_ = jnp.take_along_axis(tail_rows[st.slots].astype(chunk_rows.dtype), jnp.clip(j, 0, m - 1)[..., None], 1)
-            cr = jnp.take_along_axis(chunk_rows, jnp.clip(ci, 0, c - 1)[..., None], 1)
+            # open-window rows j < tail_len < m first (padded: rows past m are never selected), then the chunk
+            tr_ = jnp.pad(tail_rows[st.slots].astype(chunk_rows.dtype), ((0, 0), (0, lb - m), (0, 0)))
+            cr = im.take_rows(chunk_rows, jnp.clip(ci, 0, c - 1))
             return jnp.where(from_tail[..., None], tr_, jnp.where(from_chunk[..., None], cr, 0))
 
         buf_kv, buf_gate = assemble(t.tail_kv, kv), assemble(t.tail_gate, gate)
         total = tail_len + st.n_valid
-        count = total // m
-        first_entry = st.start // m
+        count = im.div(total, m)
+        first_entry = im.div(st.start, m)
         prior_kv = prior_gate = None
         if comp.overlap:
             prior_kv, prior_gate = t.overlap_kv[st.slots], t.overlap_gate[st.slots]
@@ -542,14 +545,14 @@ class LayerCache:
         i = jnp.arange(m)[None, :]
         src = jnp.clip(count[:, None] * m + i, 0, lb - 1)
         keep = i < (total - count * m)[:, None]
-        new_kv = jnp.where(keep[..., None], jnp.take_along_axis(buf_kv, src[..., None], 1), 0)
-        new_gate = jnp.where(keep[..., None], jnp.take_along_axis(buf_gate, src[..., None], 1), 0)
+        new_kv = jnp.where(keep[..., None], im.take_rows(buf_kv, src), 0)
+        new_gate = jnp.where(keep[..., None], im.take_rows(buf_gate, src), 0)
         ov_kv, ov_gate = jnp.zeros((b, 0, d)), jnp.zeros((b, 0, d))
         if comp.overlap:  # the first entry_dim columns of the last window this step closed
             bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
             last = jnp.clip((count - 1)[:, None] * m + i, 0, lb - 1)
-            ca_kv = jnp.take_along_axis(buf_kv, last[..., None], 1)[..., :d]
-            ca_gate = (jnp.take_along_axis(buf_gate, last[..., None], 1) + bias)[..., :d]
+            ca_kv = im.take_rows(buf_kv, last)[..., :d]
+            ca_gate = (im.take_rows(buf_gate, last) + bias)[..., :d]
             closed = (count > 0)[:, None, None]
             ov_kv = jnp.where(closed, ca_kv, prior_kv.astype(ca_kv.dtype))
             ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate)
@@ -582,7 +585,7 @@ class LayerCache:
         m = self.ratio
         if st.decode:
             lengths = st.kernel_lengths
-            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, g.page_table[st.slots], lengths, lengths // m,
+            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, g.page_table[st.slots], lengths, im.div(lengths, m),
                                     k=k, compress_ratio=m, index_layer=li, backend=st.backend,
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
@@ -682,7 +685,7 @@ class LayerCache:
                                            shared_kv=self.shared_kv, **kernels)  # fmt: skip
         cg, cl = self._group(ObjectKind.COMPRESSED)
         comp = cache.groups[cg]
-        args = (q, swa.pool, pt, lengths, sinks, comp.pool, comp.page_table[st.slots], lengths // self.ratio)
+        args = (q, swa.pool, pt, lengths, sinks, comp.pool, comp.page_table[st.slots], im.div(lengths, self.ratio))
         common = dict(window=self.window, window_layer=sl, compress_ratio=self.ratio, compressed_layer=cl,
                       scale=scale, **kernels)  # fmt: skip
         if picks is None:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import index_math as im
+
 from .layout import CacheLayout, Residency, Status, TailState
 from .spec import ObjectKind
 from .state import HybridCache, form_bits
@@ -123,9 +125,10 @@ def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tu
 
 # ----------------------------------------------------------------------------- allocation
 def required_rows(layout: CacheLayout, g: int, length: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rows [lo, hi) group g must hold for a slot of `length` tokens (after a step)."""
+    """Rows [lo, hi) group g must hold for a slot of `length` tokens (after a step). `length` >= 0
+    (a negative one, which `reserve` refuses, gives rows rounded towards 0)."""
     grp = layout.groups[g]
-    hi = length // grp.unit
+    hi = im.div(length, grp.unit)
     lo = jnp.zeros_like(hi) if grp.keep is None else jnp.maximum(hi - grp.keep, 0)
     return lo, hi
 
@@ -149,8 +152,8 @@ def reserve(
     for gi, g in enumerate(cache.groups):
         m = g.page_table.shape[1]
         lo, hi = required_rows(layout, gi, new_lengths)
-        first = lo // ps
-        last = (hi + ps - 1) // ps  # exclusive
+        first = im.div(lo, ps)  # (lo, hi >= 0 for every request reserve accepts)
+        last = im.div(hi + ps - 1, ps)  # exclusive
         logical = jnp.arange(m)[None, :]
         rows = g.page_table[slots]  # [B, M]
         need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (rows < 0)
@@ -242,13 +245,14 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
 # ---------------------------------------------------------------------------- typed writes
 def _locate(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: jax.Array):
     """(page, offset) of row indices rows[B, R] of each slot; page = P (out of range) where invalid,
-    unmapped, or beyond the page table (a row past capacity is not the last page's row)."""
+    unmapped, or beyond the page table (a row past capacity is not the last page's row); the offset
+    of a negative row (never ok) is some row of a page."""
     ps = layout.page_size
     m = g.page_table.shape[1]
-    logical = jnp.clip(rows // ps, 0, m - 1)
-    page = jnp.take_along_axis(g.page_table[slots], logical, axis=1)
+    logical = jnp.clip(im.div(rows, ps), 0, m - 1)  # (a negative row: any page; it is not ok)
+    page = im.take_rows(g.page_table[slots], logical)
     ok = valid & (rows >= 0) & (rows < m * ps) & (page >= 0)
-    return jnp.where(ok, page, g.pool.shape[1]), rows % ps, ok
+    return jnp.where(ok, page, g.pool.shape[1]), im.rem(rows, ps), ok
 
 
 def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
