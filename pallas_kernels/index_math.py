@@ -47,6 +47,13 @@ def rem(x: jax.Array, m: int) -> jax.Array:
     return jax.lax.rem(x, m)
 
 
+def take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] along axis 0 for integer idx with every index in [0, len(x)): one gather, without the
+    negative-index wrap of `x[idx]`. An index out of range reads some row (XLA clamps gathers), so
+    callers use it where such a row's result is masked away (e.g. an idle batch row's slot)."""
+    return x.at[idx].get(mode="promise_in_bounds", wrap_negative_indices=False)
+
+
 def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     """x[b, idx[b, j]] for x [B, L, ...] and integer idx [B, J] with every index in [0, L)
     -> [B, J, ...]: one gather, without the bounds and negative-index handling
@@ -55,4 +62,4 @@ def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1, mode="promise_in_bounds", wrap_negative_indices=False)
 
 
-__all__ = ["div", "rem", "take_rows"]
+__all__ = ["div", "rem", "take", "take_rows"]

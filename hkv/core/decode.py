@@ -109,7 +109,7 @@ def step_and_sample(
     cache, logits, status = model.cached_step(layout, cache, tokens, slots, n_run, **step_options)
     status = jnp.where(bad, jnp.int32(Status.BAD_TOKEN), status)
     last = im.take_rows(logits, jnp.clip(n_valid - 1, 0, c - 1)[:, None])[:, 0]  # [B, V]
-    tok, lp = sample(last, params, cache.lengths[slots], model.vocab_size)
+    tok, lp = sample(last, params, im.take(cache.lengths, slots), model.vocab_size)
     emit = (n_valid > 0) & (status == Status.OK)
     tok, lp = jnp.where(emit, tok, 0), jnp.where(emit, lp, 0.0)
     if keep_logits:
@@ -183,7 +183,7 @@ def decode_steps(
             layout, cache, cur[:, None], slots, active.astype(jnp.int32), **step_options
         )
         ok = st == Status.OK
-        tok, lp = sample(logits[:, 0], params, cache.lengths[slots], vocab)
+        tok, lp = sample(logits[:, 0], params, im.take(cache.lengths, slots), vocab)
         emit = active & ok
         out = out.at[:, i].set(jnp.where(emit, tok, 0))
         lps = lps.at[:, i].set(jnp.where(emit, lp, 0.0))

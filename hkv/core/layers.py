@@ -162,7 +162,7 @@ def run_step(
             f"[B, C], [B], [B]"
         )
     c = tokens.shape[1]
-    start = cache.lengths[slots]
+    start = im.take(cache.lengths, slots)
     new_len = start + n_valid
     over = jnp.bool_(False)  # a row past the read bound would read truncated entries: refuse the step
     if read_tokens is not None and read_tokens < max_context:
@@ -421,7 +421,7 @@ class LayerCache:
         gi, li = self._group(kind)
         g = cache.groups[gi]
         page, off, _ = tr._locate(self._layout, g, self.step.slots, rows, valid)
-        pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop")
+        pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
         groups = list(cache.groups)
         groups[gi] = g.replace(pool=pool)
         return cache.replace(groups=tuple(groups))
@@ -529,7 +529,7 @@ class LayerCache:
 
         def assemble(tail_rows, chunk_rows):
             # open-window rows j < tail_len < m first (padded: rows past m are never selected), then the chunk
-            tr_ = jnp.pad(tail_rows[st.slots].astype(chunk_rows.dtype), ((0, 0), (0, lb - m), (0, 0)))
+            tr_ = jnp.pad(im.take(tail_rows, st.slots).astype(chunk_rows.dtype), ((0, 0), (0, lb - m), (0, 0)))
             cr = im.take_rows(chunk_rows, jnp.clip(ci, 0, c - 1))
             return jnp.where(from_tail[..., None], tr_, jnp.where(from_chunk[..., None], cr, 0))
 
@@ -539,7 +539,7 @@ class LayerCache:
         first_entry = im.div(st.start, m)
         prior_kv = prior_gate = None
         if comp.overlap:
-            prior_kv, prior_gate = t.overlap_kv[st.slots], t.overlap_gate[st.slots]
+            prior_kv, prior_gate = im.take(t.overlap_kv, st.slots), im.take(t.overlap_gate, st.slots)
         entries = compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate)
         # new TAIL: rows of the still-open window, moved to the front; everything after them empty
         i = jnp.arange(m)[None, :]
@@ -585,7 +585,7 @@ class LayerCache:
         m = self.ratio
         if st.decode:
             lengths = st.kernel_lengths
-            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, g.page_table[st.slots], lengths, im.div(lengths, m),
+            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, im.take(g.page_table, st.slots), lengths, im.div(lengths, m),
                                     k=k, compress_ratio=m, index_layer=li, backend=st.backend,
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
@@ -675,7 +675,7 @@ class LayerCache:
         lengths = st.kernel_lengths
         sg, sl = self._group(ObjectKind.SWA)
         swa = cache.groups[sg]
-        pt = swa.page_table[st.slots]
+        pt = im.take(swa.page_table, st.slots)
         if not compressed:
             if self.shared_kv and self.num_kv_heads == 1 and self.window is not None and softcap is None:
                 return pk.swa_decode_attention(q, swa.pool, pt, lengths, sinks, window=self.window, window_layer=sl,
@@ -685,7 +685,16 @@ class LayerCache:
                                            shared_kv=self.shared_kv, **kernels)  # fmt: skip
         cg, cl = self._group(ObjectKind.COMPRESSED)
         comp = cache.groups[cg]
-        args = (q, swa.pool, pt, lengths, sinks, comp.pool, comp.page_table[st.slots], im.div(lengths, self.ratio))
+        args = (
+            q,
+            swa.pool,
+            pt,
+            lengths,
+            sinks,
+            comp.pool,
+            im.take(comp.page_table, st.slots),
+            im.div(lengths, self.ratio),
+        )
         common = dict(window=self.window, window_layer=sl, compress_ratio=self.ratio, compressed_layer=cl,
                       scale=scale, **kernels)  # fmt: skip
         if picks is None:

@@ -32,10 +32,30 @@ def _keep_if(ok, new: HybridCache, old: HybridCache) -> HybridCache:
     return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
 
 
+def first_failure(*checks: tuple[jax.Array, Status]) -> jax.Array:
+    """int32 status: the code of the first check (in order) whose flag is set, else Status.OK.
+
+    Args:
+      checks: (failed, code) pairs; `failed` a bool scalar, `code` a Status.
+
+    One reduction over the stacked flags, not a chain of `jnp.where`: XLA copies a chain of scalar
+    ops into every fusion that reads its result (a step's status gates every masked write: ~50
+    fusions in a prefill step each recomputed the whole chain), while a reduction is computed once
+    and its result read from memory.
+    """
+    keys = [16 * i + int(code) for i, (_, code) in enumerate(checks)]  # order first, then the code
+    if any(not 0 < int(code) < 16 for _, code in checks):
+        raise ValueError(f"codes {[int(c) for _, c in checks]} must be failure Status values in [1, 15]")
+    failed = jnp.stack([jnp.asarray(f, bool) for f, _ in checks])
+    first = jnp.min(jnp.where(failed, jnp.asarray(keys, jnp.int32), jnp.int32(16 * len(checks))))
+    return first & 15  # 16 * len(checks) & 15 == Status.OK
+
+
 def _set_rows(arr: jax.Array, slots: jax.Array, mask: jax.Array, new: jax.Array) -> jax.Array:
     """arr[slots[b]] = new[b] for the masked batch rows only. An idle (masked-out) row writes
     nothing, so its slot id may be padding that repeats a live row's slot (or any id at all)."""
-    return arr.at[jnp.where(mask, slots, arr.shape[0])].set(new.astype(arr.dtype), mode="drop")
+    idx = jnp.where(mask, slots, arr.shape[0])  # >= 0: no negative-index wrap in the scatter
+    return arr.at[idx].set(new.astype(arr.dtype), mode="drop", wrap_negative_indices=False)
 
 
 def add_refs(group, pages: jax.Array, delta: int):
@@ -43,10 +63,10 @@ def add_refs(group, pages: jax.Array, delta: int):
     free and gets a new generation. Returns (group, number of pages freed)."""
     p = group.refcount.shape[0]
     idx = jnp.where(pages >= 0, pages, p).reshape(-1)
-    refcount = group.refcount.at[idx].add(delta, mode="drop")
+    refcount = group.refcount.at[idx].add(delta, mode="drop", wrap_negative_indices=False)
     if delta >= 0:
         return group.replace(refcount=refcount), jnp.int32(0)
-    freed = jnp.zeros((p,), bool).at[idx].set(True, mode="drop") & (refcount == 0)
+    freed = jnp.zeros((p,), bool).at[idx].set(True, mode="drop", wrap_negative_indices=False) & (refcount == 0)
     return group.replace(refcount=refcount, generation=group.generation + freed.astype(jnp.int32)), jnp.sum(freed)
 
 
@@ -145,9 +165,9 @@ def reserve(
     unknown = jnp.any(mask & ((slots < 0) | (slots >= layout.slots)))
     slots = jnp.clip(slots, 0, layout.slots - 1)
     over = jnp.any(mask & (new_lengths > layout.config.max_context))
-    inactive = jnp.any(mask & ~cache.active[slots])
+    inactive = jnp.any(mask & ~im.take(cache.active, slots))
     same = (slots[:, None] == slots[None, :]) & mask[:, None] & mask[None, :]
-    bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < cache.lengths[slots]))
+    bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < im.take(cache.lengths, slots)))
     needs, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
     for gi, g in enumerate(cache.groups):
         m = g.page_table.shape[1]
@@ -155,13 +175,12 @@ def reserve(
         first = im.div(lo, ps)  # (lo, hi >= 0 for every request reserve accepts)
         last = im.div(hi + ps - 1, ps)  # exclusive
         logical = jnp.arange(m)[None, :]
-        rows = g.page_table[slots]  # [B, M]
+        rows = im.take(g.page_table, slots)  # [B, M]
         need = mask[:, None] & (logical >= first[:, None]) & (logical < last[:, None]) & (rows < 0)
         n_need = jnp.sum(need)
         enough = enough & (n_need <= jnp.sum(g.refcount == 0))
         needs.append((need, rows))
         allocated = allocated + n_need
-    ok = ~unknown & ~bad & ~over & ~inactive & enough
 
     def allocate(groups):
         """Map the needed pages (refcount, page table and generations) and zero them in the pools."""
@@ -171,52 +190,47 @@ def reserve(
             rank = jnp.cumsum(need.reshape(-1)) - 1
             pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1)
             pages = pages.reshape(need.shape)
-            new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], g.page_gen[slots])
+            new_gen = jnp.where(need, g.generation[jnp.maximum(pages, 0)], im.take(g.page_gen, slots))
             tgt = jnp.where(need, pages, g.refcount.shape[0]).reshape(-1)
             out.append(
                 g.replace(
                     page_table=_set_rows(g.page_table, slots, mask, jnp.where(need, pages, rows)),
                     page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
-                    refcount=g.refcount.at[tgt].add(1, mode="drop"),
+                    refcount=g.refcount.at[tgt].add(1, mode="drop", wrap_negative_indices=False),
                     # newly mapped pages are cleared: a freed page never shows its previous occupant's rows
-                    pool=g.pool.at[:, tgt].set(0, mode="drop"),
+                    pool=g.pool.at[:, tgt].set(0, mode="drop", wrap_negative_indices=False),
                 )
             )
         return tuple(out)
 
+    status = first_failure(
+        (unknown, Status.UNKNOWN_SLOT),
+        (bad, Status.BAD_REQUEST),
+        (over, Status.CONTEXT_CAP),
+        (inactive, Status.SLOT_INACTIVE),
+        (~enough, Status.NO_PAGES),
+    )
     # Most steps map no page (a decode step crosses a page boundary once per page_size tokens): the
     # allocation (a nonzero, a cumsum, gathers and five scatters per group; ~110 us of a ~600 us
     # decode step on the tiny model at batch 8) runs only when something is needed and the request
     # is valid; otherwise every group comes back as it was. Both outcomes then share the same group
     # values, so no select over the pools is needed below.
+    ok = status == Status.OK
     groups = jax.lax.cond(ok & (allocated > 0), allocate, lambda gs: tuple(gs), cache.groups)
-    status = jnp.where(
-        unknown,
-        Status.UNKNOWN_SLOT,
-        jnp.where(
-            bad,
-            Status.BAD_REQUEST,
-            jnp.where(
-                over,
-                Status.CONTEXT_CAP,
-                jnp.where(inactive, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)),
-            ),
-        ),
-    )
     counters = _count(cache, "pages_allocated", allocated)
     new = cache.replace(groups=groups, counters=counters)
     fail_name = {Status.NO_PAGES: "failed_no_pages", Status.CONTEXT_CAP: "failed_context_cap"}
     failed = cache.replace(groups=groups)
     for st, name in fail_name.items():
         failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
-    return _keep_if(ok, new, failed), status.astype(jnp.int32)
+    return _keep_if(ok, new, failed), status
 
 
 def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.Array) -> HybridCache:
     """Release SWA pages whose rows have left every window (all rows < length - keep) for each
     masked slot, and record the window bounds [swa_start, swa_end) in the state table."""
     ps = layout.page_size
-    lengths = cache.lengths[slots]
+    lengths = im.take(cache.lengths, slots)
     groups, released = list(cache.groups), jnp.zeros((), jnp.int32)
     for gi, grp in enumerate(layout.groups):
         if grp.kind != ObjectKind.SWA or grp.keep is None:
@@ -224,13 +238,13 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
         g = cache.groups[gi]
         lo, _ = required_rows(layout, gi, lengths)
         logical = jnp.arange(g.page_table.shape[1])[None, :]
-        rows = g.page_table[slots]
+        rows = im.take(g.page_table, slots)
         drop = mask[:, None] & ((logical + 1) * ps <= lo[:, None]) & (rows >= 0)
         g, n = add_refs(g, jnp.where(drop, rows, -1).reshape(-1), -1)
         released = released + n
         groups[gi] = g.replace(
             page_table=_set_rows(g.page_table, slots, mask, jnp.where(drop, -1, rows)),
-            page_gen=_set_rows(g.page_gen, slots, mask, jnp.where(drop, 0, g.page_gen[slots])),
+            page_gen=_set_rows(g.page_gen, slots, mask, jnp.where(drop, 0, im.take(g.page_gen, slots))),
         )
     keep = min((grp.keep for grp in layout.groups if grp.kind == ObjectKind.SWA and grp.keep is not None), default=None)
     start = jnp.zeros_like(lengths) if keep is None else jnp.maximum(lengths - keep, 0)
@@ -250,7 +264,7 @@ def _locate(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: ja
     ps = layout.page_size
     m = g.page_table.shape[1]
     logical = jnp.clip(im.div(rows, ps), 0, m - 1)  # (a negative row: any page; it is not ok)
-    page = im.take_rows(g.page_table[slots], logical)
+    page = im.take_rows(im.take(g.page_table, slots), logical)
     ok = valid & (rows >= 0) & (rows < m * ps) & (page >= 0)
     return jnp.where(ok, page, g.pool.shape[1]), im.rem(rows, ps), ok
 
@@ -261,7 +275,7 @@ def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
     g = cache.groups[gi]
     li = grp.layers.index(layer)
     page, off, _ = _locate(layout, g, slots, rows, valid)
-    pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop")
+    pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
     groups = list(cache.groups)
     groups[gi] = g.replace(pool=pool)
     return cache.replace(groups=tuple(groups))
@@ -342,7 +356,7 @@ def advance(layout: CacheLayout, cache: HybridCache, slots, new_lengths, mask) -
             written, jnp.where(tb.indexer_version > 0, tb.indexer_version, cache.indexer_version), 0
         ),
     )
-    written_tokens = jnp.sum(jnp.where(mask, new_lengths - cache.lengths[slots], 0))
+    written_tokens = jnp.sum(jnp.where(mask, new_lengths - im.take(cache.lengths, slots), 0))
     counters = _count(cache, "tokens_written", written_tokens)
     counters["transitions"] = counters["transitions"] + 1
     return cache.replace(lengths=lengths, table=table, counters=counters)

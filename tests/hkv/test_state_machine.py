@@ -659,6 +659,22 @@ def test_no_pages_fails_the_whole_batch_and_leaves_the_cache_unchanged():
     assert new and all(g.generation[p] == 1 for p in new)
 
 
+def test_first_failure_reports_the_first_failed_check_in_order():
+    """reserve's status priority (UNKNOWN_SLOT, BAD_REQUEST, CONTEXT_CAP, SLOT_INACTIVE, NO_PAGES)
+    comes from the order of the checks, not from the codes' values."""
+    order = [Status.UNKNOWN_SLOT, Status.BAD_REQUEST, Status.CONTEXT_CAP, Status.SLOT_INACTIVE, Status.NO_PAGES]
+    first = jax.jit(lambda flags: tr.first_failure(*[(flags[i], c) for i, c in enumerate(order)]))
+    for bits in range(2 ** len(order)):
+        flags = np.array([(bits >> i) & 1 for i in range(len(order))], bool)
+        want = order[int(np.argmax(flags))] if flags.any() else Status.OK
+        got = first(jnp.asarray(flags))
+        assert got.dtype == jnp.int32 and int(got) == want, (flags, int(got), want)
+    rev = tr.first_failure((jnp.array(True), Status.NO_PAGES), (jnp.array(True), Status.UNKNOWN_SLOT))
+    assert int(rev) == Status.NO_PAGES
+    with pytest.raises(ValueError, match=r"codes \[0\] must be failure Status values in \[1, 15\]"):
+        tr.first_failure((jnp.array(True), Status.OK))
+
+
 def test_release_then_reclaim_reads_only_the_new_sequence():
     """After a release, the slot reads nothing; re-claimed and written by a new sequence it reads
     that sequence's rows only, though it maps pages the old one had."""

@@ -53,3 +53,15 @@ def test_take_rows_equals_take_along_axis_for_in_bounds_indices():
     np.testing.assert_array_equal(
         np.asarray(im.take_rows(table, logical)), np.take_along_axis(np.asarray(table), np.asarray(logical), 1)
     )
+
+
+def test_take_equals_indexing_for_in_bounds_indices_in_one_gather():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.integers(-1, 50, size=(7, 5)), jnp.int32)  # e.g. a page table [slots, M]
+    idx = jnp.asarray(rng.integers(0, 7, size=(4,)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(im.take(x, idx)), np.asarray(x)[np.asarray(idx)])
+    np.testing.assert_array_equal(np.asarray(im.take(x[:, 0], idx)), np.asarray(x)[np.asarray(idx), 0])
+    text = jax.jit(im.take).lower(x, idx).as_text()
+    assert text.count('"stablehlo.gather"(') == 1 and "stablehlo.select" not in text  # no wrap / fill masks
+    wrapped = jax.jit(lambda a, i: a[i]).lower(x, idx).as_text()
+    assert "stablehlo.select" in wrapped  # plain indexing: the negative-index wrap `take` avoids
