@@ -428,7 +428,10 @@ class _Step:
             if not hits:  # (the renamed program too was in JAX's cache: this store lost it before)
                 store.save(disk_key, compiled, built)
 
-        _later().submit(job)
+        try:
+            _later().submit(job)
+        except RuntimeError:  # the interpreter is exiting (a build ahead that ends at exit): store it here
+            job()
 
 
 class CompiledSteps:
@@ -515,7 +518,12 @@ class CompiledSteps:
         # the model-independent transitions (claim, release, restore, record, evict, offload)
         self.claim = jit(tr.claim_slot)
         self.release = jit(tr.release_slot)
-        self.restore = jit(functools.partial(px.restore, count=False), name="restore")
+
+        def restore(layout, cache, slot, keys, toks, n_blocks):
+            count(layout, "restore")  # (built ahead once an engine has recorded: `Engine._restore_ahead`)
+            return px.restore(layout, cache, slot, keys, toks, n_blocks, count=False)
+
+        self.restore = jit(restore)
         self.count_plan = jit(px.count_plan)
         self.record_many = jit(px.record_many)
         self.evict = jit(px.evict)

@@ -390,6 +390,7 @@ class Engine:
         self._step_weights = flat(self._weights) if flat is not None else self._weights
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self._asked_ahead: set[tuple] = set()  # the step variants `_build_ahead` asked for
+        self._recorded = False  # whether this engine has recorded a prefix block (`_restore_ahead`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
         self._restore_window = self._steps.restore_window
@@ -985,6 +986,7 @@ class Engine:
                 )
             with self._guard():
                 yield
+            self._restore_ahead()
 
     def _drop_cancelled(self) -> None:
         """For a call allowed only between steps (inside `_exclusive`): drop the requests cancelled
@@ -1280,6 +1282,22 @@ class Engine:
             build = getattr(fn, "build_ahead", None)
             if build is not None:
                 build(self.layout, self.cache, *args())
+
+    def _restore_ahead(self) -> None:
+        """At the end of a call that advanced the engine, once it has recorded prefix blocks: start
+        building the prefix lookup's restore step on a background thread (`_Step.build_ahead`). A
+        first call never needs it (its prompts start no cached chain: `_could_hit`), the next one
+        that shares a prefix does, and compiling it then was most of that call (3.1 s of the demo's
+        3.9 s second turn, cold); built between the calls, it is ready (or partly built) when the
+        next call looks its prefix up. Once per engine; nothing when the step is built already."""
+        if not (self.prefix_enabled and self._recorded) or ("restore",) in self._asked_ahead:
+            return
+        self._asked_ahead.add(("restore",))
+        build = getattr(self._restore, "build_ahead", None)
+        if build is not None:
+            nb, bt = self.layout.config.max_context // self.spec.block_tokens, self.spec.block_tokens
+            keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
+            build(self.layout, self.cache, jnp.int32(0), keys, toks, jnp.int32(0))
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1645,6 +1663,7 @@ class Engine:
                 self._record_many, jnp.int32(seq.slot), keys, jnp.int32(seq.parent_record), toks, retain, lengths, valid
             )
             recs, done, last_used = jax.device_get((recs, done, self._view.prefix.last_used))
+            self._recorded = self._recorded or int(done) > 0
             for r in recs[: int(done)]:
                 seq.parent_record = int(r)
                 if r >= 0:
@@ -1785,7 +1804,26 @@ class Engine:
         self._disk_futures.append((fut, marks))
         self._stats["disk_blocks_offloaded"] += len(payloads)
         self._say(f"disk tier: queued {len(payloads)} blocks")
+        self._disk_ahead(payloads)
         return len(payloads)
+
+    def _disk_ahead(self, payloads: list) -> None:
+        """Start building, on a background thread (`_Step.build_ahead`), the `swap_in` bucket that
+        installs the longest chain these blocks end, restored into an empty slot (every block from
+        disk: the restore after `evict_prefixes`, or of a conversation whose records all left the
+        device), so that a first restore from disk does not compile its install step on the
+        request's path (1.3-1.7 s of the demo's 2-3 s cold disk restore was that compile). A restore
+        from l0 > 0 may need a smaller bucket, built at first use (`warmup` builds every bucket from
+        0). Once per bucket and engine; nothing when the step is built already."""
+        longest = max((pl.length for pl in payloads if pl.snapshot), default=0)
+        if not longest:
+            return
+        rows, tails = swap.swap_in_zero_inputs(self.layout, 0, longest)
+        variant = ("swap_in", swap.swap_in_size(rows))
+        build = getattr(self._swap_in, "build_ahead", None)
+        if variant not in self._asked_ahead and build is not None:
+            self._asked_ahead.add(variant)
+            build(self.layout, self.cache, jnp.int32(0), jnp.int32(0), jnp.int32(0), rows, tails)
 
     def _poll_disk(self) -> None:
         """Mark the blocks of completed disk writes `on_disk` in the prefix index (only once their

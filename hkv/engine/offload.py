@@ -262,19 +262,22 @@ def swap_in_warmup_inputs(layout: CacheLayout) -> list[tuple[tuple, tuple]]:
     l0 > 0 can need a shape not listed here (their rows follow l1), compiled at first use."""
     bt, seen, out = layout.spec.block_tokens, set(), []
     for l1 in range(bt, layout.config.max_context + 1, bt):
-        rows, tails = swap_in_shapes(layout, 0, l1)
+        rows, _ = swap_in_shapes(layout, 0, l1)
         if rows in seen:
             continue
         seen.add(rows)
-        out.append(
-            (
-                tuple(np.zeros(shape, dt) for dt, shape in rows),
-                tuple(
-                    TailState(**{f: np.zeros(getattr(t, f)[1], getattr(t, f)[0]) for f in TAIL_FIELDS}) for t in tails
-                ),
-            )
-        )
+        out.append(swap_in_zero_inputs(layout, 0, l1))
     return out
+
+
+def swap_in_zero_inputs(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, tuple]:
+    """Zero (rows, tails) host arrays of the `swap_in` inputs that extend a slot from boundary l0 to
+    l1 (`swap_in_shapes`): what a build of that bucket's step lowers, without any block's bytes."""
+    rows, tails = swap_in_shapes(layout, l0, l1)
+    return (
+        tuple(np.zeros(shape, dt) for dt, shape in rows),
+        tuple(TailState(**{f: np.zeros(getattr(t, f)[1], getattr(t, f)[0]) for f in TAIL_FIELDS}) for t in tails),
+    )
 
 
 def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid: jax.Array) -> HybridCache:
@@ -296,6 +299,7 @@ __all__ = [
     "swap_in_shapes",
     "swap_in_size",
     "swap_in_warmup_inputs",
+    "swap_in_zero_inputs",
     "swap_out",
     "window_rows",
 ]

@@ -418,6 +418,31 @@ def test_after_warmup_a_restore_from_disk_compiles_nothing(model, stored, tmp_pa
     assert after == warm  # the restore used a warmed bucket: nothing compiled
 
 
+def test_an_offload_builds_the_restore_step_of_its_chain_ahead(model, tmp_path):
+    """Without warmup: offloading records to disk starts building (on a background thread) the
+    `swap_in` bucket that restores their longest chain into an empty slot, so the first restore from
+    disk finds its install step built instead of compiling it on the request's path."""
+    from hkv.engine import compiled
+
+    compiled.clear()  # as in a new process: no step traced yet
+    fresh = make_engine(model, disk=DiskTier(str(tmp_path / "ahead")))
+    fresh.generate([BASE[: CUT + 1]], NEW)
+    traces = fresh._steps.traces
+    assert not any(k.startswith("swap_in[") for k in traces)
+    assert fresh.evict_prefixes() == CUT // BT
+    compiled.wait_for_ahead()
+    rows, _ = hkv.engine.offload.swap_in_zero_inputs(fresh.layout, 0, CUT)
+    name = compiled.step_name("swap_in", hkv.engine.offload.swap_in_size(rows))
+    assert {k: v for k, v in traces.items() if k.startswith("swap_in[")} == {name: 1}
+    fresh.flush_disk()
+    prompt = diverge(CUT, tail=3, seed=22)
+    (g,) = fresh.generate([prompt], NEW, return_logits=True)
+    assert g.plan.disk_tokens == (0, CUT)
+    assert_same([g], reference(model, [prompt]))
+    assert {k: v for k, v in traces.items() if k.startswith("swap_in[")} == {name: 1}  # used, not built again
+    assert fresh.compilations[name] == 1
+
+
 def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, stored, tmp_path):
     engine.disk = DiskTier(str(stored))
     forget_device(engine)

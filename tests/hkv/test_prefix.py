@@ -84,6 +84,25 @@ def warm(model):
     return engine
 
 
+def test_a_call_that_records_builds_the_prefix_lookup_ahead(model):
+    """A first call never looks a prefix up (nothing is cached); once it has recorded blocks it
+    ends by building the lookup's restore step on a background thread, so the next call that shares
+    the prefix finds it built instead of compiling it on its path."""
+    from hkv.engine import compiled
+
+    compiled.clear()  # as in a new process: no step traced yet
+    fresh = make_engine(model)
+    traces = fresh._steps.traces
+    fresh.generate([BASE[: 4 * BT + 1]], NEW)
+    compiled.wait_for_ahead()
+    assert traces["restore"] == 1
+    prompt = diverge(4 * BT, seed=31)
+    (g,) = fresh.generate([prompt], NEW, return_logits=True)
+    assert g.plan.restored_tokens == 4 * BT
+    assert traces["restore"] == 1  # used, not built again
+    assert_exact(model, [prompt], [g])
+
+
 def test_reuse_at_every_block_boundary_is_exact(model, warm):
     ks = list(range(0, len(BASE) // BT + 1))
     prompts = [diverge(k * BT, seed=k) for k in ks] + [diverge(5 * BT + 7, seed=99)]  # last: diverges mid-block
