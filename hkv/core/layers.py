@@ -166,7 +166,8 @@ def run_step(
     new_len = start + n_valid
     over = jnp.bool_(False)  # a row past the read bound would read truncated entries: refuse the step
     if read_tokens is not None and read_tokens < max_context:
-        over = jnp.any((n_valid > 0) & (new_len > read_tokens))
+        known = (slots >= 0) & (slots < layout.slots)  # an unknown slot stays reserve's UNKNOWN_SLOT
+        over = jnp.any((n_valid > 0) & known & (new_len > read_tokens))
     reserved, status = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over)
     status = jnp.where(over, jnp.int32(Status.BAD_REQUEST), status)
     ok = status == Status.OK

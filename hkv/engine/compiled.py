@@ -132,12 +132,31 @@ _AHEAD_POOL: list = []  # the threads of `_Step.build_ahead` (created on first u
 _AHEAD: list = []  # their futures, until `wait_for_ahead`
 
 
+SPECULATIVE_DELAY_S = 0.25  # how long a speculative `build_ahead` waits before it starts building
+_EXITING = threading.Event()  # set when the interpreter starts to exit (`_on_exit`)
+_WAITING: set = set()  # the events speculative jobs wait on (`_on_exit` sets them all)
+
+
+def _on_exit() -> None:
+    """Interpreter exit, before the background pools are joined: speculative builds that have not
+    started yet return at once instead of compiling a step no call will run."""
+    _EXITING.set()
+    with _LOCK:
+        waiting = list(_WAITING)
+    for event in waiting:
+        event.set()
+
+
 def _ahead(job) -> concurrent.futures.Future:
     """Run `job` on one of two threads that build or load steps ahead of their first call
-    (`_Step.build_ahead`): with the caller's own compile, that keeps both cores of a 2-core CPU busy."""
+    (`_Step.build_ahead`): with the caller's own compile, that keeps both cores of a 2-core CPU busy.
+    RuntimeError once the interpreter is exiting (the pool takes no new work)."""
     with _LOCK:
         if not _AHEAD_POOL:
             _AHEAD_POOL.append(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hkv-step-ahead"))
+            register = getattr(threading, "_register_atexit", None)  # runs before the pools are joined
+            if register is not None:
+                register(_on_exit)
         future = _AHEAD_POOL[0].submit(job)
         _AHEAD[:] = [f for f in _AHEAD if not f.done()] + [future]
         return future
@@ -243,6 +262,7 @@ class _Step:
         self._resolved: dict = {}
         self._names: dict = {}  # call key -> names traced by `lower` (the jit reuses that trace later)
         self._building: dict = {}  # call key -> Future of its `build_ahead` job, until it ends or the call joins it
+        self._hurry: dict = {}  # call key -> the Event a speculative `build_ahead` job waits on
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -354,7 +374,7 @@ class _Step:
             self._steps.count(name)  # counted as the build it replaces
         return compiled
 
-    def build_ahead(self, layout, cache, *args) -> bool:
+    def build_ahead(self, layout, cache, *args, speculative: bool = False) -> bool:
         """Start building this call's executable on a background thread without running it, so
         that its first call finds it built (or waits for the rest of its build) instead of building
         it then: loaded from the step store when the store holds it, else traced and compiled (and
@@ -368,6 +388,12 @@ class _Step:
         `generate` of `make demo`'s tiny model with an empty cache on a 2-core CPU took 26.0 s
         against 27.9 s (means of four). A new process with the step store loads the decode step
         while the prefill step loads (2.9-3.0 -> 2.4-2.5 s).
+
+        `speculative=True` is for a step that a later call may or may not run (the prefix lookup
+        after a first call, a disk install after an offload): the job waits `SPECULATIVE_DELAY_S`
+        first (a call that needs the step cuts the wait short) and builds nothing if the process
+        has started to exit by then, so a script that ends right after its call does not wait for
+        a compile it will never use.
         """
         if isinstance(getattr(cache, "lengths", None), jax.core.Tracer):
             return False
@@ -378,8 +404,14 @@ class _Step:
         specs = [a if i in self._static else jax.tree.map(_spec, a) for i, a in enumerate(args, 2)]
         cache_spec = jax.tree.map(_spec, cache)
 
+        go = threading.Event()  # set by a call that needs the step now, or at exit
+
         def job():
             try:
+                if speculative:
+                    go.wait(SPECULATIVE_DELAY_S)
+                    if _EXITING.is_set() or not threading.main_thread().is_alive():
+                        return  # the process is exiting: no call will run this step
                 if disk is None:  # the jitted function's own cache keeps what this compiles for its call
                     self._jitted.lower(layout, cache_spec, *specs).compile()
                     self._resolved[key] = self._jitted
@@ -389,8 +421,21 @@ class _Step:
                         self._resolved[key] = self._resolve(key, layout, cache_spec, specs, disk)
             finally:
                 self._building.pop(key, None)
+                self._hurry.pop(key, None)
+                with _LOCK:
+                    _WAITING.discard(go)
 
-        self._building[key] = _ahead(job)
+        if speculative:
+            with _LOCK:
+                _WAITING.add(go)
+            self._hurry[key] = go
+        try:
+            self._building[key] = _ahead(job)
+        except RuntimeError:  # the interpreter is exiting: the pool takes no new work
+            self._hurry.pop(key, None)
+            with _LOCK:
+                _WAITING.discard(go)
+            return False
         return True
 
     def building(self, layout, *args) -> bool:
@@ -401,7 +446,11 @@ class _Step:
         """Before a call: wait for its `build_ahead` job, or take the job back if it has not started
         (the call then builds the step itself). A job that failed is left to the call, which
         builds the step again and raises what is wrong."""
-        future = self._building.pop(self._key(layout, args)[0], None)
+        key = self._key(layout, args)[0]
+        future = self._building.pop(key, None)
+        hurry = self._hurry.pop(key, None)
+        if hurry is not None:
+            hurry.set()  # a speculative build waiting out its delay starts now
         if future is not None and not future.cancel():
             concurrent.futures.wait([future])
 

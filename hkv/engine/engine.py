@@ -803,7 +803,7 @@ class Engine:
         if self.disk is None:
             raise ValueError("write_through needs a disk tier (Engine(..., disk=hkv.DiskTier(path)))")
         with self._exclusive():
-            return self._offload(jax.device_get(self._view.prefix))
+            return self._offload(jax.device_get(self._view.prefix), ahead=False)  # (often before an exit)
 
     def evict_prefixes(self) -> int:
         """Evict every cached prefix record from device memory (between `generate` calls), writing the
@@ -1284,20 +1284,24 @@ class Engine:
                 build(self.layout, self.cache, *args())
 
     def _restore_ahead(self) -> None:
-        """At the end of a call that advanced the engine, once it has recorded prefix blocks: start
-        building the prefix lookup's restore step on a background thread (`_Step.build_ahead`). A
-        first call never needs it (its prompts start no cached chain: `_could_hit`), the next one
-        that shares a prefix does, and compiling it then was most of that call (3.1 s of the demo's
-        3.9 s second turn, cold); built between the calls, it is ready (or partly built) when the
-        next call looks its prefix up. Once per engine; nothing when the step is built already."""
-        if not (self.prefix_enabled and self._recorded) or ("restore",) in self._asked_ahead:
+        """At the end of a call that advanced the engine, once it has recorded prefix blocks and
+        nothing is left to run: start building the prefix lookup's restore step on a background
+        thread (`_Step.build_ahead`, speculative: it starts after a short delay and not at all when
+        the process exits first). A first call never needs the step (its prompts start no cached
+        chain: `_could_hit`), the next one that shares a prefix does, and compiling it then was
+        most of that call (3.1 s of the demo's 3.9 s second turn, cold). Once per engine; nothing
+        when the step is built already. A failure here is left to the call that needs the step
+        (which builds it and raises what is wrong): the call that just ended has succeeded."""
+        if not (self.prefix_enabled and self._recorded) or ("restore",) in self._asked_ahead or self.pending:
             return
         self._asked_ahead.add(("restore",))
         build = getattr(self._restore, "build_ahead", None)
-        if build is not None:
-            nb, bt = self.layout.config.max_context // self.spec.block_tokens, self.spec.block_tokens
+        if build is None:
+            return
+        nb, bt = self.layout.config.max_context // self.spec.block_tokens, self.spec.block_tokens
+        with contextlib.suppress(Exception):  # see the docstring
             keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
-            build(self.layout, self.cache, jnp.int32(0), keys, toks, jnp.int32(0))
+            build(self.layout, self.cache, jnp.int32(0), keys, toks, jnp.int32(0), speculative=True)
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1767,10 +1771,11 @@ class Engine:
         return True
 
     # ----------------------------------------------------------------------------- disk tier
-    def _offload(self, p, records: list[int] | None = None) -> int:
+    def _offload(self, p, records: list[int] | None = None, ahead: bool = True) -> int:
         """Queue one disk segment with the snapshot blocks of `records` (default: every alive record;
         only those holding an SWA + TAIL snapshot end a restorable block) and every block of their
-        chains the tier lacks. p: host snapshot of the prefix index."""
+        chains the tier lacks. p: host snapshot of the prefix index. ahead: also start building the
+        step that restores them from disk (`_disk_ahead`)."""
         bt = self.spec.block_tokens
         abi = self.spec.fingerprint()
         held = (np.asarray(p.state) == px.RecordState.ALIVE) & np.asarray(p.swa_held) & (np.asarray(p.tail_slot) >= 0)
@@ -1804,26 +1809,31 @@ class Engine:
         self._disk_futures.append((fut, marks))
         self._stats["disk_blocks_offloaded"] += len(payloads)
         self._say(f"disk tier: queued {len(payloads)} blocks")
-        self._disk_ahead(payloads)
+        if ahead:
+            self._disk_ahead(payloads)
         return len(payloads)
 
     def _disk_ahead(self, payloads: list) -> None:
-        """Start building, on a background thread (`_Step.build_ahead`), the `swap_in` bucket that
-        installs the longest chain these blocks end, restored into an empty slot (every block from
-        disk: the restore after `evict_prefixes`, or of a conversation whose records all left the
-        device), so that a first restore from disk does not compile its install step on the
-        request's path (1.3-1.7 s of the demo's 2-3 s cold disk restore was that compile). A restore
-        from l0 > 0 may need a smaller bucket, built at first use (`warmup` builds every bucket from
-        0). Once per bucket and engine; nothing when the step is built already."""
+        """Start building, on a background thread (`_Step.build_ahead`, speculative), the `swap_in`
+        bucket that installs the longest chain these blocks end, restored into an empty slot (every
+        block from disk: the restore after `evict_prefixes`, or of a conversation whose records all
+        left the device), so that a first restore from disk does not compile its install step on
+        the request's path (1.3-1.7 s of the demo's 2-3 s cold disk restore was that compile). A
+        restore from l0 > 0 may need a smaller bucket, built at first use (`warmup` builds every
+        bucket from 0). Once per bucket and engine; nothing when the step is built already; a
+        failure is left to the restore that needs the step."""
         longest = max((pl.length for pl in payloads if pl.snapshot), default=0)
-        if not longest:
-            return
-        rows, tails = swap.swap_in_zero_inputs(self.layout, 0, longest)
-        variant = ("swap_in", swap.swap_in_size(rows))
         build = getattr(self._swap_in, "build_ahead", None)
-        if variant not in self._asked_ahead and build is not None:
-            self._asked_ahead.add(variant)
-            build(self.layout, self.cache, jnp.int32(0), jnp.int32(0), jnp.int32(0), rows, tails)
+        if not longest or build is None:
+            return
+        shapes, _ = swap.swap_in_shapes(self.layout, 0, longest)
+        variant = ("swap_in", "x".join(str(shape[1]) for _, shape in shapes))  # = `swap_in_size` of the rows
+        if variant in self._asked_ahead:
+            return
+        self._asked_ahead.add(variant)
+        with contextlib.suppress(Exception):  # see the docstring
+            rows, tails = swap.swap_in_zero_inputs(self.layout, 0, longest)
+            build(self.layout, self.cache, jnp.int32(0), jnp.int32(0), jnp.int32(0), rows, tails, speculative=True)
 
     def _poll_disk(self) -> None:
         """Mark the blocks of completed disk writes `on_disk` in the prefix index (only once their

@@ -123,6 +123,9 @@ def test_a_step_past_its_read_bound_is_refused_with_the_cache_unchanged(model):
     out, logits, status = step(layout, cache, toks, slot[None], jnp.asarray([40]), read_tokens=32)
     assert int(status) == Status.BAD_REQUEST and not np.asarray(logits).any()
     _assert_same(before, _snapshot(out))
+    for unknown in (-1, layout.slots):  # named as an unknown slot, not as a read past the bound
+        _, _, st = step(layout, out, toks, jnp.asarray([unknown], jnp.int32), jnp.asarray([40]), read_tokens=32)
+        assert int(st) == Status.UNKNOWN_SLOT, (unknown, Status(int(st)).name)
     # within the bound: the same logits as an unbounded step
     a = step(layout, out, toks, slot[None], jnp.asarray([40]), read_tokens=64)
     b = step(layout, out, toks, slot[None], jnp.asarray([40]))
