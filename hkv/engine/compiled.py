@@ -374,7 +374,7 @@ class _Step:
             self._steps.count(name)  # counted as the build it replaces
         return compiled
 
-    def build_ahead(self, layout, cache, *args, speculative: bool = False) -> bool:
+    def build_ahead(self, layout, cache, *args, speculative: bool = False, delay: float | None = None) -> bool:
         """Start building this call's executable on a background thread without running it, so
         that its first call finds it built (or waits for the rest of its build) instead of building
         it then: loaded from the step store when the store holds it, else traced and compiled (and
@@ -390,10 +390,10 @@ class _Step:
         while the prefill step loads (2.9-3.0 -> 2.4-2.5 s).
 
         `speculative=True` is for a step that a later call may or may not run (the prefix lookup
-        after a first call, a disk install after an offload): the job waits `SPECULATIVE_DELAY_S`
-        first (a call that needs the step cuts the wait short) and builds nothing if the process
-        has started to exit by then, so a script that ends right after its call does not wait for
-        a compile it will never use.
+        after a first call, a disk install after an offload): the job waits `delay` seconds first
+        (default `SPECULATIVE_DELAY_S`; a call that needs the step cuts the wait short) and builds
+        nothing if the process has started to exit by then, so a script that ends right after its
+        call does not wait for a compile it will never use.
         """
         if isinstance(getattr(cache, "lengths", None), jax.core.Tracer):
             return False
@@ -409,7 +409,7 @@ class _Step:
         def job():
             try:
                 if speculative:
-                    go.wait(SPECULATIVE_DELAY_S)
+                    go.wait(SPECULATIVE_DELAY_S if delay is None else delay)
                     if _EXITING.is_set() or not threading.main_thread().is_alive():
                         return  # the process is exiting: no call will run this step
                 if disk is None:  # the jitted function's own cache keeps what this compiles for its call

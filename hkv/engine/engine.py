@@ -1821,7 +1821,8 @@ class Engine:
         the request's path (1.3-1.7 s of the demo's 2-3 s cold disk restore was that compile). A
         restore from l0 > 0 may need a smaller bucket, built at first use (`warmup` builds every
         bucket from 0). Once per bucket and engine; nothing when the step is built already; a
-        failure is left to the restore that needs the step."""
+        failure is left to the restore that needs the step. It starts at once (a restore often
+        follows an eviction at once), but not once the interpreter exits."""
         longest = max((pl.length for pl in payloads if pl.snapshot), default=0)
         build = getattr(self._swap_in, "build_ahead", None)
         if not longest or build is None:
@@ -1833,7 +1834,17 @@ class Engine:
         self._asked_ahead.add(variant)
         with contextlib.suppress(Exception):  # see the docstring
             rows, tails = swap.swap_in_zero_inputs(self.layout, 0, longest)
-            build(self.layout, self.cache, jnp.int32(0), jnp.int32(0), jnp.int32(0), rows, tails, speculative=True)
+            build(
+                self.layout,
+                self.cache,
+                jnp.int32(0),
+                jnp.int32(0),
+                jnp.int32(0),
+                rows,
+                tails,
+                speculative=True,
+                delay=0.0,
+            )  # no delay: a restore from disk often follows the eviction at once (`make demo`'s third turn)
 
     def _poll_disk(self) -> None:
         """Mark the blocks of completed disk writes `on_disk` in the prefix index (only once their
