@@ -261,8 +261,9 @@ class _Step:
         self._jitted = self._jit(fn)
         self._resolved: dict = {}
         self._names: dict = {}  # call key -> names traced by `lower` (the jit reuses that trace later)
-        self._building: dict = {}  # call key -> Future of its `build_ahead` job, until it ends or the call joins it
-        self._hurry: dict = {}  # call key -> the Event a speculative `build_ahead` job waits on
+        # call key -> (Future of its `build_ahead` job, the Event that starts a speculative job now),
+        # until the job ends or the call joins it
+        self._building: dict = {}
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -421,18 +422,15 @@ class _Step:
                         self._resolved[key] = self._resolve(key, layout, cache_spec, specs, disk)
             finally:
                 self._building.pop(key, None)
-                self._hurry.pop(key, None)
                 with _LOCK:
                     _WAITING.discard(go)
 
         if speculative:
             with _LOCK:
                 _WAITING.add(go)
-            self._hurry[key] = go
         try:
-            self._building[key] = _ahead(job)
+            self._building[key] = (_ahead(job), go)
         except RuntimeError:  # the interpreter is exiting: the pool takes no new work
-            self._hurry.pop(key, None)
             with _LOCK:
                 _WAITING.discard(go)
             return False
@@ -446,12 +444,12 @@ class _Step:
         """Before a call: wait for its `build_ahead` job, or take the job back if it has not started
         (the call then builds the step itself). A job that failed is left to the call, which
         builds the step again and raises what is wrong."""
-        key = self._key(layout, args)[0]
-        future = self._building.pop(key, None)
-        hurry = self._hurry.pop(key, None)
-        if hurry is not None:
-            hurry.set()  # a speculative build waiting out its delay starts now
-        if future is not None and not future.cancel():
+        entry = self._building.pop(self._key(layout, args)[0], None)
+        if entry is None:
+            return
+        future, go = entry
+        go.set()  # a speculative build waiting out its delay starts now
+        if not future.cancel():
             concurrent.futures.wait([future])
 
     def _store_later(self, store, disk_key: str, built: tuple, layout, cache, args) -> None:

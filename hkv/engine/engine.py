@@ -674,7 +674,6 @@ class Engine:
             before = dict(self._stats)
             counters = jax.tree.map(jnp.copy, self.cache.counters)  # (the cache is donated to each step)
             times: dict[str, float] = {}
-            bt = self.spec.block_tokens
 
             def run(fn, *args, name):
                 t0 = time.perf_counter()
@@ -707,8 +706,7 @@ class Engine:
                         (self._decode, args, step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep))
                     )
 
-            nb = self.layout.config.max_context // bt
-            keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
+            keys, toks = self._lookup_placeholders()
             disk_inputs = (
                 swap.swap_in_warmup_inputs(self.layout) if self.prefix_enabled and self.disk is not None else []
             )
@@ -1298,10 +1296,15 @@ class Engine:
         build = getattr(self._restore, "build_ahead", None)
         if build is None:
             return
-        nb, bt = self.layout.config.max_context // self.spec.block_tokens, self.spec.block_tokens
         with contextlib.suppress(Exception):  # see the docstring
-            keys, toks = jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
-            build(self.layout, self.cache, jnp.int32(0), keys, toks, jnp.int32(0), speculative=True)
+            build(self.layout, self.cache, jnp.int32(0), *self._lookup_placeholders(), jnp.int32(0), speculative=True)
+
+    def _lookup_placeholders(self) -> tuple[jax.Array, jax.Array]:
+        """Zero (keys uint32[NB, 4], tokens int32[NB, block_tokens]) shaped as every `PrefixQuery`'s
+        (NB = max_context // block_tokens): the restore step's inputs for a build without a prompt."""
+        bt = self.spec.block_tokens
+        nb = self.layout.config.max_context // bt
+        return jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1827,8 +1830,7 @@ class Engine:
         build = getattr(self._swap_in, "build_ahead", None)
         if not longest or build is None:
             return
-        shapes, _ = swap.swap_in_shapes(self.layout, 0, longest)
-        variant = ("swap_in", "x".join(str(shape[1]) for _, shape in shapes))  # = `swap_in_size` of the rows
+        variant = ("swap_in", swap.swap_in_shapes(self.layout, 0, longest)[0])  # the bucket: its rows' shapes
         if variant in self._asked_ahead:
             return
         self._asked_ahead.add(variant)
