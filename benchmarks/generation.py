@@ -72,6 +72,10 @@ STEPS = 8  # tokens per decode dispatch (engine decode_steps, the hand-written l
 PAGE = 16
 BLOCK = 16
 
+# These figures are of the steady state: every decoded token from the decode step (its warm-up builds it),
+# never through the prefill step while the decode step builds (`hkv.Engine.decode_while_building`).
+hkv.Engine.decode_while_building = False
+
 MID = {
     "vocab_size": 4096,
     "hidden_size": 256,

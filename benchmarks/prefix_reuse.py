@@ -54,6 +54,10 @@ import hkv
 from hkv.core.layout import CacheLayout
 from models.deepseek_v4 import init, tiny_config
 
+# These figures are of the steady state: every decoded token from the decode step (its warm-up builds it),
+# never through the prefill step while the decode step builds (`hkv.Engine.decode_while_building`).
+hkv.Engine.decode_while_building = False
+
 
 def _say(msg: str) -> None:
     print(msg, flush=True)

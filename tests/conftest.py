@@ -18,6 +18,15 @@ os.environ.setdefault("HKV_STEP_STORE", "0")
 import jax
 import pytest
 
+from hkv.engine.engine import Engine
+
+# Engines in the suite decode with the decode step only, never through a prefill step while the decode
+# step builds (`Engine.decode_while_building`): which program produced a token would otherwise depend on
+# how fast a background compile ran, and tests count decode dispatches, intercept the decode step and
+# name the programs an engine used. Tests of that path turn it on (tests/hkv/test_generation.py); the
+# notebooks and the demo run in their own processes with the default (on).
+Engine.decode_while_building = False
+
 _CACHE_DIR = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "hkv-test-xla-cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

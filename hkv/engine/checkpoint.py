@@ -61,6 +61,7 @@ import numpy as np
 from ..core.invariants import check_invariants
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.policy import RetentionPolicy
+from ..core.prefix_index import RecordState
 from ..core.state import check_layout, init_cache
 
 FORMAT_NAME = "hkv-engine-checkpoint"
@@ -774,4 +775,9 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
         leaves.append(leaf if leaf.sharding == sh else jax.device_put(leaf, sh))
     cache = jax.tree_util.tree_unflatten(treedef, leaves)
     engine.cache = cache
+    # a warm restart whose cache holds prefix records is about to be asked for them: build the prefix
+    # lookup's restore step now, in the background (speculative, as after a call that recorded), so
+    # its first hit does not compile it on the request's path
+    engine._recorded = bool(np.any(np.asarray(host_cache.prefix.state) == RecordState.ALIVE))
+    engine._restore_ahead()
     return engine

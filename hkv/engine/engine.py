@@ -24,6 +24,13 @@ While only decoding happens (nothing queued or prefilling, no boundary to record
 is sent before the host hands the last one's tokens to their requests, so that bookkeeping overlaps
 the device's work (`stats()["decode_dispatched_ahead"]` counts those dispatches); the results, the
 pages and the compiled programs are those of one dispatch at a time.
+In a process whose decode step is not built yet (cold: no compilation cache, no step store),
+decoding requests advance one token per step through the prefill step they ran
+(`decode_while_building`, `stats()["decode_via_prefill"]`): the same cached step and sampling at
+the same positions in another compiled program, so a first `generate` does not wait for the decode
+compile. The decode step then builds on a background thread once that detour has cost about what
+compiling costs (a short first `generate` returns without compiling it; a long one starts it at
+once and switches to it when it is built).
 If the pools run out of pages (`Status.NO_PAGES`, cache unchanged), cached prefixes give way first;
 then the most recently admitted request is preempted: its slot is released and it is re-queued with
 the tokens it has generated, to be recomputed later. Every token is drawn from (seed, position), so a
@@ -206,6 +213,13 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _device_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    """Zeros on the default device (uncommitted, as a step's inputs are) without running a program:
+    `jnp.zeros` compiles a broadcast per new shape, ~0.1 s each on a first call in a process, which a
+    first request waited for when the placeholders of the steps built ahead were made that way."""
+    return jax.device_put(np.zeros(shape, dtype))
+
+
 def _cancelled(seq) -> bool:
     """Whether a request was cancelled: by its handle (`RequestHandle.cancel`, an abandoned stream) or
     on the request itself (`generate_text`'s stop strings, an abandoned call), before `_reap` sees it."""
@@ -260,11 +274,20 @@ class Engine:
     model whose prefill is cheap may recompute rather than read the disk; "longest" takes the route
     that restores the most tokens (disk over a window rebuild over recomputing; ties: the cheaper),
     whatever the timings: reproducible plans, e.g. to exercise the disk tier.
+
+    Attribute `decode_while_building` (default True; set it on an engine or on the class): while the
+    decode step a batch needs is still building, decode one token per step through a prefill step
+    already run instead of waiting (see the module docstring). False: every decoded token comes
+    from the decode step (the first decode waits for its compile).
     """
 
     # send a decode before the host has handed the previous one's tokens over, when nothing else can
     # run in between (`_dispatch_ahead`); False: strictly one dispatch at a time (same results)
     _PIPELINE = True
+    # while the decode step a batch needs is still building (a process's first decode of it, cold),
+    # decode one token per step through a prefill step already run (`_decode_via_prefill`), so a
+    # first request does not wait for the decode compile; False (per engine or for the class): wait
+    decode_while_building: bool = True
 
     def __init__(
         self,
@@ -378,6 +401,7 @@ class Engine:
             "decode_steps": 0,
             "decode_dispatches": 0,
             "decode_dispatched_ahead": 0,
+            "decode_via_prefill": 0,
             "generated_tokens": 0,
             "preemptions": 0,
             "prefill_seconds": 0.0,
@@ -390,6 +414,9 @@ class Engine:
         self._step_weights = flat(self._weights) if flat is not None else self._weights
         self._names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self._asked_ahead: set[tuple] = set()  # the step variants `_build_ahead` asked for
+        self._prefill_variants: set[tuple] = set()  # (rows, width, read bound, logits) of prefill steps run
+        self._build_seconds = 0.0  # the longest prefill step that compiled (`_decode_via_prefill`)
+        self._via_prefill_seconds = 0.0  # time spent decoding through the prefill step
         self._recorded = False  # whether this engine has recorded a prefix block (`_restore_ahead`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
@@ -1101,57 +1128,17 @@ class Engine:
             return
         left = max(len(seq.ids) - seq.fed for seq in rows)
         c = next(w for w in self.prefill_widths if w >= left or w == self.prefill_chunk)
-        while rows:
-            b = _pow2(len(rows))
-            tokens = np.zeros((b, c), np.int32)
-            slots = np.zeros((b,), np.int32)
-            n_valid = np.zeros((b,), np.int32)
-            for j, seq in enumerate(rows):
-                chunk = seq.ids[seq.fed : seq.fed + c]
-                tokens[j, : len(chunk)], slots[j], n_valid[j] = chunk, seq.slot, len(chunk)
-            params = SamplingParams.stack(
-                [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
-            )
-            keep = any(q.keep_logits for q in rows)
-            read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
-            name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
-            self._build_ahead(rows)
-            out, dt, fresh = self._timed(
-                self._prefill, self._step_weights, tokens, slots, n_valid, params, keep, read, name=name
-            )
-            tok, lp, status = out[0], out[1], int(out[2])
-            if status == Status.OK:
-                break
-            if status == Status.NO_PAGES and self._make_room():
-                continue
-            if status != Status.NO_PAGES:
-                err = CacheCapacityError(f"prefill step failed: {Status(status).name}")
-                for seq in rows:
-                    self._close(seq, err)
-                return
-            live = self._live()
-            if len(live) == 1:  # alone, with every cached prefix evicted: it can never fit
-                seq = rows[0]
-                self._close(
-                    seq,
-                    CacheCapacityError(
-                        f"prompt {seq.index} ({len(seq.ids)} tokens) does not fit in the cache's pools even alone, "
-                        f"with every cached prefix evicted; raise CacheConfig.pool_pages or lower max_context. "
-                        f"Pools now: {self._pool_report()}"
-                    ),
-                )
-                return
-            victim = live[-1]
-            self._preempt(victim)
-            rows = [q for q in rows if q is not victim]
-        if not rows:
+        self._build_ahead(rows)
+        ran = self._run_chunk(rows, c, lambda seq: seq.ids[seq.fed : seq.fed + c])
+        if ran is None:
             return
+        rows, tok, lp, last, n_valid, dt, fresh = ran
         if not fresh:
             self._measure("chunk" if c == self.prefill_chunk else f"chunk{c}", dt)
+        else:  # what building a model step costs here (`_decode_via_prefill` weighs it)
+            self._build_seconds = max(self._build_seconds, dt)
         self._stats["prefill_steps"] += 1
         self._stats["prefill_seconds"] += 0.0 if fresh else dt
-        tok, lp = jax.device_get((tok, lp))  # [b] ids and logprobs: all that crosses by default
-        last = np.asarray(out[3]) if keep else None
         for j, seq in enumerate(rows):
             seq.fed += int(n_valid[j])
             self._after_step(seq)
@@ -1168,12 +1155,74 @@ class Engine:
             if seq.done:
                 self._close(seq)
 
+    def _run_chunk(self, rows: list[_Seq], c: int, chunk: Callable[[_Seq], list[int]], variant: tuple | None = None):
+        """Run the prefill step on `rows` (each row's next tokens: `chunk(seq)`, at most `c`), making
+        room or preempting the youngest live request while the pools are short of pages.
+
+        variant: (rows b, read bound, logits kept) of the compiled program to run (`_decode_via_prefill`);
+        None: the smallest for these rows (b a power of two, `_read_bound`, logits when a row keeps them).
+        Returns (the rows that ran, their sampled ids [b], logprobs [b], last logits [b, vocab] or None,
+        tokens fed per row int32[b], seconds, whether it compiled), or None when no row is left to run
+        (preempted, or closed with a `CacheCapacityError`).
+        """
+        while rows:
+            if variant is None:
+                b, keep = _pow2(len(rows)), any(q.keep_logits for q in rows)
+            else:
+                b, read, keep = variant
+            tokens = np.zeros((b, c), np.int32)
+            slots = np.zeros((b,), np.int32)
+            n_valid = np.zeros((b,), np.int32)
+            for j, seq in enumerate(rows):
+                ids = chunk(seq)
+                tokens[j, : len(ids)], slots[j], n_valid[j] = ids, seq.slot, len(ids)
+            params = SamplingParams.stack(
+                [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
+            )
+            if variant is None:
+                read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
+            name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
+            out, dt, fresh = self._timed(
+                self._prefill, self._step_weights, tokens, slots, n_valid, params, keep, read, name=name
+            )
+            status = int(out[2])
+            if status == Status.OK:
+                self._prefill_variants.add((b, c, read, keep))
+                tok, lp = jax.device_get((out[0], out[1]))  # [b] ids and logprobs: all that crosses by default
+                return rows, tok, lp, np.asarray(out[3]) if keep else None, n_valid, dt, fresh
+            if status == Status.NO_PAGES and self._make_room():
+                continue
+            if status != Status.NO_PAGES:
+                err = CacheCapacityError(f"prefill step failed: {Status(status).name}")
+                for seq in rows:
+                    self._close(seq, err)
+                return None
+            live = self._live()
+            if len(live) == 1:  # alone, with every cached prefix evicted: it can never fit
+                seq = rows[0]
+                self._close(
+                    seq,
+                    CacheCapacityError(
+                        f"prompt {seq.index} ({len(seq.ids)} tokens) does not fit in the cache's pools even alone, "
+                        f"with every cached prefix evicted; raise CacheConfig.pool_pages or lower max_context. "
+                        f"Pools now: {self._pool_report()}"
+                    ),
+                )
+                return None
+            victim = live[-1]
+            self._preempt(victim)
+            rows = [q for q in rows if q is not victim]
+        return None
+
     def _live_prefilling(self) -> list[_Seq]:
         return sorted(self._prefilling.values(), key=lambda q: q.admitted_at)
 
     def _decode_step(self) -> None:
-        """Up to `decode_steps` tokens for every decoding request, in one on-device loop."""
+        """Up to `decode_steps` tokens for every decoding request, in one on-device loop; one token
+        each through the prefill step while the decode step is still building (`_decode_via_prefill`)."""
         rows, args, name = self._decode_inputs()
+        if self.decode_while_building and self._decode_via_prefill(rows, args, name):
+            return
         out, dt, fresh = self._timed(self._decode, *args, name=name)
         host = unpack_decode(jax.device_get(out[0]), self.decode_steps)
         self._dispatch_ahead(rows, args, host)
@@ -1236,6 +1285,62 @@ class Engine:
         self._ahead = (rows, nxt, out, t0)
         self._stats["decode_dispatched_ahead"] += 1
 
+    def _decode_via_prefill(self, rows: list[_Seq], args: tuple, name: str) -> bool:
+        """While the decode step these rows need is not built (a first decode in a process), advance
+        each row by one token through a prefill step this engine has already run, instead of waiting
+        for the decode compile. The decode step builds on a background thread (`_build_decode_ahead`)
+        once the time spent here so far plus what these rows' remaining tokens would take here
+        reaches the longest prefill compile this engine has seen (at once where nothing compiled,
+        e.g. a process whose steps come from the caches); until then nothing competes with the
+        request for the CPU, and a short first `generate` returns without a decode compile.
+
+        A decoding row is a prefill of one token (its last sampled one) at its position: the same
+        cached step, the same sampling key (seed, position), the same stop-id and length checks
+        (`_emit`), block recording (`_after_step`) and page handling (`_run_chunk`). Only the
+        compiled program differs (one padded `prefill_chunk`-wide row per token instead of
+        `decode_steps` tokens per dispatch), as it does between prefill widths. Returns False (the
+        caller runs the decode step, waiting for its build) when the decode step is built, or when no
+        prefill variant run so far holds these rows (rows, logits, read bound).
+        """
+        if self._steps.traces[name] > 0 and not self._decode.building(self.layout, *args):
+            return False
+        keep = any(q.keep_logits for q in rows)
+        read_needed = self._read_bound(max(q.fed + 1 for q in rows))
+        fits = [
+            (b, c, read, k)
+            for b, c, read, k in self._prefill_variants
+            if (k or not keep) and (read is None or (read_needed is not None and read >= read_needed))
+        ]
+        if not fits:
+            return False
+        # build the decode step once decoding through prefill has cost, or is about to cost, what
+        # building a step costs (ski rental: never more than twice the better choice in hindsight).
+        # A first short generate returns without compiling it; a long one starts it at once.
+        left = max(q.max_new - len(q.tokens) for q in rows)
+        if self._via_prefill_seconds + left * self._cost.get("via_prefill", 0.0) >= self._build_seconds:
+            self._build_decode_ahead(rows)
+        b, c, read, k = max(fits, key=lambda v: (v[0], -v[1], v[2] is not None, -(v[2] or 0), not v[3]))
+        t0 = time.perf_counter()
+        for i in range(0, len(rows), b):
+            group = [q for q in rows[i : i + b] if self._running.get(q.slot) is q and not q.done]
+            ran = self._run_chunk(group, c, lambda q: q.tokens[-1:], variant=(b, read, k)) if group else None
+            if ran is None:
+                continue
+            group, tok, lp, last, _, _, _ = ran
+            for j, q in enumerate(group):
+                self._emit(q, [int(tok[j])], [float(lp[j])], None if last is None else last[j : j + 1])
+                q.fed += 1
+                self._after_step(q)
+                if q.done:
+                    self._close(q)
+            self._stats["decode_via_prefill"] += 1
+        dt = time.perf_counter() - t0
+        self._measure("via_prefill", dt)
+        self._via_prefill_seconds += dt
+        self._stats["decode_steps"] += 1
+        self._stats["decode_seconds"] += dt
+        return True
+
     def _decode_budget(self, q: _Seq, made: int, fed: int) -> int:
         """Tokens request `q` may decode in its next dispatch, having generated `made` and holding
         `fed` in its slot: at most `decode_steps`, its `max_new`, and (prefix cache on) up to its
@@ -1258,23 +1363,36 @@ class Engine:
         """Arguments (after layout, cache) of a record step for `slot` that records nothing: the
         shapes and types `_after_step` gives (`pack_records` pads every batch to RECORD_BATCH rows)."""
         k, bt = RECORD_BATCH, self.spec.block_tokens
-        return (slot, jnp.zeros((k, 4), jnp.uint32), jnp.int32(-1), jnp.zeros((k, bt), jnp.int32),
-                jnp.zeros((k,), bool), jnp.zeros((k,), jnp.int32), jnp.arange(k) < 0)  # fmt: skip
+        zeros = _device_zeros
+        return (slot, zeros((k, 4), np.uint32), jnp.int32(-1), zeros((k, bt), np.int32), zeros((k,), bool),
+                zeros((k,), np.int32), zeros((k,), bool))  # fmt: skip
 
     def _build_ahead(self, rows: list[_Seq]) -> None:
         """Before their prefill, start building the steps these requests run next on background
-        threads (`_Step.build_ahead`): the decode step for their stop width and logits choice (when
-        a row will decode), and, once per engine, the prefix cache's record step and the slot
+        threads (`_Step.build_ahead`): once per engine, the prefix cache's record step and the slot
         release, so that they compile while the prefill step compiles and runs (or, in a new
         process, load from the step store while it loads). Each variant is asked for once per
-        engine; one already built is not built again."""
+        engine; one already built is not built again. The decode step too when
+        `decode_while_building` is off (with it on, `_decode_via_prefill` decides when)."""
         ahead = {("release",): (self._release, lambda: (jnp.int32(0),))}  # the slot as requests pass it
         if self.prefix_enabled:
             ahead[("record_many",)] = (self._record_many, lambda: self._record_args(jnp.int32(0)))
-        if any(q.max_new > 1 for q in rows):
-            keep, n_stop = any(q.keep_logits for q in rows), _stop_width(rows)
-            ahead[("decode", n_stop, keep)] = (self._decode, lambda: self._idle_decode_args(n_stop, keep))
-        for variant in sorted(ahead.keys() - self._asked_ahead, key=lambda v: v[0] != "decode"):
+        self._ask_ahead(ahead)
+        if not self.decode_while_building:
+            self._build_decode_ahead(rows)
+
+    def _build_decode_ahead(self, rows: list[_Seq]) -> None:
+        """Start building (`_Step.build_ahead`) the decode step these requests need (their stop
+        width and logits choice), unless none of them decodes."""
+        if not any(q.max_new > 1 for q in rows):
+            return
+        keep, n_stop = any(q.keep_logits for q in rows), _stop_width(rows)
+        self._ask_ahead({("decode", n_stop, keep): (self._decode, lambda: self._idle_decode_args(n_stop, keep))})
+
+    def _ask_ahead(self, ahead: dict) -> None:
+        """`build_ahead` each {variant: (step, () -> its arguments after (layout, cache))} not asked
+        for before by this engine."""
+        for variant in sorted(ahead.keys() - self._asked_ahead):
             fn, args = ahead[variant]
             self._asked_ahead.add(variant)
             build = getattr(fn, "build_ahead", None)
@@ -1304,7 +1422,7 @@ class Engine:
         (NB = max_context // block_tokens): the restore step's inputs for a build without a prompt."""
         bt = self.spec.block_tokens
         nb = self.layout.config.max_context // bt
-        return jnp.zeros((nb, 4), jnp.uint32), jnp.zeros((nb, bt), jnp.int32)
+        return _device_zeros((nb, 4), np.uint32), _device_zeros((nb, bt), np.int32)
 
     def _decode_inputs(self) -> tuple[list[_Seq], tuple, str]:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
@@ -1868,7 +1986,7 @@ class Engine:
             k = swap.bucket(len(keys))
             arr = np.zeros((k, 4), np.uint32)
             arr[: len(keys)] = [key_words(x) for x in keys]
-            self._tx(self._mark_on_disk, jnp.asarray(arr), jnp.arange(k) < len(keys))
+            self._tx(self._mark_on_disk, jnp.asarray(arr), jax.device_put(np.arange(k) < len(keys)))
 
     def _disk_probe(self, seq: _Seq, keys: np.ndarray, ids: list[int], usable: int, l0: int) -> dict:
         """What the disk tier's index holds past the device-restored prefix [0, l0) (no data read):

@@ -71,7 +71,8 @@ def main() -> None:
     st = engine.stats()
     print(
         f"hkv engine: {len(prompts)} prompts x {new} tokens in {dt:.1f}s, 2 slots; {st['prefill_steps']} prefill "
-        f"chunks, {st['decode_steps']} batched decode steps in {st['decode_dispatches']} dispatches; "
+        f"chunks, {st['decode_steps']} batched decode steps ({st['decode_dispatches']} dispatches of the decode step, "
+        f"{st['decode_via_prefill']} prefill steps while it was not built); "
         f"compilations {st['compilations']}"
     )
     mem = engine.memory_report()["allocated"]

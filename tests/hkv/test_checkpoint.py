@@ -420,3 +420,20 @@ def test_leftovers_of_a_killed_first_save_do_not_block_the_next(model, restored,
         r"checkpoint an interrupted save",
     ):
         hkv.Engine.restore(lost, model)
+
+
+def test_a_restored_engine_with_prefix_records_builds_the_prefix_lookup_ahead(model, saved):
+    """`Engine.restore` of a cache holding prefix records starts building the lookup's restore step
+    in the background (speculative), so the first request that hits a restored prefix does not
+    compile it on its path. (Last in the module: it drops the compiled steps, as a new process.)"""
+    from hkv.engine import compiled
+
+    _, gen, path, _ = saved
+    compiled.clear()  # as in a new process: no step traced yet
+    back = hkv.Engine.restore(path, model)
+    compiled.wait_for_ahead()
+    traces = back._steps.traces
+    assert traces["restore"] == 1
+    (b,) = back.generate([PROMPT + gen.tokens + [5, 17, 99, 3]], 4)
+    assert b.plan.restored_tokens > 0
+    assert traces["restore"] == 1  # used, not built again

@@ -189,8 +189,16 @@ def test_sigint_during_generate_is_delivered_at_a_safe_point(model, truth):
             signal.raise_signal(signal.SIGINT)
 
     engine.progress = progress
-    with pytest.raises(KeyboardInterrupt):
+    # (it failed once in a full run, not since: "DID NOT RAISE". The engine defers SIGINT only over
+    # Python's default handler; if an earlier test left another one installed, say which.)
+    found = signal.getsignal(signal.SIGINT)
+    assert found is signal.default_int_handler, f"SIGINT handler left installed by an earlier test: {found!r}"
+    try:
         engine.generate([a, OTHER[:90]], 4)
+    except KeyboardInterrupt:
+        pass
+    else:
+        pytest.fail(f"no KeyboardInterrupt after {sent['n']} progress message(s) (SIGINT sent at the 2nd)")
     engine.progress = None
     _idle_ok(engine)
     assert engine.generate([a], 4)[0].tokens == truth[tuple(a)]

@@ -678,9 +678,141 @@ def test_compilations_name_every_bucket_once(model, truth):
     assert "decode[4]+stops4" in names and set(names.values()) == {1}
 
 
+class _DecodeStillBuilding:
+    """An engine's decode step that reads as still building and whose `build_ahead` starts nothing:
+    with `decode_while_building` on, every decoded token then goes through the prefill step.
+    `asked` holds, for each `build_ahead` call, the prefill variants the engine had run by then."""
+
+    def __init__(self, engine):
+        self.real, self.engine, self.asked = engine._decode, engine, []
+        engine._decode = self
+
+    def __call__(self, *args):
+        raise AssertionError("the decode step ran while it was building")
+
+    def building(self, layout, *args) -> bool:
+        return True
+
+    def build_ahead(self, layout, cache, *args, **kw) -> bool:
+        self.asked.append(set(self.engine._prefill_variants))
+        return False
+
+
+def _pressure_engine(model):
+    """Two requests that cannot both fit (tests/hkv/test_engine.py's preemption case): a 64-token
+    prompt decoding 100 tokens beside a 301-token prompt, in a 12-page CSA pool; the younger one is
+    preempted and recomputed."""
+    config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
+    layout = hkv.CacheLayout(model.cache_spec(BT), config)
+    pages = [2 * layout.reserved_pages(g) for g in range(len(layout.groups))]
+    csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
+    pages[csa[0]] = 12
+    config = dataclasses.replace(config, pool_pages=tuple(pages))
+    return hkv.Engine(model, config, prefill_chunk=32, block_tokens=BT)
+
+
+def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact(model, truth, monkeypatch):
+    """`Engine.decode_while_building`: while the decode step is not built, a decoding request
+    advances one token per step through the prefill step it ran, and what a user gets is what the
+    decode step gives: greedy tokens equal to the stateless forward, logprobs and logits, stop ids,
+    seeded sampling, block records a later request restores, and preemption under page pressure
+    (the decode step here reads as building throughout: `_DecodeStillBuilding`)."""
+    monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
+    rng = np.random.default_rng(2)
+    short, long = rng.integers(0, CFG.vocab_size, 64).tolist(), rng.integers(0, CFG.vocab_size, 301).tolist()
+    stop = truth[tuple(B)][0][5]
+    results = {}
+    for mode in ("decode", "prefill"):
+        engine, pressed = _engine(model), _pressure_engine(model)
+        for e in (engine, pressed):
+            if mode == "prefill":
+                held = _DecodeStillBuilding(e)
+            else:
+                e.decode_while_building = False
+        out = engine.generate([A, B, C], 8, return_logits=True)
+        out += engine.generate([B, A + out[0].tokens[:4]], 12, sampling=HOT, stop_token_ids=[stop])
+        hs, hl = pressed.submit(short, 100, return_logits=True), pressed.submit(long, 6, sampling=HOT)
+        pressed.run_until_idle()
+        out += [hs.result(), hl.result()]
+        results[mode] = (out, pressed.stats()["preemptions"])
+        for e in (engine, pressed):
+            _idle_ok(e)
+        if mode == "prefill":
+            st = engine.stats()
+            assert st["decode_dispatches"] == 0 and st["decode_via_prefill"] > 0
+            assert not any(name.startswith("decode") for name in engine.compilations)
+            # the decode step was asked for (per variant: with and then without logits) after a prefill step ran
+            assert len(held.asked) == 2 and all(held.asked)
+    (want, _), (got, preempted) = results["decode"], results["prefill"]
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason and g.seed == w.seed
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        if w.logits is not None:
+            np.testing.assert_allclose(g.logits, w.logits, atol=1e-5)
+        assert g.plan.restored_tokens == w.plan.restored_tokens
+    for g, p in zip(got[:3], [A, B, C]):
+        assert g.tokens == truth[tuple(p)][0]
+        assert np.abs(g.logits - truth[tuple(p)][1]).max() < 1e-4
+    assert got[4].plan.restored_tokens > 0  # its prefix: blocks recorded while decoding through prefill
+    assert any(g.finish_reason == "stop" for g in got[3:5])
+    assert preempted >= 1
+
+
+def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_build(model, truth, monkeypatch):
+    """With `decode_while_building` on, the decode step builds on a background thread only once
+    decoding through the prefill step has cost, or would cost for the rows' remaining tokens, what
+    a step's compile cost (`_build_seconds`): a short request under a long compile never builds it;
+    with nothing costly to build it starts at the first decode. Decoding goes through the prefill
+    step meanwhile and through the decode step once built, compiled once (the background build is
+    the program the calls run). Tokens stay exact throughout."""
+    from hkv.engine import compiled
+
+    monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
+    threads = []
+    count = compiled.CompiledSteps.count
+
+    def logged(self, name):
+        threads.append((name, threading.current_thread().name))
+        count(self, name)
+
+    monkeypatch.setattr(compiled.CompiledSteps, "count", logged)
+    xla = collections.Counter()  # XLA compilations (or persistent-cache reads) by function name
+
+    def compiled_one(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            xla[fun_name] += 1
+
+    engine = _engine(model, decode_steps=5)  # a decode variant no other test of this module builds
+    jax.monitoring.register_event_duration_secs_listener(compiled_one)
+    try:
+        engine._build_seconds = 1e9  # as if a compile took forever: 7 tokens through prefill cost less
+        (g,) = engine.generate([A], 8)
+        assert g.tokens == truth[tuple(A)][0]
+        first = engine.stats()
+        assert first["decode_via_prefill"] == 7 and first["decode_dispatches"] == 0
+        assert not any(v[0] == "decode" for v in engine._asked_ahead) and xla["jit(decode)"] == 0
+        engine._build_seconds = 0.0  # nothing costly to build: the first decode starts the build
+        (g,) = engine.generate([C], 8)
+        assert g.tokens == truth[tuple(C)][0]
+        assert ("decode", 1, False) in engine._asked_ahead
+        compiled.wait_for_ahead()  # the decode build ends; the next call decodes with it
+        via = engine.stats()["decode_via_prefill"]
+        (g,) = engine.generate([B], 8)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled_one)
+    assert g.tokens == truth[tuple(B)][0]
+    st = engine.stats()
+    assert st["decode_via_prefill"] == via and st["decode_dispatches"] >= 2
+    built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
+    assert built["decode"] == "hkv-step-ahead"
+    assert engine.compilations["decode[5]"] == 1 and xla["jit(decode)"] == 1
+    _idle_ok(engine)
+
+
 def test_the_decode_step_builds_on_another_thread_while_the_first_prefill_builds(model, truth, monkeypatch):
-    """Before a first prefill the engine starts building the decode step that follows it on a
-    background thread (`_Step.build_ahead`), so the two compile at once; the calls then use those
+    """With `decode_while_building` off (the suite's setting, tests/conftest.py), before a first prefill
+    the engine starts building the decode step that follows it on a background thread
+    (`_Step.build_ahead`), so the two compile at once; the calls then use those
     programs: one compilation each (not one ahead and one at the call: the uncommitted slot scalar
     lowered as a spec with a sharding was another jit key), the same tokens."""
     from hkv.engine import compiled

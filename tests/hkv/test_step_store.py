@@ -74,6 +74,7 @@ def logged(self, key, device):
     return out
 ss.StepStore.load = logged
 model = toy.init(toy.ToyConfig(layers=(toy.Attn(window=4), toy.Compressed(ratio=4))), seed=0)
+hkv.Engine.decode_while_building = False  # the decode step builds beside the first prefill (tests/conftest.py)
 config = hkv.CacheConfig(slots=2, max_context=64, page_size=4, prefix_records=16)
 engine = hkv.Engine(model, config, block_tokens=4, prefill_chunk=8, decode_steps=4)
 tokens = [g.tokens for g in engine.generate(json.loads(sys.argv[1]), int(sys.argv[2]))]
