@@ -1374,12 +1374,12 @@ class Engine:
         process, load from the step store while it loads). Each variant is asked for once per
         engine; one already built is not built again. The decode step too when
         `decode_while_building` is off (with it on, `_decode_via_prefill` decides when)."""
+        if not self.decode_while_building:
+            self._build_decode_ahead(rows)  # first: the longest build (two threads build ahead)
         ahead = {("release",): (self._release, lambda: (jnp.int32(0),))}  # the slot as requests pass it
         if self.prefix_enabled:
             ahead[("record_many",)] = (self._record_many, lambda: self._record_args(jnp.int32(0)))
         self._ask_ahead(ahead)
-        if not self.decode_while_building:
-            self._build_decode_ahead(rows)
 
     def _build_decode_ahead(self, rows: list[_Seq]) -> None:
         """Start building (`_Step.build_ahead`) the decode step these requests need (their stop

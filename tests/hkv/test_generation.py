@@ -18,6 +18,7 @@ from flax import nnx
 
 import hkv
 from hkv.core.layout import Status
+from hkv.engine.compiled import wait_for_ahead
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 
@@ -442,6 +443,30 @@ def test_interrupted_step_requeues_its_requests_and_the_next_step_is_exact(model
     _idle_ok(engine)
 
 
+@pytest.mark.parametrize("n", [10, 13])
+def test_an_interrupt_while_decoding_through_the_prefill_step_requeues_and_stays_exact(model, truth, monkeypatch, n):
+    """A KeyboardInterrupt landing after a prefill step that decoded a row (`decode_while_building`,
+    the decode step still building): the engine recovers its cache, re-queues both requests, and
+    the next run is exact."""
+    monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
+    engine = _engine(model)
+    _DecodeStillBuilding(engine)
+    handles = [engine.submit(A, 8), engine.submit(B, 8, sampling=HOT)]
+    undo = _interrupt_after(engine, "_prefill", n)
+    try:
+        with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="re-initialised"):
+            engine.run_until_idle()
+    finally:
+        undo()
+    assert engine.stats()["decode_via_prefill"] >= 1  # it landed while rows decoded through prefill
+    assert int(np.asarray(engine.cache.active).sum()) == 0 and engine.pending == 2
+    engine.run_until_idle()
+    assert handles[0].result().tokens == truth[tuple(A)][0]
+    assert handles[1].result().tokens == _engine(model).generate([B], 8, sampling=HOT)[0].tokens
+    _idle_ok(engine)
+    wait_for_ahead()  # (the last engine built its decode step in the background: not into the next test)
+
+
 def _interrupt_around_ahead(engine, where: str):
     """A KeyboardInterrupt right after a decode was dispatched ahead (its results not handed over
     yet), or when the next step is about to take (or has taken) those results."""
@@ -756,6 +781,7 @@ def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact
     assert got[4].plan.restored_tokens > 0  # its prefix: blocks recorded while decoding through prefill
     assert any(g.finish_reason == "stop" for g in got[3:5])
     assert preempted >= 1
+    wait_for_ahead()  # (background builds end here, not in the next test)
 
 
 def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_build(model, truth, monkeypatch):
@@ -831,6 +857,7 @@ def test_the_decode_step_builds_on_another_thread_while_the_first_prefill_builds
         if event == "/jax/core/compile/backend_compile_duration":
             xla[fun_name] += 1
 
+    compiled.wait_for_ahead()  # (builds earlier tests started would hold the two threads)
     engine = _engine(model, decode_steps=3)  # a decode variant no other test of this module builds
     jax.monitoring.register_event_duration_secs_listener(compiled_one)
     try:
