@@ -17,6 +17,8 @@ from hkv.core.state import check_layout
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.greedy import greedy_stateless
 
+from .decode_building import DecodeStillBuilding
+
 CFG = tiny_config()
 PROMPTS = [np.random.default_rng(1).integers(0, CFG.vocab_size, n).tolist() for n in (301, 57)]
 NEW = 6
@@ -141,43 +143,48 @@ def test_a_step_past_its_read_bound_is_refused_with_the_cache_unchanged(model):
             model.cached_step(layout, out, toks, slot[None], jnp.asarray([40]), read_tokens=bad)
 
 
-def test_preemption_under_page_pressure_keeps_outputs_exact(model):
+def test_preemption_under_page_pressure_keeps_outputs_exact(model, monkeypatch):
     # 64 + 100 tokens, then 301 + 6: the long prompt takes 10 pages of the CSA compressed pool (8
     # entries = 32 tokens per page) as it prefills, one chunk per step, while the short one decodes 8
     # tokens per step and grows from 2 pages to 6; the 12-page pool runs out, so the younger request
     # (the long one) is preempted, waits, and is recomputed from its tokens. Greedy and seeded
-    # sampling both come out as if nothing had happened.
+    # sampling both come out as if nothing had happened; so they do when every token is decoded
+    # through the prefill step while the decode step builds (`Engine.decode_while_building`).
     short = np.random.default_rng(2).integers(0, CFG.vocab_size, 64).tolist()
     config = hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0)
     layout = hkv.CacheLayout(model.cache_spec(), config)
     pages = [2 * layout.reserved_pages(g) for g in range(len(layout.groups))]
     csa = [g for g, grp in enumerate(layout.groups) if grp.kind == hkv.ObjectKind.COMPRESSED and grp.unit == 4]
     pages[csa[0]] = 12
-    engine = hkv.Engine(
-        model,
-        hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages), prefix_records=0),
-        prefill_chunk=32,
-    )
-    hs = engine.submit(short, 100, return_logits=True)
-    hl = engine.submit(PROMPTS[0], NEW, return_logits=True)
-    engine.run_until_idle()
-    assert engine.stats()["preemptions"] >= 1
-    assert engine.stats()["cache"]["failed_no_pages"] >= 1
-    for h, p, n in ((hs, short, 100), (hl, PROMPTS[0], NEW)):
-        (toks,), (lg,) = greedy_stateless(model, [p], n)
-        assert h.result().tokens == toks
-        assert np.abs(h.result().logits - lg).max() < 1e-4
-    hkv.check_invariants(engine.layout, engine.cache)
-    # seeded sampling under the same pressure equals the same request run alone on a roomy engine
+    pressed = hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages), prefix_records=0)
+    want = [greedy_stateless(model, [p], n) for p, n in ((short, 100), (PROMPTS[0], NEW))]
     hot = hkv.Sampling(temperature=1.0, top_k=20, seed=3)
-    before = engine.stats()["preemptions"]
-    hs, hl = engine.submit(short, 100, sampling=hot), engine.submit(PROMPTS[0], NEW, sampling=hot)
-    engine.run_until_idle()
-    assert engine.stats()["preemptions"] > before
     roomy = hkv.Engine(model, config, prefill_chunk=32)
-    assert [h.result().tokens for h in (hs, hl)] == [
+    hot_want = [
         g.tokens for g in roomy.generate([short], 100, sampling=hot) + roomy.generate([PROMPTS[0]], NEW, sampling=hot)
     ]
+    for via_prefill in (False, True):
+        engine = hkv.Engine(model, pressed, prefill_chunk=32)
+        if via_prefill:
+            monkeypatch.setattr(engine, "decode_while_building", True)
+            DecodeStillBuilding(engine)
+        hs = engine.submit(short, 100, return_logits=True)
+        hl = engine.submit(PROMPTS[0], NEW, return_logits=True)
+        engine.run_until_idle()
+        assert engine.stats()["preemptions"] >= 1
+        assert engine.stats()["cache"]["failed_no_pages"] >= 1
+        for h, ((toks,), (lg,)) in zip((hs, hl), want):
+            assert h.result().tokens == toks
+            assert np.abs(h.result().logits - lg).max() < 1e-4
+        hkv.check_invariants(engine.layout, engine.cache)
+        # seeded sampling under the same pressure equals the same request run alone on a roomy engine
+        before = engine.stats()["preemptions"]
+        hs, hl = engine.submit(short, 100, sampling=hot), engine.submit(PROMPTS[0], NEW, sampling=hot)
+        engine.run_until_idle()
+        assert engine.stats()["preemptions"] > before
+        assert [h.result().tokens for h in (hs, hl)] == hot_want
+        assert (engine.stats()["decode_via_prefill"] > 0) == via_prefill
+        assert (engine.stats()["decode_dispatches"] > 0) == (not via_prefill)
 
 
 def test_request_larger_than_the_pools_is_a_named_error(model):
