@@ -6,6 +6,7 @@ Every engine here has the same model and layout, so they share one set of compil
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -745,6 +746,31 @@ def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact
     wait_for_ahead()  # (background builds end here, not in the next test)
 
 
+@contextlib.contextmanager
+def _watched_builds(monkeypatch):
+    """While in scope: (threads [(step name, the thread that built or loaded it)], xla Counter of XLA
+    compilations or persistent-cache reads by function name)."""
+    from hkv.engine import compiled
+
+    threads, xla = [], collections.Counter()
+    count = compiled.CompiledSteps.count
+
+    def logged(self, name):
+        threads.append((name, threading.current_thread().name))
+        count(self, name)
+
+    def compiled_one(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            xla[fun_name] += 1
+
+    monkeypatch.setattr(compiled.CompiledSteps, "count", logged)
+    jax.monitoring.register_event_duration_secs_listener(compiled_one)
+    try:
+        yield threads, xla
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled_one)
+
+
 def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_build(model, truth, monkeypatch):
     """With `decode_while_building` on, the decode step builds on a background thread only once
     decoding through the prefill step has cost, or would cost for the rows' remaining tokens, what
@@ -755,23 +781,8 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
     from hkv.engine import compiled
 
     monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
-    threads = []
-    count = compiled.CompiledSteps.count
-
-    def logged(self, name):
-        threads.append((name, threading.current_thread().name))
-        count(self, name)
-
-    monkeypatch.setattr(compiled.CompiledSteps, "count", logged)
-    xla = collections.Counter()  # XLA compilations (or persistent-cache reads) by function name
-
-    def compiled_one(event, seconds, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            xla[fun_name] += 1
-
     engine = _engine(model, decode_steps=5)  # a decode variant no other test of this module builds
-    jax.monitoring.register_event_duration_secs_listener(compiled_one)
-    try:
+    with _watched_builds(monkeypatch) as (threads, xla):
         engine._build_seconds = 1e9  # as if a compile took forever: 7 tokens through prefill cost less
         (g,) = engine.generate([A], 8)
         assert g.tokens == truth[tuple(A)][0]
@@ -785,8 +796,6 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
         compiled.wait_for_ahead()  # the decode build ends; the next call decodes with it
         via = engine.stats()["decode_via_prefill"]
         (g,) = engine.generate([B], 8)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(compiled_one)
     assert g.tokens == truth[tuple(B)][0]
     st = engine.stats()
     assert st["decode_via_prefill"] == via and st["decode_dispatches"] >= 2
@@ -804,27 +813,10 @@ def test_the_decode_step_builds_on_another_thread_while_the_first_prefill_builds
     lowered as a spec with a sharding was another jit key), the same tokens."""
     from hkv.engine import compiled
 
-    threads = []
-    count = compiled.CompiledSteps.count
-
-    def logged(self, name):
-        threads.append((name, threading.current_thread().name))
-        count(self, name)
-
-    monkeypatch.setattr(compiled.CompiledSteps, "count", logged)
-    xla = collections.Counter()  # XLA compilations (or persistent-cache reads) by function name
-
-    def compiled_one(event, seconds, fun_name="", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            xla[fun_name] += 1
-
     compiled.wait_for_ahead()  # (builds earlier tests started would hold the two threads)
     engine = _engine(model, decode_steps=3)  # a decode variant no other test of this module builds
-    jax.monitoring.register_event_duration_secs_listener(compiled_one)
-    try:
+    with _watched_builds(monkeypatch) as (threads, xla):
         (g,) = engine.generate([A], 8)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(compiled_one)
     assert g.tokens == truth[tuple(A)][0]
     built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
     assert built["decode"] == "hkv-step-ahead"  # (the prefill step, when not built by an earlier test: here)
