@@ -74,7 +74,7 @@ from . import block_keys
 from . import offload as swap
 from .block_keys import ROOT, key_bytes, key_words
 from .checkpoint import restore_engine, save_engine
-from .compiled import compiled_steps, enable_compilation_cache, step_name, unpack_decode
+from .compiled import builds_on_this_thread, compiled_steps, enable_compilation_cache, step_name, unpack_decode
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .progress import Bars
 from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
@@ -2026,7 +2026,7 @@ class Engine:
         kb, refs, stop, snaps = probe["kb"], probe["refs"], probe["stop"], probe["snaps"]
         usable = len(kb)
         t0 = time.perf_counter()
-        compiled = sum(self._steps.traces.values())  # a read timed with a compilation is not measured
+        built = builds_on_this_thread()  # a read timed with a compilation is not measured
         try:
             reason, payloads = ("disk_missing", []) if probe["error"] else self._disk_read(refs, snaps)
         except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
@@ -2036,14 +2036,17 @@ class Engine:
         if payloads:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
             self._names.add(step_name("swap_in", swap.swap_in_size(rows)))
+            args = (jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
+            building = getattr(self._swap_in, "building", None)
+            waited = building is not None and building(self.layout, *args)  # the call waits for its build ahead
             while True:
-                (st,) = self._tx(self._swap_in, jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
+                (st,) = self._tx(self._swap_in, *args)
                 if int(st) != Status.NO_PAGES or not self._make_room():
                     break
             if int(st) != Status.OK:
                 self._say(f"prompt {seq.index}: disk blocks verified but not installed ({Status(int(st)).name})")
                 l1 = l0
-            elif sum(self._steps.traces.values()) == compiled:
+            elif builds_on_this_thread() == built and not waited:  # (builds on other threads do not count)
                 self._measure("disk_token", (time.perf_counter() - t0) / (l1 - l0))
         found = (i0 + len(refs)) * bt
         if reason is None and stop == "disk_abi":

@@ -457,6 +457,31 @@ def test_a_store_that_fails_to_answer_is_a_miss_not_a_crash(model, engine, store
     assert_same([g], reference(model, [prompt]))
 
 
+def test_a_build_on_another_thread_during_a_disk_read_keeps_its_cost_sample(model, engine, stored):
+    """The restore choice times disk reads (`disk_token`). A read timed with a compile on its own
+    thread is no sample, but a step built meanwhile on another thread (a build ahead, the decode
+    step building in the background) is none of its business: comparing the process's total build
+    count dropped the sample whenever one happened."""
+    engine.disk = DiskTier(str(stored))
+    real = engine._disk_read
+
+    def read_while_another_thread_builds(*args):
+        other = threading.Thread(target=engine._steps.count, args=("built elsewhere",))
+        other.start()
+        other.join()
+        return real(*args)
+
+    for i in range(2):  # the first restore from disk builds its install step: no sample
+        forget_device(engine)
+        if i:
+            engine._cost["disk_token"] = None
+            engine._disk_read = read_while_another_thread_builds
+        (g,) = engine.generate([diverge(CUT, tail=3, seed=40 + i)], NEW)
+        assert g.plan.disk_tokens == (0, CUT)
+    assert engine._steps.traces["built elsewhere"] == 1
+    assert engine._cost["disk_token"] is not None
+
+
 def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp_path):
     engine.disk = DiskTier(str(tmp_path / "evict"))
     forget_device(engine)
