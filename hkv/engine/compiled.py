@@ -395,7 +395,9 @@ class _Step:
         tracing). Built ahead, the decode step compiles beside the prefill step: the first
         `generate` of `make demo`'s tiny model with an empty cache on a 2-core CPU took 26.0 s
         against 27.9 s (means of four). A new process with the step store loads the decode step
-        while the prefill step loads (2.9-3.0 -> 2.4-2.5 s).
+        while the prefill step loads (2.9-3.0 -> 2.4-2.5 s). (That is `Engine`'s path with
+        `decode_while_building` off; with it on, the engine decodes through the prefill step and
+        builds the decode step later, once that has cost about a compile: `Engine._decode_via_prefill`.)
 
         `speculative=True` is for a step that a later call may or may not run (the prefix lookup
         after a first call, a disk install after an offload): the job waits `delay` seconds first
