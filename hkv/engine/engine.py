@@ -1102,8 +1102,7 @@ class Engine:
         """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
         stats["compile_seconds"], with a progress message on the first use of a bucket."""
         self._names.add(name)
-        building = getattr(fn, "building", None)  # (built ahead on another thread: this call waits for it)
-        fresh = self._steps.traces[name] == 0 or (building is not None and building(self.layout, *args))
+        fresh = not self._built(fn, name, args)
         if fresh:
             self._say(f"compiling {name} (once per process; cached on disk)")
         t0 = time.perf_counter()
@@ -1114,6 +1113,13 @@ class Engine:
         if fresh:
             self._stats["compile_seconds"] += dt
         return out, dt, fresh
+
+    def _built(self, fn, name: str, args: tuple) -> bool:
+        """Whether step `fn` (named `name`) is built for a call with `args` (after layout, cache):
+        traced or loaded in this process and not still building ahead on another thread (a call
+        would wait for that build)."""
+        building = getattr(fn, "building", None)
+        return self._steps.traces[name] > 0 and not (building is not None and building(self.layout, *args))
 
     def _read_bound(self, tokens: int) -> int | None:
         """The `read_tokens` of a prefill step whose rows hold at most `tokens` after it: the smallest
@@ -1302,7 +1308,7 @@ class Engine:
         caller runs the decode step, waiting for its build) when the decode step is built, or when no
         prefill variant run so far holds these rows (rows, logits, read bound).
         """
-        if self._steps.traces[name] > 0 and not self._decode.building(self.layout, *args):
+        if self._built(self._decode, name, args):
             return False
         keep = any(q.keep_logits for q in rows)
         read_needed = self._read_bound(max(q.fed + 1 for q in rows))
