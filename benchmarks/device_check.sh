@@ -5,19 +5,32 @@
 #
 # 1. records the environment (GPU, driver, jax, devices)              -> $OUT/env.txt
 # 2. runs tests/pallas_kernels with the compiled Triton kernels        -> $OUT/tests.txt, tests.xml
-#    (PALLAS_KERNELS_TEST_BACKENDS=gpu, PALLAS_KERNELS_TEST_INTERPRET=0), at most 240 s
+#    (PALLAS_KERNELS_TEST_BACKENDS=gpu, PALLAS_KERNELS_TEST_INTERPRET=0), at most $TESTS_TIMEOUT s
+#    (default 240); in 4 pytest-xdist workers when xdist is installed (Triton compiles on the CPU),
+#    without tests/conftest.py (it imports hkv's engine, which these tests do not need)
 # 3. runs benchmarks/kernels.py at DeepSeek-V4-Flash shapes, batch 32,
-#    1K/8K/64K context, with kernel-vs-reference checks and a block-size sweep, at most 300 s
-#                                                                      -> $OUT/bench.txt
-# 4. writes the lines worth copying into benchmarks/README.md          -> $OUT/summary.txt
+#    1K/8K/64K context, with kernel-vs-reference checks and a block-size sweep, at most
+#    $BENCH_TIMEOUT s (default 300)                                   -> $OUT/bench.txt
+# 4. the end-to-end decode benchmark: benchmarks/generation.py --quick --parts decode (tiny
+#    DeepSeek-V4, engine vs hand-written decode_loop vs per-token loop, greedy tokens compared),
+#    batches $DECODE_BATCHES (default 1,8), at most $DECODE_TIMEOUT s (default 240; 0 skips it)
+#                                                                      -> $OUT/decode.txt
+# 5. writes the lines worth copying into benchmarks/README.md          -> $OUT/summary.txt
 #
-# Installs nothing: it needs a Python with jax (CUDA), numpy and pytest (hypothesis optional);
-# set PYTHON=... to choose one. OUT defaults to ./out/device_check. About 8 minutes in all.
+# Installs nothing: it needs a Python with jax (CUDA), numpy and pytest (hypothesis optional; flax,
+# orbax-checkpoint and tensorstore for step 4); set PYTHON=... to choose one. OUT defaults to
+# ./out/device_check. About 8-13 minutes with the default limits; every stage writes its output as it
+# goes, so a stage stopped at its limit still leaves what it printed.
 # Exit status: 0 if tests and checks passed, 1 otherwise, 2 if no GPU was found.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/device_check}"
 mkdir -p "$OUT"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-300}"
+DECODE_TIMEOUT="${DECODE_TIMEOUT:-240}"
+DECODE_BATCHES="${DECODE_BATCHES:-1,8}"
+export PYTHONUNBUFFERED=1
 
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -43,6 +56,12 @@ import jax, jaxlib
 print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
 print("default backend:", jax.default_backend())
 print("devices:", jax.devices())
+import importlib.metadata as md
+for name in ("flax", "orbax-checkpoint", "tensorstore", "numpy", "triton", "pytest", "pytest-xdist", "hypothesis"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
 EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -56,9 +75,12 @@ status=0
 
 # 2. Tests with the compiled kernels (the TPU kernels are not run here; their lowering is).
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  PALLAS_KERNELS_TEST_BACKENDS=gpu PALLAS_KERNELS_TEST_INTERPRET=0 \
-    timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/pallas_kernels \
-      --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
+  workers=()
+  # Each worker allocates GPU memory as it goes (no 75% preallocation per process).
+  "$PY" -c "import xdist" >/dev/null 2>&1 && workers=(-n 4)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PALLAS_KERNELS_TEST_BACKENDS=gpu PALLAS_KERNELS_TEST_INTERPRET=0 \
+    timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider --noconftest -rfE ${workers[@]+"${workers[@]}"} \
+      tests/pallas_kernels --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
   echo "pytest is not installed: tests skipped" | tee "$OUT/tests.txt"
@@ -66,11 +88,18 @@ else
 fi
 
 # 3. Benchmark + kernel-vs-reference checks at DeepSeek-V4-Flash shapes.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 300 "$PY" benchmarks/kernels.py \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$BENCH_TIMEOUT" "$PY" benchmarks/kernels.py \
   --batch 32 --contexts 1024,8192,65536 --check --sweep --peak-tbps 4.8 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-# 4. Summary.
+# 4. End-to-end decode: the engine's on-device loop vs a hand-written decode_loop vs per-token.
+if [ "$DECODE_TIMEOUT" -gt 0 ]; then
+  timeout "$DECODE_TIMEOUT" "$PY" benchmarks/generation.py --quick --parts decode --batches "$DECODE_BATCHES" \
+    --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+# 5. Summary.
 {
   echo "== device check $(date -u +%Y-%m-%d), exit status $status =="
   grep -m1 -E "^NVIDIA|name" "$OUT/env.txt" || true
@@ -85,6 +114,10 @@ XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 300 "$PY" benchmarks/kernels.py \
   grep -A8 -E "^# step time" "$OUT/bench.txt" || true
   echo "-- CSA block-size sweep:"
   grep -A8 -E "^# CSA attention kernel sweep" "$OUT/bench.txt" || true
+  if [ -f "$OUT/decode.txt" ]; then
+    echo "-- end-to-end decode (benchmarks/generation.py --quick --parts decode):"
+    grep -A12 -E "^decode tokens/s" "$OUT/decode.txt" || tail -n 5 "$OUT/decode.txt"
+  fi
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 exit $status

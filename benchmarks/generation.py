@@ -513,6 +513,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per method (best taken)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens per row (a multiple of 8)")
+    ap.add_argument(
+        "--batches", default=None, help="decode batches, comma-separated (default 1,8 with --quick, else 1,8,32)"
+    )
     ap.add_argument("--load", type=float, default=2.0, help="trace: offered load / one-at-a-time capacity")
     ap.add_argument("--users", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
@@ -542,7 +545,9 @@ def main() -> None:
 
     if "decode" in args.parts:
         models = [("tiny", tiny_config())] + ([] if q else [("mid", tiny_config(**MID))])
-        batches = [1, 8] if q else [1, 8, 32]
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if q else [1, 8, 32])
+        if any(b < 1 for b in batches):
+            raise SystemExit(f"--batches {args.batches!r}: each batch must be >= 1")
         _say(
             f"\n== 1. decode tokens/s (greedy; prompt {args.prompt_tokens}, {args.decode_tokens} decoded tokens "
             f"per row; best of {args.repeats}; engine/decode_loop dispatch {STEPS} tokens)"
