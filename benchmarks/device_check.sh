@@ -31,6 +31,8 @@ BENCH_TIMEOUT="${BENCH_TIMEOUT:-300}"
 DECODE_TIMEOUT="${DECODE_TIMEOUT:-240}"
 DECODE_BATCHES="${DECODE_BATCHES:-1,8}"
 export PYTHONUNBUFFERED=1
+# The repository's packages (hkv, models, pallas_kernels) without installing them.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then

@@ -255,7 +255,11 @@ def decode_bench(label: str, model, batches: list[int], args, rng) -> list[dict]
             "engine": functools.partial(run_engine, engine, prompts, n_decode),
         }
         t0 = time.perf_counter()
-        outs = {name: fn()[0] for name, fn in methods.items()}  # warm-up: compiles every function
+        outs = {}
+        for name, fn in methods.items():  # warm-up: compiles every function
+            t1 = time.perf_counter()
+            outs[name] = fn()[0]
+            _say(f"    batch {b}: {name} warm-up {time.perf_counter() - t1:.1f} s")
         warm = time.perf_counter() - t0
         wait_for_store()  # the step store's background compiles would share the cores with the timed runs
         best = {name: 0.0 for name in methods}

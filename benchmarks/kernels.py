@@ -310,15 +310,19 @@ def bytes_moved(args, layer, op, context, itemsize):
 # ----------------------------------------------------------------------------------------------
 # Timing.
 # ----------------------------------------------------------------------------------------------
-def time_op(fn, q, iters, repeats=5):
-    """Seconds per call of `fn`: `iters` calls inside one jitted loop, best of `repeats` loops (the
-    minimum, not the median, so that other load on a shared machine does not inflate it)."""
-    loop = jax.jit(lambda q: lax.fori_loop(0, iters, lambda i, x: fn(x).astype(x.dtype), q))
-    jax.block_until_ready(loop(q))  # compile + warm up
+def time_op(make, layer, q, iters, repeats=5, unroll=False):
+    """Seconds per call of the op `make(layer)` returns: `iters` calls inside one jitted loop, best of
+    `repeats` loops (the minimum, not the median, so that other load on a shared machine does not
+    inflate it). The layer's arrays are arguments of the jitted loop, not constants captured by it
+    (at 64K context the pools are GBs: as constants they took minutes to lower). `unroll` (on GPU):
+    the loop's calls are one straight sequence of kernels, with no device-to-host loop test between
+    them, as in a model's decode step."""
+    loop = jax.jit(lambda q, L: lax.fori_loop(0, iters, lambda i, x: make(L)(x).astype(x.dtype), q, unroll=unroll))
+    jax.block_until_ready(loop(q, layer))  # compile + warm up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(loop(q))
+        jax.block_until_ready(loop(q, layer))
         times.append((time.perf_counter() - start) / iters)
     return min(times)
 
@@ -359,16 +363,17 @@ def main(argv=None):
         layer = build_layer(args, batch, context, dtype)
         if args.check:
             all_passed &= check(args, layer, context, kernel_backend or "gpu", interpret=on_cpu)
-        ref_ops = ops(args, layer, "reference")
-        kernel_ops = None if on_cpu else ops(args, layer, kernel_backend)
-        base_ops = naive_ops(args, layer) if naive else {}
-        for name in ref_ops:
-            row = {"ref": time_op(ref_ops[name], layer["q"], iters)}
-            if kernel_ops is not None:
-                row["kernel"] = time_op(kernel_ops[name], layer["q"], iters)
+        unroll = not on_cpu
+        for name in ops(args, layer, "reference"):
+            ref = lambda L, name=name: ops(args, L, "reference")[name]
+            row = {"ref": time_op(ref, layer, layer["q"], iters, unroll=unroll)}
+            if not on_cpu:
+                kernel = lambda L, name=name: ops(args, L, kernel_backend)[name]
+                row["kernel"] = time_op(kernel, layer, layer["q"], iters, unroll=unroll)
                 row["bytes"] = bytes_moved(args, layer, name, context, dtype.itemsize)
-            if name in base_ops:
-                row["naive"] = time_op(base_ops[name], layer["q"], max(1, iters // 2), repeats=3)
+            if naive and name in ("swa", "hca", "csa_attention"):
+                base = lambda L, name=name: naive_ops(args, L)[name]
+                row["naive"] = time_op(base, layer, layer["q"], max(1, iters // 2), repeats=3, unroll=unroll)
             results[(name, context)] = row
             _print_row(name, context, row, args.peak_tbps)
         del layer
@@ -428,19 +433,21 @@ def _sweep(args, batch, context, dtype, iters):
             block_k=block_k,
             num_warps=num_warps,
         )
-        op = lambda q: fn(
-            q,
-            L["window_pool"],
-            L["window_table"],
-            L["lengths"],
-            L["sinks"],
-            L["csa_pool"],
-            L["csa_table"],
-            n_visible,
-            L["topk"],
+        make = lambda L, fn=fn: (
+            lambda q: fn(
+                q,
+                L["window_pool"],
+                L["window_table"],
+                L["lengths"],
+                L["sinks"],
+                L["csa_pool"],
+                L["csa_table"],
+                L["n_visible"],
+                L["topk"],
+            )
         )
         try:
-            t = time_op(op, L["q"], iters)
+            t = time_op(make, dict(L, n_visible=n_visible), L["q"], iters, unroll=True)
         except Exception as e:  # a config that does not compile is reported, not fatal
             print(
                 f"  block_h={block_h:3d} block_k={block_k:3d} warps={num_warps}: failed: "
