@@ -51,7 +51,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +230,28 @@ def _stop_width(rows) -> int:
     """Columns of a decode step's stop-id table for these requests: their most stop ids, padded to
     a power of two (one compiled variant per width)."""
     return _pow2(max([len(q.stop_ids) for q in rows] + [1]))
+
+
+class _Chunk(NamedTuple):
+    """What one prefill step returned for the rows it ran (`Engine._run_chunk`).
+
+    Attributes:
+      rows: the requests that ran, in row order (fewer than asked when some were preempted).
+      ids: int32[b] the token sampled for each row.
+      logprobs: float32[b] its log-probability.
+      logits: float32[b, vocab] each row's last logits, or None when no row keeps them.
+      fed: int32[b] tokens fed per row.
+      seconds: the step's wall time.
+      compiled: whether the call built (traced and compiled, or loaded) its program.
+    """
+
+    rows: list
+    ids: np.ndarray
+    logprobs: np.ndarray
+    logits: np.ndarray | None
+    fed: np.ndarray
+    seconds: float
+    compiled: bool
 
 
 class Engine:
@@ -1138,15 +1160,14 @@ class Engine:
         ran = self._run_chunk(rows, c, lambda seq: seq.ids[seq.fed : seq.fed + c])
         if ran is None:
             return
-        rows, tok, lp, last, n_valid, dt, fresh = ran
-        if not fresh:
-            self._measure("chunk" if c == self.prefill_chunk else f"chunk{c}", dt)
+        if not ran.compiled:
+            self._measure("chunk" if c == self.prefill_chunk else f"chunk{c}", ran.seconds)
         else:  # what building a model step costs here (`_decode_via_prefill` weighs it)
-            self._build_seconds = max(self._build_seconds, dt)
+            self._build_seconds = max(self._build_seconds, ran.seconds)
         self._stats["prefill_steps"] += 1
-        self._stats["prefill_seconds"] += 0.0 if fresh else dt
-        for j, seq in enumerate(rows):
-            seq.fed += int(n_valid[j])
+        self._stats["prefill_seconds"] += 0.0 if ran.compiled else ran.seconds
+        for j, seq in enumerate(ran.rows):
+            seq.fed += int(ran.fed[j])
             self._after_step(seq)
             if seq.fed < len(seq.ids):
                 continue
@@ -1157,19 +1178,22 @@ class Engine:
             self._prefilling.pop(seq.slot)
             self._running[seq.slot] = seq
             self._say(f"prefilled prompt {seq.index} ({len(seq.ids)} tokens) into slot {seq.slot}")
-            self._emit(seq, [int(tok[j])], [float(lp[j])], None if last is None else last[j : j + 1])
+            last = None if ran.logits is None else ran.logits[j : j + 1]
+            self._emit(seq, [int(ran.ids[j])], [float(ran.logprobs[j])], last)
             if seq.done:
                 self._close(seq)
 
-    def _run_chunk(self, rows: list[_Seq], c: int, chunk: Callable[[_Seq], list[int]], variant: tuple | None = None):
+    def _run_chunk(
+        self, rows: list[_Seq], c: int, chunk: Callable[[_Seq], list[int]], variant: tuple | None = None
+    ) -> _Chunk | None:
         """Run the prefill step on `rows` (each row's next tokens: `chunk(seq)`, at most `c`), making
         room or preempting the youngest live request while the pools are short of pages.
 
         variant: (rows b, read bound, logits kept) of the compiled program to run (`_decode_via_prefill`);
         None: the smallest for these rows (b a power of two, `_read_bound`, logits when a row keeps them).
-        Returns (the rows that ran, their sampled ids [b], logprobs [b], last logits [b, vocab] or None,
-        tokens fed per row int32[b], seconds, whether it compiled), or None when no row is left to run
-        (preempted, or closed with a `CacheCapacityError`).
+        Returns a `_Chunk` (the rows that ran, their sampled ids and logprobs, last logits or None,
+        tokens fed, seconds, whether it compiled), or None when no row is left to run (preempted, or
+        closed with a `CacheCapacityError`).
         """
         while rows:
             if variant is None:
@@ -1195,7 +1219,7 @@ class Engine:
             if status == Status.OK:
                 self._prefill_variants.add((b, c, read, keep))
                 tok, lp = jax.device_get((out[0], out[1]))  # [b] ids and logprobs: all that crosses by default
-                return rows, tok, lp, np.asarray(out[3]) if keep else None, n_valid, dt, fresh
+                return _Chunk(rows, tok, lp, np.asarray(out[3]) if keep else None, n_valid, dt, fresh)
             if status == Status.NO_PAGES and self._make_room():
                 continue
             if status != Status.NO_PAGES:
@@ -1332,9 +1356,9 @@ class Engine:
             ran = self._run_chunk(group, c, lambda q: q.tokens[-1:], variant=(b, read, k)) if group else None
             if ran is None:
                 continue
-            group, tok, lp, last, _, _, _ = ran
-            for j, q in enumerate(group):
-                self._emit(q, [int(tok[j])], [float(lp[j])], None if last is None else last[j : j + 1])
+            for j, q in enumerate(ran.rows):
+                last = None if ran.logits is None else ran.logits[j : j + 1]
+                self._emit(q, [int(ran.ids[j])], [float(ran.logprobs[j])], last)
                 q.fed += 1
                 self._after_step(q)
                 if q.done:
