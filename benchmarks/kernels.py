@@ -162,13 +162,7 @@ def ops(args, layer, backend, interpret=False):
     )
     csa_attn = lambda q: csa_decode.csa_decode_attention(
         q,
-        L["window_pool"],
-        L["window_table"],
-        L["lengths"],
-        L["sinks"],
-        L["csa_pool"],
-        L["csa_table"],
-        L["n_csa"],
+        *_csa_args(L, L["n_csa"]),
         L["topk"],
         window=args.window,
         compress_ratio=args.csa_ratio,
@@ -191,13 +185,7 @@ def ops(args, layer, backend, interpret=False):
         )
         return csa_decode.csa_decode_attention(
             q,
-            L["window_pool"],
-            L["window_table"],
-            L["lengths"],
-            L["sinks"],
-            L["csa_pool"],
-            L["csa_table"],
-            L["n_csa"],
+            *_csa_args(L, L["n_csa"]),
             picks,
             window=args.window,
             compress_ratio=args.csa_ratio,
@@ -205,6 +193,12 @@ def ops(args, layer, backend, interpret=False):
         )
 
     return {"swa": swa, "hca": hca, "csa_attention": csa_attn, "csa_step": csa_step}
+
+
+def _csa_args(L, n_entries):
+    """A CSA attention's paged inputs after the query: window pool and table, lengths, sinks, CSA pool
+    and table, and the CSA entries per sequence (`n_entries`); the top-k picks follow them."""
+    return (L["window_pool"], L["window_table"], L["lengths"], L["sinks"], L["csa_pool"], L["csa_table"], n_entries)
 
 
 def check(args, layer, context, kernel_backend, interpret):
@@ -433,19 +427,7 @@ def _sweep(args, batch, context, dtype, iters):
             block_k=block_k,
             num_warps=num_warps,
         )
-        make = lambda L, fn=fn: (
-            lambda q: fn(
-                q,
-                L["window_pool"],
-                L["window_table"],
-                L["lengths"],
-                L["sinks"],
-                L["csa_pool"],
-                L["csa_table"],
-                L["n_visible"],
-                L["topk"],
-            )
-        )
+        make = lambda L, fn=fn: lambda q: fn(q, *_csa_args(L, L["n_visible"]), L["topk"])
         try:
             t = time_op(make, dict(L, n_visible=n_visible), L["q"], iters, unroll=True)
         except Exception as e:  # a config that does not compile is reported, not fatal
