@@ -253,6 +253,10 @@ class _Chunk(NamedTuple):
     seconds: float
     compiled: bool
 
+    def row(self, j: int) -> tuple[list[int], list[float], np.ndarray | None]:
+        """Row `j`'s token, logprob and last logits [1, vocab] (or None), as `Engine._emit` takes them."""
+        return [int(self.ids[j])], [float(self.logprobs[j])], None if self.logits is None else self.logits[j : j + 1]
+
 
 class Engine:
     """Generation with the hybrid cache.
@@ -1140,8 +1144,13 @@ class Engine:
         """Whether step `fn` (named `name`) is built for a call with `args` (after layout, cache):
         traced or loaded in this process and not still building ahead on another thread (a call
         would wait for that build)."""
+        return self._steps.traces[name] > 0 and not self._building_ahead(fn, args)
+
+    def _building_ahead(self, fn, args: tuple) -> bool:
+        """Whether step `fn` is still building ahead on another thread (`_Step.build_ahead`) for a
+        call with `args` (after layout, cache): such a call waits for that build."""
         building = getattr(fn, "building", None)
-        return self._steps.traces[name] > 0 and not (building is not None and building(self.layout, *args))
+        return building is not None and building(self.layout, *args)
 
     def _read_bound(self, tokens: int) -> int | None:
         """The `read_tokens` of a prefill step whose rows hold at most `tokens` after it: the smallest
@@ -1178,8 +1187,7 @@ class Engine:
             self._prefilling.pop(seq.slot)
             self._running[seq.slot] = seq
             self._say(f"prefilled prompt {seq.index} ({len(seq.ids)} tokens) into slot {seq.slot}")
-            last = None if ran.logits is None else ran.logits[j : j + 1]
-            self._emit(seq, [int(ran.ids[j])], [float(ran.logprobs[j])], last)
+            self._emit(seq, *ran.row(j))
             if seq.done:
                 self._close(seq)
 
@@ -1357,8 +1365,7 @@ class Engine:
             if ran is None:
                 continue
             for j, q in enumerate(ran.rows):
-                last = None if ran.logits is None else ran.logits[j : j + 1]
-                self._emit(q, [int(ran.ids[j])], [float(ran.logprobs[j])], last)
+                self._emit(q, *ran.row(j))
                 q.fed += 1
                 self._after_step(q)
                 if q.done:
@@ -2067,8 +2074,7 @@ class Engine:
             rows, tails = swap.swap_in_inputs(self.layout, payloads, l0)
             self._names.add(step_name("swap_in", swap.swap_in_size(rows)))
             args = (jnp.int32(seq.slot), jnp.int32(l0), jnp.int32(l1), rows, tails)
-            building = getattr(self._swap_in, "building", None)
-            waited = building is not None and building(self.layout, *args)  # the call waits for its build ahead
+            waited = self._building_ahead(self._swap_in, args)  # the call waits for its build ahead
             while True:
                 (st,) = self._tx(self._swap_in, *args)
                 if int(st) != Status.NO_PAGES or not self._make_room():
