@@ -29,7 +29,10 @@ Engine.decode_while_building = False
 
 _CACHE_DIR = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfile.gettempdir(), "hkv-test-xla-cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Every program is kept, however quick its compile: the suite builds ~4,500 small programs (jitted
+# helpers, transitions, per-shape ops) of 20-100 ms each. Under the former 0.5 s floor a warm run
+# compiled them all again: 216 of its 990 CPU seconds (measured with HKV_TEST_COMPILE_LOG, below).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
@@ -69,3 +72,65 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: files stay whole
+
+
+# `HKV_TEST_COMPILE_LOG=DIR`: each test process writes DIR/<worker>.jsonl, one line per XLA compile
+# request with the test that made it (module fixtures count for their module's first test), the
+# program's name and persistent-cache key, whether the cache had it, and the backend compile seconds;
+# and one line per trace (Python to jaxpr) and lowering (jaxpr to MLIR), which no cache saves.
+# `python -m tests.compile_report DIR` sums it up: which tests compile most on a cold cache, and which
+# programs compile under several keys (the same function at other shapes or configs).
+_COMPILE_LOG = os.environ.get("HKV_TEST_COMPILE_LOG")
+_current_test = ["<collection>"]
+
+if _COMPILE_LOG:
+    import atexit
+    import json
+    import logging
+    import threading
+
+    os.makedirs(_COMPILE_LOG, exist_ok=True)
+    _log_file = open(  # noqa: SIM115 - one line per event for the whole session
+        os.path.join(_COMPILE_LOG, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.jsonl"), "a"
+    )
+    _log_lock = threading.Lock()
+    atexit.register(_log_file.close)
+
+    def _write(record):
+        record["test"] = _current_test[0]
+        with _log_lock:
+            _log_file.write(json.dumps(record) + "\n")
+            _log_file.flush()
+
+    class _CacheLog(logging.Handler):
+        def emit(self, rec):
+            msg = rec.getMessage()
+            for prefix, hit in (
+                ("Persistent compilation cache hit for ", True),
+                ("PERSISTENT COMPILATION CACHE MISS for ", False),
+            ):
+                if msg.startswith(prefix):
+                    name, _, key = msg[len(prefix) :].partition(" with key ")
+                    _write({"event": "lookup", "hit": hit, "module": name.strip("'"), "key": key.strip("'")})
+
+    _compiler_logger = logging.getLogger("jax._src.compiler")
+    _compiler_logger.setLevel(logging.DEBUG)
+    _compiler_logger.addHandler(_CacheLog(logging.DEBUG))
+    _compiler_logger.propagate = False
+
+    _STAGES = {
+        "/jax/core/compile/backend_compile_duration": "compile",
+        "/jax/core/compile/jaxpr_trace_duration": "trace",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    }
+
+    def _on_duration(event, duration, **kwargs):
+        if event in _STAGES:
+            _write({"event": _STAGES[event], "module": kwargs.get("fun_name", "?"), "seconds": round(duration, 3)})
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current_test[0] = item.nodeid
+        yield

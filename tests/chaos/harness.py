@@ -221,7 +221,7 @@ class Worker:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", cfg["compile_cache"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # as the suite (tests/conftest.py)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         import numpy as np
 
