@@ -15,12 +15,18 @@
 #    DeepSeek-V4, engine vs hand-written decode_loop vs per-token loop, greedy tokens compared),
 #    batches $DECODE_BATCHES (default 1,8), at most $DECODE_TIMEOUT s (default 240; 0 skips it)
 #                                                                      -> $OUT/decode.txt
+#    then the same at batch 8 with XLA's command buffers (CUDA graphs) also capturing the decode
+#    loop's while loops and conditionals (`--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`,
+#    `--xla_gpu_graph_min_graph_size=1`): GPU decode was launch-bound on the first H200 run (~1,130
+#    kernels per token of the tiny model), which graphs replay without a launch each; at most
+#    $DECODE_GRAPH_TIMEOUT s (default 150; 0 skips it)                 -> $OUT/decode_graphs.txt
 # 5. writes the lines worth copying into benchmarks/README.md          -> $OUT/summary.txt
 #
 # Installs nothing: it needs a Python with jax (CUDA), numpy and pytest (hypothesis optional; flax,
 # orbax-checkpoint and tensorstore for step 4); set PYTHON=... to choose one. OUT defaults to
-# ./out/device_check. About 3 minutes on an H200 (2026-12-04); every stage writes its output as it
-# goes, so a stage stopped at its limit still leaves what it printed.
+# ./out/device_check. About 3 minutes on an H200 (2026-12-04), plus ~1-2 for step 4's command-buffer
+# run (new since); every stage writes its output as it goes, so a stage stopped at its limit still
+# leaves what it printed.
 # Exit status: 0 if tests and checks passed, 1 otherwise, 2 if no GPU was found.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,6 +36,7 @@ TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-300}"
 DECODE_TIMEOUT="${DECODE_TIMEOUT:-240}"
 DECODE_BATCHES="${DECODE_BATCHES:-1,8}"
+DECODE_GRAPH_TIMEOUT="${DECODE_GRAPH_TIMEOUT:-150}"
 export PYTHONUNBUFFERED=1
 # The repository's packages (hkv, models, pallas_kernels) without installing them.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -100,6 +107,12 @@ if [ "$DECODE_TIMEOUT" -gt 0 ]; then
     --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+if [ "$DECODE_GRAPH_TIMEOUT" -gt 0 ]; then
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+    timeout "$DECODE_GRAPH_TIMEOUT" "$PY" benchmarks/generation.py --quick --parts decode --batches 8 \
+    --json "$OUT/decode_graphs.json" 2>&1 | tee "$OUT/decode_graphs.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 # 5. Summary.
 {
@@ -119,6 +132,10 @@ fi
   if [ -f "$OUT/decode.txt" ]; then
     echo "-- end-to-end decode (benchmarks/generation.py --quick --parts decode):"
     grep -A12 -E "^decode tokens/s" "$OUT/decode.txt" || tail -n 5 "$OUT/decode.txt"
+  fi
+  if [ -f "$OUT/decode_graphs.txt" ]; then
+    echo "-- the same at batch 8 with command buffers capturing while loops and conditionals:"
+    grep -A12 -E "^decode tokens/s" "$OUT/decode_graphs.txt" || tail -n 5 "$OUT/decode_graphs.txt"
   fi
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
