@@ -45,6 +45,11 @@ def truth(model):
     return {tuple(p): t for p, t in zip(prompts, toks)}
 
 
+# The two-slot layout of every two-slot test here (the property test's long-lived engine included):
+# one layout compiles its steps once for the module (~22 s of compiling on a cold cache per layout).
+TWO_SLOTS = dict(slots=2, max_context=320, prefix_records=24)
+
+
 def _engine(model, **kw):
     cfg = dict(slots=1, max_context=320, page_size=8, prefix_records=64)
     cfg.update(kw.pop("config", {}))
@@ -115,7 +120,7 @@ def test_exception_in_progress_callback_frees_the_slots(model, truth, exc):
     """Defect 3: a progress callback raising mid-generate used to leak the slot with its pages (the
     next call failed with 'does not fit even alone'). Every stage's callback is hit in turn."""
     a, b = BASE[:100], OTHER[:90]
-    engine = _engine(model, config=dict(slots=2))
+    engine = _engine(model, config=TWO_SLOTS)
     raised = 0
     for n in range(1, 40):
         engine.progress, calls = _raise_on_call(n, exc)
@@ -209,7 +214,7 @@ def test_sigint_during_generate_is_delivered_at_a_safe_point(model, truth):
 def shared_engine(model):
     """One engine across every example of the property test: its prefix cache and pools carry the
     history of all earlier streams and interrupts, as a long-lived server's would."""
-    return _engine(model, config=dict(slots=2, max_context=320, prefix_records=24))
+    return _engine(model, config=TWO_SLOTS)
 
 
 def _random_streams(engine, truth, data):
@@ -258,7 +263,7 @@ def test_max_new_tokens_refuses_bools_and_non_integers(model, bad):
 
 
 def test_numpy_integers_and_2d_arrays_are_accepted(model, truth):
-    engine = _engine(model, config=dict(slots=2))
+    engine = _engine(model, config=TWO_SLOTS)
     a = BASE[:100]
     g1 = engine.generate([np.asarray(a, np.int64)], np.int64(4))
     assert g1[0].tokens == truth[tuple(a)]
