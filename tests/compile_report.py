@@ -69,10 +69,11 @@ def report(compiles: list[dict], stages: list[dict], top: int) -> str:
         lines.append(f"\n{title} (compile seconds on misses, programs)")
         for k, (s, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"  {s:8.1f} s  {n:4d}  {k}")
+        return agg
 
     table("per test file", lambda c: c["test"].split("::")[0])
     table("per test", lambda c: c["test"])
-    table("per program name", lambda c: c["module"])
+    per_name = table("per program name", lambda c: c["module"])
     traced = collections.defaultdict(float)
     for r in stages:
         traced[r["test"].split("::")[0]] += r["seconds"]
@@ -86,17 +87,16 @@ def report(compiles: list[dict], stages: list[dict], top: int) -> str:
             keys[c["module"]].add(c["key"])
     lines.append("\nprograms compiled under the most distinct keys")
     for name, ks in sorted(keys.items(), key=lambda kv: -len(kv[1]))[:top]:
-        secs = sum(c["seconds"] for c in misses if c["module"] == name)
-        lines.append(f"  {len(ks):4d} keys  {secs:8.1f} s  {name}")
+        lines.append(f"  {len(ks):4d} keys  {per_name[name][0]:8.1f} s  {name}")
 
     again = collections.Counter(c["key"] for c in misses if c["key"])
-    dup = [(k, n) for k, n in again.items() if n > 1]
-    dup_s = sum(c["seconds"] for c in misses if c["key"] and again[c["key"]] > 1)
-    lines.append(f"\nkeys compiled more than once: {len(dup)} ({dup_s:.0f} s in all those compiles)")
-    by_time = collections.defaultdict(float)
+    by_time = collections.defaultdict(float)  # key compiled more than once -> seconds of all its compiles
     for c in misses:
         if c["key"] and again[c["key"]] > 1:
             by_time[c["key"]] += c["seconds"]
+    lines.append(
+        f"\nkeys compiled more than once: {len(by_time)} ({sum(by_time.values()):.0f} s in all those compiles)"
+    )
     for k, s in sorted(by_time.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {again[k]}x  {s:7.1f} s  {k[:90]}")
     return "\n".join(lines)
