@@ -125,6 +125,14 @@ HEAVY_FIRST = (
 )
 
 
+def pytest_configure(config):
+    """Keep HEAVY_FIRST's order under pytest-xdist: its `--dist loadfile` sorts files by their number of
+    tests by default (`--loadscope-reorder`), which put small heavy files (the demo, the chaos harness,
+    the multi-host cluster) last, running alone at the end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: files stay whole
