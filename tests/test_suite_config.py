@@ -22,3 +22,13 @@ def test_the_suite_compiles_with_the_fast_cpu_codegen():
     flags = os.environ["XLA_FLAGS"].split()
     assert all(f in flags for f in FAST_COMPILE_FLAGS), flags
     assert any(name.startswith("xla-flags-accepted-") for name in os.listdir(_CACHE_DIR))
+
+
+def test_every_heavy_first_name_is_a_test_file():
+    """A renamed or deleted file left in HEAVY_FIRST would silently lose its place at the front."""
+    from pathlib import Path
+
+    from tests.conftest import HEAVY_FIRST
+
+    names = {p.name for p in Path(__file__).resolve().parent.rglob("test_*.py")}
+    assert sorted(set(HEAVY_FIRST) - names) == []
