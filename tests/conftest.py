@@ -21,6 +21,7 @@ _CACHE_DIR = os.environ.get("HKV_TEST_COMPILATION_CACHE") or os.path.join(tempfi
 # HKV_TEST_FULL_OPT=1 runs the whole suite at the default codegen. Off on accelerators (GPU/TPU codegen
 # is theirs to choose) and when this jaxlib does not know a flag (XLA aborts on unknown flags).
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FULL_OPT = os.environ.get("HKV_TEST_FULL_OPT", "") not in ("", "0")
 
 
 def _cpu_only() -> bool:
@@ -55,7 +56,7 @@ _flags = os.environ.get("XLA_FLAGS", "")
 # tests/test_demo.py runs the demo with it.
 os.environ.setdefault("HKV_TEST_USER_XLA_FLAGS", _flags)
 if (
-    os.environ.get("HKV_TEST_FULL_OPT", "") in ("", "0")
+    not FULL_OPT
     and not any(f.split("=")[0] in _flags for f in FAST_COMPILE_FLAGS)  # set already (a parent process) or by hand
     and _cpu_only()
     and _flags_accepted(FAST_COMPILE_FLAGS)
@@ -104,9 +105,9 @@ def _free_compiled_programs():
     compiled.clear()
 
 
-# The heaviest test files first. `make test` runs
-# files in worker processes (pytest-xdist --dist loadfile) that take the next file when they finish
-# one, so a long file collected last would run alone at the end. Only the order changes.
+# The heaviest test files first. `make test` runs files in worker processes (pytest-xdist --dist
+# loadfile) that take the next file when they finish one, so a long file collected last would run
+# alone at the end. Only the order changes.
 HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 workers (session 28)
     "test_engine.py",  # 148
     "test_notebooks.py",  # 94: each notebook runs in a kernel process of its own
@@ -128,8 +129,8 @@ HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 w
 
 def pytest_configure(config):
     """Keep HEAVY_FIRST's order under pytest-xdist: its `--dist loadfile` sorts files by their number of
-    tests by default (`--loadscope-reorder`), which put small heavy files (the demo, the chaos harness,
-    the multi-host cluster) last, running alone at the end."""
+    tests by default (`--loadscope-reorder`), which put heavy files with few tests (the demo, the
+    notebooks, the mesh engine) last, running alone at the end."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 

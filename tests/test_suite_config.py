@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tests.conftest import _CACHE_DIR, FAST_COMPILE_FLAGS, _cpu_only
+from tests.conftest import _CACHE_DIR, FAST_COMPILE_FLAGS, FULL_OPT, _cpu_only
 
 
 def test_test_files_keep_the_heavy_first_order_under_xdist(pytestconfig):
@@ -17,7 +17,7 @@ def test_test_files_keep_the_heavy_first_order_under_xdist(pytestconfig):
 def test_the_suite_compiles_with_the_fast_cpu_codegen():
     """On CPU (and unless HKV_TEST_FULL_OPT=1) every test process and its children compile at -O0 with
     XLA's classic emitters; the accepted flag set is remembered next to the compilation cache."""
-    if os.environ.get("HKV_TEST_FULL_OPT", "") not in ("", "0") or not _cpu_only():
+    if FULL_OPT or not _cpu_only():
         return
     flags = os.environ["XLA_FLAGS"].split()
     assert all(f in flags for f in FAST_COMPILE_FLAGS), flags
