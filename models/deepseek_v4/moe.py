@@ -95,8 +95,12 @@ class MoE(nnx.Module):
         e = self.n_experts
         if n * e <= 2 * (n * k + e * TILE):
             dt = x.dtype
-            g = jnp.einsum("nh,ehi->eni", x, self.w_gate.value.astype(dt))
-            u = jnp.einsum("nh,ehi->eni", x, self.w_up.value.astype(dt))
+            # x broadcast over the experts makes both products batched matmuls over the weights as
+            # stored ([E, hidden, inter]); "nh,ehi->eni" made XLA:CPU copy each weight into another
+            # layout inside every decode step (~7% of a tiny-model decode step).
+            xe = jnp.broadcast_to(x[None], (e, *x.shape))
+            g = jnp.einsum("enh,ehi->eni", xe, self.w_gate.value.astype(dt))
+            u = jnp.einsum("enh,ehi->eni", xe, self.w_up.value.astype(dt))
             y = jnp.einsum("eni,eih->enh", swiglu(g, u, self.limit), self.w_down.value.astype(dt))
             dense = jnp.sum(jnp.where(idx[None] == jnp.arange(e)[:, None, None], weights[None], 0.0), axis=-1)
             return jnp.einsum("enh,en->nh", y, dense.astype(y.dtype)).astype(dt)
