@@ -782,6 +782,8 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
 
     monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
     engine = _engine(model, decode_steps=5)  # a decode variant no other test of this module builds
+    said = []
+    engine.progress = said.append
     with _watched_builds(monkeypatch) as (threads, xla):
         engine._build_seconds = 1e9  # as if a compile took forever: 7 tokens through prefill cost less
         (g,) = engine.generate([A], 8)
@@ -789,6 +791,13 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
         first = engine.stats()
         assert first["decode_via_prefill"] == 7 and first["decode_dispatches"] == 0
         assert not any(v[0] == "decode" for v in engine._asked_ahead) and xla["jit(decode)"] == 0
+        # one message says why these tokens are slow and how to avoid it (once per engine)
+        hint = [m for m in said if "through the prefill step" in m]
+        assert hint == [
+            "decoding one token per step through the prefill step while decode[5] is not built (several times "
+            "slower per token; it builds once this has cost about a compile; Engine.warmup() or "
+            "decode_while_building=False build it first)"
+        ]
         engine._build_seconds = 0.0  # nothing costly to build: the first decode starts the build
         (g,) = engine.generate([C], 8)
         assert g.tokens == truth[tuple(C)][0]
@@ -799,6 +808,7 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
     assert g.tokens == truth[tuple(B)][0]
     st = engine.stats()
     assert st["decode_via_prefill"] == via and st["decode_dispatches"] >= 2
+    assert sum("through the prefill step" in m for m in said) == 1
     built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
     assert built["decode"] == "hkv-step-ahead"
     assert engine.compilations["decode[5]"] == 1 and xla["jit(decode)"] == 1
