@@ -794,9 +794,11 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
         # one message says why these tokens are slow and how to avoid it (once per engine)
         hint = [m for m in said if "through the prefill step" in m]
         assert hint == [
-            "decoding one token per step through the prefill step while decode[5] is not built (several times "
-            "slower per token; it builds once this has cost about a compile; Engine.warmup() or "
-            "decode_while_building=False build it first)"
+            (
+                "decoding one token per step through the prefill step while decode[5] is not built (several "
+                "times slower per token; it builds once this has cost about a compile; Engine.warmup() or "
+                "decode_while_building=False build it first)"
+            )
         ]
         engine._build_seconds = 0.0  # nothing costly to build: the first decode starts the build
         (g,) = engine.generate([C], 8)
