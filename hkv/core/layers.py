@@ -502,7 +502,8 @@ class LayerCache:
           kv, gate: [B, C, proj_width] this step's projections (the compressor's `proj_width`).
           compress_fn: `(kv [B, Lb, W], gate [B, Lb, W], first_token int32[B], prior_kv, prior_gate)
             -> entries [B, Lb // ratio, entry_dim]`: window w of the buffer covers tokens
-            first_token + w * ratio ...; prior_* are the overlap state (below) or None.
+            first_token + w * ratio ...; prior_* are the overlap state (below) or None. It runs
+            (under a `lax.cond`) only on steps where some row closes a window and `step.seal`.
           which: "compressor" or "indexer".
           gate_bias: [ratio, proj_width], added to the gate rows kept as the overlap state (an
             overlapping compressor keeps the first `entry_dim` columns of its last closed window's
