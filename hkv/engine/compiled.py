@@ -200,6 +200,20 @@ def _quiet():
 
 
 @contextlib.contextmanager
+def counting_into(counter: collections.Counter):
+    """Steps this thread traces inside the block are counted in `counter`, not in their
+    `CompiledSteps.traces`: a mesh engine's programs trace the shared single-device steps inside
+    `shard_map`, which are other programs than a single-device engine's calls of the same steps
+    (`hkv.engine.sharded.ShardedSteps` counts them apart)."""
+    outer = getattr(_TLS, "counter", None)
+    _TLS.counter = counter
+    try:
+        yield
+    finally:
+        _TLS.counter = outer
+
+
+@contextlib.contextmanager
 def _traced_names():
     """Collect the names `CompiledSteps` counts while this thread traces (threads trace separately)."""
     outer = getattr(_TLS, "log", None)
@@ -604,12 +618,14 @@ class CompiledSteps:
         return tuple(leaves) if treedef == self.weights_treedef else weights
 
     def count(self, name: str) -> None:
-        """One more build of step `name` (a trace, or a load from the step store)."""
+        """One more build of step `name` (a trace, or a load from the step store), counted in
+        `traces`, or in the counter of an enclosing `counting_into`."""
         if getattr(_TLS, "quiet", False):
             return
         _TLS.builds = getattr(_TLS, "builds", 0) + 1
+        traces = getattr(_TLS, "counter", None)
         with _LOCK:  # (`_Step.build_ahead` counts its builds and loads on another thread)
-            self.traces[name] += 1
+            (self.traces if traces is None else traces)[name] += 1
         log = getattr(_TLS, "log", None)
         if log is not None:
             log.append(name)

@@ -26,6 +26,7 @@ shard; `Generation.plan.shard` says which shard served it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -45,7 +46,14 @@ from ..core.layout import CacheConfig, CacheLayout
 from ..core.sampling import SEED_RANGE, Sampling
 from ..core.state import HybridCache, init_cache
 from ..core.weights import weights_digest
-from .compiled import CompiledSteps, compiled_steps, enable_compilation_cache, step_name, unpack_decode
+from .compiled import (
+    CompiledSteps,
+    compiled_steps,
+    counting_into,
+    enable_compilation_cache,
+    step_name,
+    unpack_decode,
+)
 from .engine import Engine, _DeferredInterrupt, _Seq
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, RequestHandle
@@ -151,13 +159,24 @@ class ShardedSteps:
     """
 
     def __init__(self, base: CompiledSteps, mesh: Mesh, data_axis: str):
-        self.traces = base.traces
+        # Its own count: its programs trace `base`'s steps inside `shard_map`, and a single-device
+        # engine of the same shard layout shares `base` (its traces are other programs). Counted
+        # in `base.traces`, a mesh engine beside such an engine reported 2 compilations per step.
+        self.traces: collections.Counter = collections.Counter()
         self.mesh, self.data_axis = mesh, data_axis
         self.shards = mesh.shape[data_axis]
         d = P(data_axis)
 
         def shmap(fn, in_specs):
-            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=d, axis_names={data_axis}, check_vma=False)
+            sharded = jax.shard_map(
+                fn, mesh=mesh, in_specs=in_specs, out_specs=d, axis_names={data_axis}, check_vma=False
+            )
+
+            def traced(*args):
+                with counting_into(self.traces):
+                    return sharded(*args)
+
+            return traced
 
         def prefill_all(layout, cache, weights, tokens, slots, n_valid, params, keep, read=None):
             def local(cache, weights, tokens, slots, n_valid, params):
