@@ -87,6 +87,8 @@ def queries(hosts: int) -> dict[str, list[int]]:
     out = {"A": p["A"], "D/first": p["D"][: CUT + 1], "D": p["D"]}
     out.update({f"S@{h}": p["S"] for h in range(hosts)} | {f"P{h}": p[f"P{h}"] for h in range(hosts)})
     out.update({f"E{j}": p[f"E{j}"] for j in range(EVICTOR_PROMPTS)})
+    # the random-kill victim's last writes (a victim that got to them before its kill raised KeyError)
+    out.update({f"K{j}": p[f"K{j}"] for j in range(2)})
     for name, base in p.items():
         for h in range(hosts):
             out[f"{name}+q{h}"] = _query(base, _block_end(len(base)), f"{name}+q{h}")
@@ -228,7 +230,12 @@ def _host(port: str, work: str, hosts: str, pid: str, kill: str) -> None:
         }
         store = os.path.join(work, "store")
         model = init(CFG, seed=3)  # every host: the same weights, so the same ABI fingerprint
-        engine = make_engine(model, disk=hkv.DiskTier(store, writer_id=f"host{jax.process_index()}"))
+        # restore_choice="longest": these phases check that every stored block is read from disk. With
+        # the default ("cheapest", from measured costs) a host whose first disk read was slow (its
+        # install step compiling) recomputed the next prompt instead: 1 run in 3-5 failed that way.
+        engine = make_engine(
+            model, disk=hkv.DiskTier(store, writer_id=f"host{jax.process_index()}"), restore_choice="longest"
+        )
         out["notes"]["abi"] = engine.spec.fingerprint()
         done("ready")
 
@@ -236,6 +243,9 @@ def _host(port: str, work: str, hosts: str, pid: str, kill: str) -> None:
         barrier("a-go")
         _write(engine, [f"S@{i}", f"P{i}"], "a-write", out)
         barrier("a-written")
+        # The others published before the barrier, but this host's view of their manifests may be up
+        # to `refresh_seconds` (0.5 s) old: a host that knows others wrote refreshes.
+        engine.disk.refresh(force=True)
         if i == 0:
             out["notes"]["a_writers"] = sorted({m["writer"] for m in _manifests(store)})
         _serve(engine, [f"S+q{i}", *(f"P{h}+q{i}" for h in range(n) if h != i)], "a", out)
@@ -245,6 +255,7 @@ def _host(port: str, work: str, hosts: str, pid: str, kill: str) -> None:
         if i == 0:
             out["notes"]["b_evicted"] = _write(engine, ["A"], "b-write", out)
         barrier("b-written")
+        engine.disk.refresh(force=True)  # (as after "a-written")
         if i != 0:
             _serve(engine, [f"A+q{i}"], "b", out)
         done("b")
