@@ -231,8 +231,9 @@ def _host(port: str, work: str, hosts: str, pid: str, kill: str) -> None:
         store = os.path.join(work, "store")
         model = init(CFG, seed=3)  # every host: the same weights, so the same ABI fingerprint
         # restore_choice="longest": these phases check that every stored block is read from disk. With
-        # the default ("cheapest", from measured costs) a host whose first disk read was slow (its
-        # install step compiling) recomputed the next prompt instead: 1 run in 3-5 failed that way.
+        # the default ("cheapest": measured prefill seconds per chunk against disk seconds per token)
+        # this tiny model's prefill is cheap enough that a host sometimes estimated recomputing the
+        # other host's 96-token prefix cheaper than reading it: 1 run in 3-5 failed that way.
         engine = make_engine(
             model, disk=hkv.DiskTier(store, writer_id=f"host{jax.process_index()}"), restore_choice="longest"
         )
