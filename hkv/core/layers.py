@@ -542,10 +542,6 @@ class LayerCache:
         prior_kv = prior_gate = None
         if comp.overlap:
             prior_kv, prior_gate = im.take(t.overlap_kv, st.slots), im.take(t.overlap_gate, st.slots)
-
-        def pool(_):
-            return compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate)
-
         # new TAIL: rows of the still-open window, moved to the front; everything after them empty
         i = jnp.arange(m)[None, :]
         src = jnp.clip(count[:, None] * m + i, 0, lb - 1)
@@ -572,9 +568,8 @@ class LayerCache:
             dtype = cache.groups[layout.spec.group_of(kind, self.layer)].pool.dtype
             entries = jax.lax.cond(
                 jnp.any(count > 0),
-                lambda _: pool(None).astype(dtype),
-                lambda _: jnp.zeros((b, lb // m, d), dtype),
-                None,
+                lambda: compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate).astype(dtype),
+                lambda: jnp.zeros((b, lb // m, d), dtype),
             )
             if kind not in self._index:
                 write = tr.seal_compressed if which == "compressor" else tr.write_indexer

@@ -443,7 +443,6 @@ class Engine:
         self._prefill_variants: set[tuple] = set()  # (rows, width, read bound, logits) of prefill steps run
         self._build_seconds = 0.0  # the longest prefill step that compiled (`_decode_via_prefill`)
         self._via_prefill_seconds = 0.0  # time spent decoding through the prefill step
-        self._said_via_prefill = False  # the one-time progress message of `_decode_via_prefill`
         self._recorded = False  # whether this engine has recorded a prefix block (`_restore_ahead`)
         self._prefill = self._steps.prefill
         self._decode = self._steps.decode
@@ -1359,8 +1358,7 @@ class Engine:
         if self._via_prefill_seconds + left * self._cost.get("via_prefill", 0.0) >= self._build_seconds:
             self._build_decode_ahead(rows)
         b, c, read, k = max(fits, key=lambda v: (v[0], -v[1], v[2] is not None, -(v[2] or 0), not v[3]))
-        if not self._said_via_prefill:  # a short benchmark would otherwise see a slow decode and no reason
-            self._said_via_prefill = True
+        if not self._stats["decode_via_prefill"]:  # once: a short benchmark would see a slow decode, no reason
             self._say(
                 f"decoding one token per step through the prefill step while {name} is not built "
                 f"(several times slower per token; it builds once this has cost about a compile; "
