@@ -27,6 +27,7 @@ from flax import nnx
 from .core.invariants import check_invariants
 from .core.layout import CacheConfig, CacheLayout
 from .core.policy import RetentionPolicy, window_rebuild_tokens
+from . import numerics as nm
 from .core.protocol import check_protocol
 from .engine.engine import Engine
 from .store.tier import DiskTier
@@ -62,7 +63,7 @@ def _fail(check: str, detail: str) -> AssertionError:
 def _reference(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy continuation of every prompt by re-running the stateless forward (one compilation)."""
     graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    fwd = nm.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     lengths = np.array([len(p) for p in prompts])
     buf = np.zeros((len(prompts), int(lengths.max()) + new_tokens), np.int32)
     for i, p in enumerate(prompts):

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv import numerics
 
-@functools.partial(jax.jit, static_argnums=0)
+
+@functools.partial(numerics.jit, static_argnums=0)
 def _forward(graphdef, state, tokens):
     return nnx.merge(graphdef, state)(tokens)
 

@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels import (
     dispatch,
     hca_decode,
+    numerics,
     online_softmax,
     paged_folds_gpu,
     paged_folds_tpu,
@@ -394,13 +395,13 @@ def csa_decode_attention_reference(
     compress_ratio: int,
     scale: float | None = None,
 ) -> jax.Array:
-    """jnp reference of `csa_decode_attention`: same arguments and result, no validation."""
+    """jnp reference of `csa_decode_attention`: same arguments and result, no validation; computed in
+    `pallas_kernels.numerics`' order (window tiles, then the picks in their order)."""
     scale = q.shape[2] ** -0.5 if scale is None else scale
     capacity = compressed_page_table.shape[1] * compressed_pool.shape[1]
-    window_rows, window_valid = swa_decode.window_rows_reference(window_pool, window_page_table, lengths, window)
+    window_tiles = numerics.paged_tiles(window_pool, window_page_table, lengths, window)
     n_visible = hca_decode.visible_entries(lengths, n_compressed, compress_ratio, capacity)
     picks_valid = (topk_indices >= 0) & (topk_indices < n_visible[:, None])
     pick_rows = hca_decode.compressed_rows_reference(compressed_pool, compressed_page_table, topk_indices, picks_valid)
-    rows = jnp.concatenate([window_rows, pick_rows], axis=1)
-    valid = jnp.concatenate([window_valid, picks_valid], axis=1)
-    return online_softmax.attend_rows_reference(q, rows, valid, sinks, scale)
+    tiles = [window_tiles, numerics.entry_tiles(pick_rows, picks_valid)]
+    return swa_decode.attend_shared_rows(q, tiles, sinks, scale)

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
+from pallas_kernels import dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
 from pallas_kernels import input_checks as checks
 
 # GPU tiles: query heads of one KV head per program (Triton dot tiles need >= 16) and rows folded per
@@ -393,32 +393,16 @@ def gqa_decode_attention_reference(
     softcap: float | None = None,
     shared_kv: bool = False,
 ) -> jax.Array:
-    """jnp reference of `gqa_decode_attention` (one layer's pool): same arguments and result, no validation."""
+    """jnp reference of `gqa_decode_attention` (one layer's pool): same arguments and result, no
+    validation; computed in `pallas_kernels.numerics`' order."""
     batch, num_heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
     span = attended_span(window, page_table, kv_pool.shape[1])
-    # Rows of positions [max(t + 1 - span, 0), t], by absolute position through the (ring) table.
-    rows, valid = swa_decode.window_rows_reference(kv_pool, page_table, lengths, span)  # [B, span, row]
-    rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))  # unattended rows may be NaN
-    k = rows[..., : num_kv_heads * head_dim].reshape(batch, span, num_kv_heads, head_dim)
-    v = k if shared_kv else rows[..., num_kv_heads * head_dim :].reshape(batch, span, num_kv_heads, head_dim)
+    rows, valid = numerics.paged_tiles(kv_pool, page_table, lengths, span)  # [B, T, KT, row]
+    t, kt = rows.shape[1:3]
+    k = rows[..., : num_kv_heads * head_dim].reshape(batch, 1, t, kt, num_kv_heads, head_dim)
+    v = k if shared_kv else rows[..., num_kv_heads * head_dim :].reshape(batch, 1, t, kt, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
-    k = jnp.repeat(k, group, axis=2)  # [B, span, H, D]: query head h sees KV head h // group
-    v = jnp.repeat(v, group, axis=2)
-    precision = online_softmax.dot_precision(rows.dtype)
-    logits = jnp.einsum("bhd,bnhd->bhn", q, k, precision=precision, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
-    if sinks is None:
-        sink = jnp.full((batch, num_heads, 1), -jnp.inf, jnp.float32)
-    else:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (batch, num_heads, 1))
-    all_logits = jnp.concatenate([logits, sink], axis=-1)  # [B, H, span + 1]
-    m = jnp.max(all_logits, axis=-1, keepdims=True)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    e = jnp.exp(all_logits - m)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    probs = e[..., :-1] / jnp.where(denom == 0.0, 1.0, denom)  # the sink's value is zero
-    out = jnp.einsum("bhn,bnhd->bhd", probs, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    return out.astype(q.dtype)
+    qg = q.reshape(batch, 1, num_kv_heads, group, head_dim)
+    out = numerics.attend(qg, [numerics.KeyTiles(k, v, valid[:, None])], scale=scale, sinks=sinks, softcap=softcap)
+    return out.reshape(batch, num_heads, head_dim)

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
+from pallas_kernels import dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
 from pallas_kernels import index_math as im
 from pallas_kernels import input_checks as checks
 
@@ -389,15 +389,15 @@ def hca_decode_attention_reference(
     compress_ratio: int,
     scale: float | None = None,
 ) -> jax.Array:
-    """jnp reference of `hca_decode_attention`: same arguments and result, no validation."""
+    """jnp reference of `hca_decode_attention`: same arguments and result, no validation; computed in
+    `pallas_kernels.numerics`' order (window tiles, then entry tiles)."""
     scale = q.shape[2] ** -0.5 if scale is None else scale
     batch = q.shape[0]
     capacity = compressed_page_table.shape[1] * compressed_pool.shape[1]
-    window_rows, window_valid = swa_decode.window_rows_reference(window_pool, window_page_table, lengths, window)
+    window_tiles = numerics.paged_tiles(window_pool, window_page_table, lengths, window)
     entries = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None, :], (batch, capacity))
     n_visible = visible_entries(lengths, n_compressed, compress_ratio, capacity)
     entries_valid = entries < n_visible[:, None]
     entry_rows = compressed_rows_reference(compressed_pool, compressed_page_table, entries, entries_valid)
-    rows = jnp.concatenate([window_rows, entry_rows], axis=1)
-    valid = jnp.concatenate([window_valid, entries_valid], axis=1)
-    return online_softmax.attend_rows_reference(q, rows, valid, sinks, scale)
+    tiles = [window_tiles, numerics.entry_tiles(entry_rows, entries_valid)]
+    return swa_decode.attend_shared_rows(q, tiles, sinks, scale)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, hca_decode, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
+from pallas_kernels import dispatch, hca_decode, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
 from pallas_kernels import input_checks as checks
 
 
@@ -376,17 +376,7 @@ def indexer_scores_reference(
     valid = entries < n_visible[:, None]
     keys = hca_decode.compressed_rows_reference(index_pool, index_page_table, entries, valid)
     keys = jnp.where(valid[..., None], keys, jnp.zeros((), keys.dtype))
-    logits = jnp.einsum(
-        "bhd,bcd->bhc",
-        q_idx,
-        keys,
-        precision=online_softmax.dot_precision(keys.dtype),
-        preferred_element_type=jnp.float32,
-    )
-    scores = (
-        jnp.einsum("bhc,bh->bc", jnp.maximum(logits, 0.0), weights.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-        * scale
-    )
+    scores = numerics.indexer_scores(q_idx[:, None], weights[:, None], keys, scale)[:, 0]
     return jnp.where(valid, scores, -jnp.inf)
 
 

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
+from pallas_kernels import dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
 from pallas_kernels import index_math as im
 from pallas_kernels import input_checks as checks
 
@@ -307,7 +307,18 @@ def window_rows_reference(window_pool, window_page_table, lengths, window: int):
 def swa_decode_attention_reference(
     q, window_pool, window_page_table, lengths, sinks, *, window: int, scale: float | None = None
 ) -> jax.Array:
-    """jnp reference of `swa_decode_attention`: same arguments and result, no validation."""
+    """jnp reference of `swa_decode_attention`: same arguments and result, no validation; computed in
+    `pallas_kernels.numerics`' order (the numerical contract: equal to hkv's prefill and the stateless
+    forward bit for bit)."""
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    rows, valid = window_rows_reference(window_pool, window_page_table, lengths, window)
-    return online_softmax.attend_rows_reference(q, rows, valid, sinks, scale)
+    rows, valid = numerics.paged_tiles(window_pool, window_page_table, lengths, window)
+    return attend_shared_rows(q, [(rows, valid)], sinks, scale)
+
+
+def attend_shared_rows(q, tiles, sinks, scale: float) -> jax.Array:
+    """`numerics.attend` of q [B, H, D] over K=V row tiles [(rows [B, T, KT, D], valid [B, T, KT]), ...]
+    (one shared head, sources in order) -> [B, H, D]."""
+    batch, heads, d = q.shape
+    sources = [numerics.KeyTiles(r[:, None, :, :, None, :], r[:, None, :, :, None, :], v[:, None]) for r, v in tiles]
+    out = numerics.attend(q.reshape(batch, 1, 1, heads, d), sources, scale=scale, sinks=sinks)
+    return out.reshape(batch, heads, d)

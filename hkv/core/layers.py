@@ -49,6 +49,7 @@ from flax import struct
 
 import pallas_kernels as pk
 from pallas_kernels import index_math as im
+from pallas_kernels import numerics as nm
 
 from . import transitions as tr
 from .layout import CacheLayout, Status
@@ -227,15 +228,12 @@ def causal_entry_limit(positions: jax.Array, ratio: int) -> jax.Array:
 
 
 def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, head_dim: int) -> jax.Array:
-    """Lightning-indexer scores  sum_h w[h] * relu(q_h . k_s) / sqrt(head_dim).
+    """Lightning-indexer scores  sum_h w[h] * relu(q_h . k_s) / sqrt(head_dim), in the order of the
+    numerical contract (`pallas_kernels.numerics.indexer_scores`, the decode kernels' reference too).
 
     q: [B, S, H, Dh]; weights: float32[B, S, H]; keys: [B, N, Dh] -> float32[B, S, N].
     """
-    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    # the head sum as a contraction (dot_general), not a reduction over a middle axis: XLA's CPU
-    # backend ran `sum(relu(dots) * w, axis=2)` 6x slower (159 vs 25 ms for 512 queries x 16 heads x
-    # 1040 entries), 70% of a 4K-token DeepSeek-V4 prefill
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), weights.astype(jnp.float32)) * (head_dim**-0.5)
+    return nm.indexer_scores(q, weights, keys, head_dim**-0.5)
 
 
 def select_topk(scores: jax.Array, limit: jax.Array, k: int) -> jax.Array:
@@ -315,59 +313,66 @@ def selection_bias(indices: jax.Array, n_entries: int) -> jax.Array:
     return base.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], safe].set(0.0)[..., :n_entries]
 
 
-def attend_rows(
+def _compressed_source(entries: jax.Array, limit: jax.Array | None, picks: jax.Array | None) -> nm.KeyTiles:
+    """The compressed entries a query attends, as key tiles after the window's: every causal entry
+    (`limit` int32[B, C]: entries each query sees; tiles shared by the row's queries) or each query's
+    `picks` (int32[B, C, k], -1 = none; tiles per query, in pick order). entries: [B, N, D] (one K=V head)."""
+    b, c = (limit if picks is None else picks).shape[:2]
+    if picks is None:
+        rows = nm.pad_tiles(entries, 1)[:, None, :, :, None, :]  # [B, 1, T, KT, 1, D]
+        e = jnp.arange(rows.shape[2] * nm.KEY_TILE, dtype=jnp.int32).reshape(rows.shape[2], nm.KEY_TILE)
+        return nm.KeyTiles(rows, rows, e[None, None] < limit[:, :, None, None])
+    got, bias = gather_picks(entries, picks)  # [B, C, k, 1, D]
+    rows = nm.pad_tiles(jnp.where((bias == 0)[..., None, None], got, jnp.zeros((), got.dtype)), 2)
+    return nm.KeyTiles(rows, rows, nm.pad_tiles(bias == 0, 2))  # rows [B, C, T, KT, 1, D]
+
+
+def _attend_tiles(q, k_tiles, v_tiles, valid, extra, *, scale, sinks, softcap) -> jax.Array:
+    """q [B, C, H, D] over row tiles k/v [B, T, KT, Hkv, D] (valid [B, C, T, KT]) and an optional
+    compressed source, in the contract's order -> [B, C, H, D]."""
+    b, c, h, d = q.shape
+    hkv = k_tiles.shape[3]
+    sources = [nm.KeyTiles(k_tiles[:, None], v_tiles[:, None], valid)]
+    if extra is not None:
+        sources.append(extra)
+    out = nm.attend(q.reshape(b, c, hkv, h // hkv, d), sources, scale=scale, sinks=sinks, softcap=softcap)
+    return out.reshape(b, c, h, d)
+
+
+def sequence_attention(
     q: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    bias: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
+    window: int | None,
     scale: float,
     sinks: jax.Array | None = None,
     softcap: float | None = None,
-    per_query: tuple[jax.Array, jax.Array] | None = None,
+    entries: jax.Array | None = None,
+    entry_limit: jax.Array | None = None,
+    picks: jax.Array | None = None,
 ) -> jax.Array:
-    """Dense GQA attention with optional per-head sinks and logit soft-capping (the prefill path).
+    """Stateless attention over a whole sequence (positions 0..T-1) in the numerical contract's order:
+    what a model's stateless forward calls, so that its logits equal the cached paths' bit for bit.
 
-    q: [B, T, H, D]; keys, values: [B, K, Hkv, D] (H % Hkv == 0; query head h reads KV head
-    h // (H // Hkv)); bias: float32[B, T, K], 0 (visible) or -inf; sinks: float32[H] or None (a sink
-    joins the softmax denominator only); softcap: logits -> softcap * tanh(logits / softcap).
-    per_query: optional (rows [B, T, E, Hkv, D], bias float32[B, T, E]): E more K=V rows *per query*
-      (a sparse layer's gathered top-k compressed entries) in the same softmax; cost O(T * E), where
-      the same entries as shared keys would cost O(T * all entries).
-    Returns [B, T, H, D] in q.dtype. A query that sees no key gets zeros (with no sink).
+    q: [B, T, H, D]; k, v: [B, T, Hkv, D] (H % Hkv == 0); window: attended tokens including the
+    current one (None: full causal attention); scale: logit scale; sinks: float32[H] or None; softcap:
+    logit soft-capping or None. Compressed entries (K=V, one KV head): entries [B, N, D] with
+    entry_limit int32[B, T] (the entries each query sees: all of them, HCA) or picks int32[B, T, k]
+    (each query's indexer picks, -1 = none: CSA). Returns [B, T, H, D] in q.dtype.
     """
-    b, t, h, d = q.shape
-    hkv = keys.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
-    # scores accumulate in float32 whatever the storage dtype (as the decode kernels do)
-    logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    n_shared = logits.shape[-1]
-    if per_query is not None:
-        rows, pbias = per_query
-        extra = jnp.einsum("btkgd,btekd->btkge", qg, rows.astype(q.dtype), preferred_element_type=jnp.float32)
-        logits = jnp.concatenate([logits, extra], axis=-1)
-        bias = jnp.concatenate([bias, pbias], axis=-1)
-    logits = logits * jnp.float32(scale)
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    logits = logits + bias[:, :, None, None, :].astype(jnp.float32)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(hkv, h // hkv)[None, None, ..., None],
-                                logits.shape[:-1] + (1,))  # fmt: skip
-        logits = jnp.concatenate([logits, sink], axis=-1)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    probs = jnp.exp(logits - peak)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = jnp.where(denom > 0, probs / jnp.where(denom > 0, denom, 1.0), 0.0)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    shared = probs[..., :n_shared].astype(values.dtype)
-    out = jnp.einsum("btkgs,bskd->btkgd", shared, values, preferred_element_type=jnp.float32)
-    if per_query is not None:
-        own = probs[..., n_shared:].astype(per_query[0].dtype)
-        out = out + jnp.einsum("btkge,btekd->btkgd", own, per_query[0], preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    b, t = q.shape[:2]
+    k_tiles, v_tiles = nm.pad_tiles(k, 1), nm.pad_tiles(v, 1)  # [B, T', KT, Hkv, D]
+    pos = jnp.arange(k_tiles.shape[1] * nm.KEY_TILE, dtype=jnp.int32).reshape(k_tiles.shape[1], nm.KEY_TILE)
+    tq = jnp.arange(t, dtype=jnp.int32)[:, None, None]
+    valid = (pos[None] <= tq) & (pos[None] < t)
+    if window is not None:
+        valid = valid & (pos[None] > tq - window)
+    valid = jnp.broadcast_to(valid[None], (b,) + valid.shape)
+    extra = None
+    if entries is not None:
+        extra = _compressed_source(entries, entry_limit, picks)
+    return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------- the view
@@ -452,16 +457,6 @@ class LayerCache:
         rows, ok = jnp.broadcast_to(w, (st.slots.shape[0], n_max)), w < n_now[:, None]
         entries = self._read(cache, kind, rows, ok)
         return entries, jnp.minimum(causal_entry_limit(st.positions, m), n_now[:, None])
-
-    def _split(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """SWA rows [B, T, kv_dim] -> (K, V) [B, T, Hkv, D]."""
-        b, t = rows.shape[:2]
-        if self.shared_kv:
-            k = rows.reshape(b, t, self.num_kv_heads, self.head_dim)
-            return k, k
-        k, v = jnp.split(rows, 2, axis=-1)
-        shape = (b, t, self.num_kv_heads, self.head_dim)
-        return k.reshape(shape), v.reshape(shape)
 
     # ------------------------------------------------------------------- writes
     def write_kv(self, cache: HybridCache, k: jax.Array, v: jax.Array | None = None) -> HybridCache:
@@ -656,28 +651,31 @@ class LayerCache:
         rows = self._rows(k, v)
         keep = (self.window - 1) if self.window is not None else st.context_bound
         past_pos = st.start[:, None] - keep + jnp.arange(keep)[None, :]
-        past_ok = past_pos >= 0
-        past = self._read(cache, ObjectKind.SWA, past_pos, past_ok)
-        keys, values = self._split(jnp.concatenate([past.astype(rows.dtype), rows], axis=1))
-        k_pos = jnp.concatenate([past_pos, st.positions], axis=1)
-        k_ok = jnp.concatenate([past_ok, st.valid], axis=1)
-        t, p = st.positions[:, :, None], k_pos[:, None, :]
-        seen = (p <= t) & k_ok[:, None, :]
+        past = self._read(cache, ObjectKind.SWA, past_pos, past_pos >= 0)
+        run = jnp.concatenate([past.astype(rows.dtype), rows], axis=1)  # positions start - keep, ...
+        first = st.start - keep
+        tiles = nm.tiles_from_rows(run, first, keep + c)  # [B, T, KT, kv_dim] at absolute positions
+        pos = nm.tile_positions(first, tiles.shape[1])[:, None]  # [B, 1, T, KT]
+        t = st.positions[:, :, None, None]
+        valid = (pos >= 0) & (pos < st.new_len[:, None, None, None]) & (pos <= t)
         if self.window is not None:
-            seen = seen & (p > t - self.window)
-        bias = jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32)
-        per_query = None
+            valid = valid & (pos > t - self.window)
+        k_tiles, v_tiles = self._split_tiles(tiles)
+        extra = None
         if compressed:
             entries, limit = self._entries(cache, ObjectKind.COMPRESSED)
-            if picks is None:  # HCA: every causal entry, shared by the chunk's queries
-                n_max = entries.shape[1]
-                ek = entries.astype(keys.dtype)[:, :, None, :]
-                keys, values = jnp.concatenate([keys, ek], axis=1), jnp.concatenate([values, ek], axis=1)
-                cbias = jnp.where(jnp.arange(n_max)[None, None, :] < limit[..., None], 0.0, -jnp.inf)
-                bias = jnp.concatenate([bias, cbias.astype(jnp.float32)], axis=-1)
-            else:  # CSA: each query's own top-k entries, gathered (O(C * k), not O(C * entries))
-                per_query = gather_picks(entries.astype(keys.dtype), picks)
-        return attend_rows(q, keys, values, bias, scale=scale, sinks=sinks, softcap=softcap, per_query=per_query)
+            extra = _compressed_source(entries.astype(rows.dtype), limit, None if picks is None else picks)
+        return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
+
+    def _split_tiles(self, tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """SWA rows in tiles [B, T, KT, kv_dim] -> (K, V) [B, T, KT, Hkv, D]."""
+        b, t, kt = tiles.shape[:3]
+        shape = (b, t, kt, self.num_kv_heads, self.head_dim)
+        if self.shared_kv:
+            k = tiles.reshape(shape)
+            return k, k
+        k, v = jnp.split(tiles, 2, axis=-1)
+        return k.reshape(shape), v.reshape(shape)
 
     def _decode(self, cache, q, sinks, scale, softcap, compressed, picks):
         """Decode attention through `pallas_kernels` on the stacked pools. q [B, H, D] -> [B, H, D]."""
@@ -853,7 +851,7 @@ __all__ = [
     "LayerCache",
     "LayerRun",
     "Step",
-    "attend_rows",
+    "sequence_attention",
     "causal_entry_limit",
     "default_read_buckets",
     "gather_picks",

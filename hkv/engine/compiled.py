@@ -39,6 +39,7 @@ from ..core.layout import Status
 from ..core.policy import window_rebuild_tokens
 from . import offload
 from . import step_store as ss
+from .. import numerics as nm
 
 ENV = "HKV_COMPILATION_CACHE"
 MAX_SHARED = 4  # most recently built (model, options, layout) entries kept for engines built later
@@ -292,7 +293,7 @@ class _Step:
 
     def _jit(self, fn):
         """`fn` jitted as every step is: layout and the other static arguments static, cache donated."""
-        return jax.jit(fn, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
+        return nm.jit(fn, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
 
     def _key(self, layout, args) -> tuple[tuple, list]:
         dyn = [a for i, a in enumerate(args, 2) if i not in self._static]

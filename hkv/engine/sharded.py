@@ -54,6 +54,7 @@ from .compiled import (
     step_name,
     unpack_decode,
 )
+from .. import numerics as nm
 from .engine import Engine, _DeferredInterrupt, _Seq
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, RequestHandle
@@ -194,8 +195,8 @@ class ShardedSteps:
 
             return shmap(local, (d, P(), d, d, d, d, d))(cache, weights, tokens, slots, params, budget, stop_ids)
 
-        self.prefill_all = jax.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
-        self.decode_all = jax.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
+        self.prefill_all = nm.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
+        self.decode_all = nm.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
 
         def on_one_shard(fn):
             def outer(layout, cache, shard, *args):
@@ -217,7 +218,7 @@ class ShardedSteps:
 
                 return shmap(local, (d, P()) + (P(),) * len(args))(cache, shard, *args)
 
-            return jax.jit(outer, static_argnums=0, donate_argnums=1)
+            return nm.jit(outer, static_argnums=0, donate_argnums=1)
 
         self.one = {name: on_one_shard(getattr(base, name)) for name in ONE_SHARD}
 

@@ -13,29 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hkv.core.layers import causal_entry_limit, indexer_topk, selection_bias
+from hkv import numerics
+from hkv.core.layers import causal_entry_limit, indexer_topk, sequence_attention
 
 from .compressor import Indexer, compressor_from_tensors
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .norms import linear, rms_norm, unweighted_rms_norm
 from .rope import apply_rope
-
-
-def attend_with_sinks(
-    q: jnp.ndarray, keys: jnp.ndarray, bias: jnp.ndarray, sinks: jnp.ndarray, scale: float
-) -> jnp.ndarray:
-    """One softmax over keys and a per-head sink logit; K = V (shared single head).
-
-    q: [B, T, H, D]; keys: [B, K, D] (also the values); bias: [B, T, K] with 0 (visible) or -inf;
-    sinks: float32[H]. Returns [B, T, H, D] in q.dtype. The sink joins the denominator only.
-    """
-    logits = jnp.einsum("bthd,bkd->bthk", q, keys.astype(q.dtype)) * jnp.asarray(scale, q.dtype)
-    logits = logits + bias[:, :, None, :].astype(logits.dtype)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], logits.shape[:-1] + (1,))
-    combined = jnp.concatenate([logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), sink], axis=-1)
-    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
-    probs = jax.nn.softmax(combined, axis=-1)[..., :-1].astype(keys.dtype)
-    return jnp.einsum("bthk,bkd->bthd", probs, keys).astype(q.dtype)
 
 
 def sliding_window_bias(q_positions: jnp.ndarray, k_positions: jnp.ndarray, window: int) -> jnp.ndarray:
@@ -120,8 +104,9 @@ class Attention(nnx.Module):
         o = apply_rope(o, cos[:, :, None], -sin[:, :, None])
         g = self.o_groups
         grouped = o.reshape(b, t, g, -1)
-        w = self.wo_a.value.astype(o.dtype).reshape(g, self.o_lora_rank, -1)
-        mixed = jnp.einsum("btgi,gri->btgr", grouped, w).reshape(b, t, g * self.o_lora_rank)
+        w = self.wo_a.value.reshape(g, self.o_lora_rank, -1)
+        # one linear per group (non-batched products: the same bits for any number of rows)
+        mixed = jnp.concatenate([linear(grouped[:, :, j], w[j]) for j in range(g)], axis=-1)
         return linear(mixed, self.wo_b.value)
 
     # --------------------------------------------------------------- stateless
@@ -131,22 +116,16 @@ class Attention(nnx.Module):
         cos, sin = rope[self.rope_family]
         q, q_residual = self.queries(x, cos, sin)
         kv = self.shared_kv(x, cos, sin)
-        bias = sliding_window_bias(positions, positions, self.window)  # [B, T, T]
-        keys = kv
+        entries = limit = picks = None
         if self.compressor is not None:
-            compressed = self.compressor.compress_prefix(x, freqs["compress"], self.eps)  # [B, n, D]
-            n = compressed.shape[1]
+            entries = self.compressor.compress_prefix(x, freqs["compress"], self.eps)  # [B, n, D]
             limit = causal_entry_limit(positions, self.ratio)  # [B, T]
-            if self.indexer is None:  # HCA: every causal entry
-                entry = jnp.arange(n, dtype=jnp.int32)
-                cbias = jnp.where(entry[None, None, :] < limit[..., None], 0.0, -jnp.inf).astype(jnp.float32)
-            else:  # CSA: the indexer's top-k among causal entries
+            if self.indexer is not None:  # CSA: the indexer's top-k among causal entries
                 ccos, csin = rope["compress"]
                 iq = self.indexer.queries(q_residual, ccos, csin)
                 ikeys = self.indexer.compressor.compress_prefix(x, freqs["compress"], self.eps)
                 picks = indexer_topk(iq, self.indexer.head_weights(x), ikeys, limit, self.indexer.topk)
-                cbias = selection_bias(picks, n)
-            keys = jnp.concatenate([kv, compressed.astype(kv.dtype)], axis=1)
-            bias = jnp.concatenate([bias, cbias], axis=-1)
-        o = attend_with_sinks(q, keys, bias, self.attn_sink.value, self.head_dim**-0.5)
+        k = kv[:, :, None, :]  # one shared K=V head
+        o = sequence_attention(q, k, k, window=self.window, scale=self.head_dim**-0.5, sinks=self.attn_sink.value,
+                               entries=entries, entry_limit=limit, picks=picks)  # fmt: skip
         return self.project_output(o, cos, sin)

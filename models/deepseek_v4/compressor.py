@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv import numerics
 from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk  # noqa: F401 (re-exported)
 
 from .config import DeepseekV4Config
@@ -66,8 +67,8 @@ def compress_windows(
         prev_gate = jnp.concatenate([prior_gate[:, None].astype(chunk_gate.dtype), ca_gate[:, :-1]], axis=1)
         chunk_kv = jnp.concatenate([prev_kv, cb_kv], axis=2)  # [B, nw, 2*ratio, head_dim]
         chunk_gate = jnp.concatenate([prev_gate, cb_gate], axis=2)
-    weights = jax.nn.softmax(chunk_gate.astype(jnp.float32), axis=2).astype(chunk_kv.dtype)
-    pooled = jnp.sum(chunk_kv * weights, axis=2)
+    weights = numerics.softmax(chunk_gate, axis=2).astype(chunk_kv.dtype)
+    pooled = numerics.fixed_sum((chunk_kv * weights).astype(jnp.float32), axis=2).astype(chunk_kv.dtype)
     compressed = rms_norm(pooled, norm_weight, eps)
     first = jnp.asarray(first_position, jnp.int32).reshape(-1, 1)  # [B or 1, 1]
     positions = first + jnp.arange(nw, dtype=jnp.int32)[None, :] * ratio
@@ -136,7 +137,7 @@ class Indexer(nnx.Module):
 
     def head_weights(self, x: jnp.ndarray) -> jnp.ndarray:
         """x [B, S, hidden] -> float32[B, S, n_heads] per-head score weights (already scaled)."""
-        return linear(x, self.weights_proj.value).astype(jnp.float32) * (self.n_heads**-0.5)
+        return numerics.mul(linear(x, self.weights_proj.value).astype(jnp.float32), jnp.float32(self.n_heads**-0.5))
 
 
 def compressor_from_tensors(

@@ -2,7 +2,8 @@
 
 Before a block the streams collapse into one input (`pre` weights); after it the block output is
 expanded back (`post`) and added to the streams mixed by `comb`, a matrix projected towards the
-doubly-stochastic manifold by Sinkhorn-Knopp iterations. All in float32.
+doubly-stochastic manifold by Sinkhorn-Knopp iterations. All in float32, in the numerical contract's
+order (`hkv.numerics`: fixed-order sums, settled products).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from hkv import numerics
 
 from .norms import unweighted_rms_norm
 
@@ -30,31 +33,38 @@ class HyperConnection(nnx.Module):
         """streams [B, T, N, hidden] -> (post f32[B, T, N], comb f32[B, T, N, N], collapsed [B, T, hidden])."""
         b, t, n, _ = streams.shape
         flat = unweighted_rms_norm(streams.reshape(b, t, -1).astype(jnp.float32), self.norm_eps)
-        mixes = jnp.einsum("bti,oi->bto", flat, self.fn.value)
+        mixes = numerics.matmul(flat, self.fn.value.T)
         pre_w, post_w, comb_w = mixes[..., :n], mixes[..., n : 2 * n], mixes[..., 2 * n :]
         base = self.base.value
         pre_b, post_b, comb_b = base[:n], base[n : 2 * n], base[2 * n :]
         s = self.scale.value
-        pre = jax.nn.sigmoid(pre_w * s[0] + pre_b) + self.eps
-        post = 2 * jax.nn.sigmoid(post_w * s[1] + post_b)
-        comb = jax.nn.softmax(comb_w.reshape(b, t, n, n) * s[2] + comb_b.reshape(n, n), axis=-1) + self.eps
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+        pre = numerics.sigmoid(numerics.mul(pre_w, s[0]) + pre_b) + self.eps
+        post = 2 * numerics.sigmoid(numerics.mul(post_w, s[1]) + post_b)
+        logits = numerics.mul(comb_w.reshape(b, t, n, n), s[2]) + comb_b.reshape(n, n)
+        comb = numerics.softmax(logits, axis=-1) + self.eps
+        comb = numerics.div(comb, numerics.fixed_sum(comb, axis=-2, keepdims=True) + self.eps)
 
         def sinkhorn(_, c):  # one row then one column normalization
-            c = c / (jnp.sum(c, axis=-1, keepdims=True) + self.eps)
-            return c / (jnp.sum(c, axis=-2, keepdims=True) + self.eps)
+            c = numerics.div(c, numerics.fixed_sum(c, axis=-1, keepdims=True) + self.eps)
+            return numerics.div(c, numerics.fixed_sum(c, axis=-2, keepdims=True) + self.eps)
 
         # a loop, not unrolled: 20 unrolled iterations were ~25% of every compiled step's program
         comb = jax.lax.fori_loop(0, self.iters - 1, sinkhorn, comb)
-        collapsed = jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, collapse(pre, streams)
+
+
+def collapse(pre: jnp.ndarray, streams: jnp.ndarray) -> jnp.ndarray:
+    """sum_j pre[j] * streams[j] in float32, cast to the streams' dtype. [B,T,N], [B,T,N,D] -> [B,T,D]."""
+    return numerics.fixed_sum(pre[..., None] * streams.astype(jnp.float32), axis=2).astype(streams.dtype)
 
 
 def merge(post: jnp.ndarray, comb: jnp.ndarray, block_out: jnp.ndarray, streams: jnp.ndarray) -> jnp.ndarray:
-    """New streams = post ⊗ block_out + combᵀ · streams.  [B,T,N], [B,T,N,N], [B,T,D], [B,T,N,D] -> [B,T,N,D]."""
+    """New streams = post ⊗ block_out + combᵀ · streams.  [B,T,N], [B,T,N,N], [B,T,D], [B,T,N,D] -> [B,T,N,D].
+    The stream mix accumulates in float32 (`fixed_sum` over the N source streams), rounded once."""
     dt = streams.dtype
-    expanded = post.astype(dt)[..., None] * block_out[..., None, :]
-    mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), streams)
+    expanded = numerics.mul(post.astype(dt)[..., None], block_out[..., None, :])
+    comb_t = comb.astype(dt).astype(jnp.float32)[..., None]  # [B, T, N(j), N(k), 1]
+    mixed = numerics.fixed_sum(comb_t * streams.astype(jnp.float32)[:, :, :, None, :], axis=2).astype(dt)
     return expanded + mixed
 
 
@@ -71,6 +81,6 @@ class HyperHead(nnx.Module):
     def __call__(self, streams: jnp.ndarray) -> jnp.ndarray:
         b, t, n, _ = streams.shape
         flat = unweighted_rms_norm(streams.reshape(b, t, -1).astype(jnp.float32), self.norm_eps)
-        mixes = jnp.einsum("bti,oi->bto", flat, self.fn.value)
-        pre = jax.nn.sigmoid(mixes * self.scale.value[0] + self.base.value) + self.eps
-        return jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)
+        mixes = numerics.matmul(flat, self.fn.value.T)
+        pre = numerics.sigmoid(numerics.mul(mixes, self.scale.value[0]) + self.base.value) + self.eps
+        return collapse(pre, streams)

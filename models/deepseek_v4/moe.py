@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv import numerics
+
 from .config import HASH_MOE, DeepseekV4Config
 from .norms import linear
 
@@ -29,15 +31,22 @@ def score(logits: jnp.ndarray, scoring_func: str) -> jnp.ndarray:
     if scoring_func == "sqrtsoftplus":
         return jnp.sqrt(jax.nn.softplus(logits))
     if scoring_func == "softmax":
-        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+        return numerics.softmax(logits, axis=-1).astype(logits.dtype)
     if scoring_func == "sigmoid":
-        return jax.nn.sigmoid(logits)
+        return numerics.sigmoid(logits).astype(logits.dtype)
     raise ValueError(f"{scoring_func=} must be one of sqrtsoftplus, softmax, sigmoid")
 
 
 def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     """silu(min(gate, limit)) * clip(up, -limit, limit)."""
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+    return numerics.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, dtype) -> jnp.ndarray:
+    """sum_s weights[:, s] * outputs[:, s] over each token's k slots in slot order (float32, `fixed_sum`),
+    cast to `dtype`. outputs [N, k, hidden] (the experts' outputs rounded to `dtype`), weights [N, k]."""
+    y = outputs.astype(dtype).astype(jnp.float32)
+    return numerics.fixed_sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(dtype)
 
 
 class MoE(nnx.Module):
@@ -80,8 +89,8 @@ class MoE(nnx.Module):
             biased = scores.astype(jnp.float32) + self.bias.value
             _, idx = jax.lax.top_k(biased, self.top_k)
         w = jnp.take_along_axis(scores, idx, axis=-1)
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-        return w * self.scaling, idx.astype(jnp.int32)
+        w = numerics.div(w, numerics.fixed_sum(w, axis=-1, keepdims=True) + 1e-20)
+        return numerics.mul(w, jnp.asarray(self.scaling, w.dtype)), idx.astype(jnp.int32)
 
     def experts(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """Weighted sum of the selected experts' outputs. x [N, hidden], weights [N, k], idx int32[N, k]
@@ -90,26 +99,35 @@ class MoE(nnx.Module):
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` without `ragged_dot`: every expert for every token when that is fewer rows than the
-        tiled grouping (decode), else `experts_tiled`."""
+        tiled grouping (decode), else `experts_tiled`. Both compute each (token, expert) pair as a row of
+        the same product ([`TILE` rows, hidden] x [hidden, inter], batched), so a token's output is the
+        same bits on either path (the numerical contract)."""
         n, k = idx.shape
         e = self.n_experts
         if n * e <= 2 * (n * k + e * TILE):
             dt = x.dtype
-            # x broadcast over the experts makes both products batched matmuls over the weights as
-            # stored ([E, hidden, inter]); "nh,ehi->eni" made XLA:CPU copy each weight into another
-            # layout inside every decode step (~7% of a tiny-model decode step).
-            xe = jnp.broadcast_to(x[None], (e, *x.shape))
-            g = jnp.einsum("enh,ehi->eni", xe, self.w_gate.value.astype(dt))
-            u = jnp.einsum("enh,ehi->eni", xe, self.w_up.value.astype(dt))
-            y = jnp.einsum("eni,eih->enh", swiglu(g, u, self.limit), self.w_down.value.astype(dt))
-            dense = jnp.sum(jnp.where(idx[None] == jnp.arange(e)[:, None, None], weights[None], 0.0), axis=-1)
-            return jnp.einsum("enh,en->nh", y, dense.astype(y.dtype)).astype(dt)
+            xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
+            y = self._expert_rows(xe, jnp.arange(e, dtype=jnp.int32))  # [E, N, hidden] float32
+            picked = y[idx, jnp.arange(n)[:, None]]  # [N, k, hidden]: each token's experts, in slot order
+            return _combine(picked, weights, dt)
         return self.experts_tiled(x, weights, idx)
+
+    def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray) -> jnp.ndarray:
+        """SwiGLU of expert `expert[g]` over rows[g]: rows [G, R, hidden] -> float32 [G, R, hidden], as
+        batched products of `TILE` rows (fewer rows are padded) with the experts' weights gathered."""
+        g, r, _ = rows.shape
+        dt = rows.dtype
+        wg, wu, wd = (w.value.astype(dt)[expert] for w in (self.w_gate, self.w_up, self.w_down))
+        floor = TILE
+        gate = numerics.batched_matmul(rows, wg, rows_floor=floor).astype(dt)
+        up = numerics.batched_matmul(rows, wu, rows_floor=floor).astype(dt)
+        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor)
 
     def experts_tiled(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """Grouped matmul in tiles: the N*k (token, slot) pairs sorted by expert, each expert's run
-        padded to whole tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), and
-        one `lax.map` step per tile multiplying by its expert's weights. x [N, hidden] -> [N, hidden]."""
+        padded to whole tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), every
+        tile multiplied by its expert's weights (one batched product over the tiles). x [N, hidden] ->
+        [N, hidden]."""
         n, k = idx.shape
         e, m = self.n_experts, n * k
         flat = idx.reshape(-1)
@@ -124,15 +142,8 @@ class MoE(nnx.Module):
         rows = jnp.zeros((tiles * TILE, x.shape[1]), x.dtype).at[dest].set(x[jnp.arange(m) // k])
         tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
         tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
-        wg, wu, wd = (w.value.astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-
-        def tile(args):
-            xt, te = args  # [TILE, hidden], its expert
-            return swiglu(xt @ wg[te], xt @ wu[te], self.limit) @ wd[te]
-
-        y = jax.lax.map(tile, (rows.reshape(tiles, TILE, -1), tile_expert)).reshape(tiles * TILE, -1)
-        out = y[dest].reshape(n, k, -1)
-        return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).astype(x.dtype)
+        y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
+        return _combine(y[dest].reshape(n, k, -1), weights, x.dtype)
 
     def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` as one `jax.lax.ragged_dot` per projection over the pairs sorted by expert."""
@@ -145,7 +156,7 @@ class MoE(nnx.Module):
         u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
         y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
         out = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
-        return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).astype(x.dtype)
+        return _combine(out, weights, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(

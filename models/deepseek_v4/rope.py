@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from hkv import numerics
+
 from .config import DeepseekV4Config
 
 
@@ -23,8 +25,8 @@ def inv_freq(cfg: DeepseekV4Config, family: str) -> np.ndarray:
 
 def cos_sin(positions: jnp.ndarray, freqs: np.ndarray, scale: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray]:
     """positions int[...] -> (cos, sin), each float32[..., rope_dim // 2]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs, jnp.float32)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    angles = numerics.mul(positions.astype(jnp.float32)[..., None], jnp.asarray(freqs, jnp.float32))
+    return numerics.mul(jnp.cos(angles), jnp.float32(scale)), numerics.mul(jnp.sin(angles), jnp.float32(scale))
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
@@ -40,7 +42,7 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     r = rope.astype(jnp.float32).reshape(*rope.shape[:-1], half, 2)
     even, odd = r[..., 0], r[..., 1]
-    out_even = even * cos - odd * sin
-    out_odd = odd * cos + even * sin
+    out_even = numerics.mul(even, cos) - numerics.mul(odd, sin)
+    out_odd = numerics.mul(odd, cos) + numerics.mul(even, sin)
     rotated = jnp.stack([out_even, out_odd], axis=-1).reshape(rope.shape).astype(x.dtype)
     return jnp.concatenate([nope, rotated], axis=-1)

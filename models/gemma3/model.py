@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv import numerics
+from hkv.core.layers import sequence_attention
 from models.layer_stack import LayerStack, run_layers
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
@@ -39,20 +41,22 @@ from .config import FULL, LAYER_TYPES, SLIDING, Gemma3Config
 
 
 def gemma_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """Gemma RMSNorm over the last axis: float32 `x * rsqrt(mean(x^2) + eps) * (1 + w)`, cast to x.dtype."""
+    """Gemma RMSNorm over the last axis: float32 `x * rsqrt(mean(x^2) + eps) * (1 + w)`, cast to x.dtype
+    (the mean and rsqrt of `hkv.numerics`, one order for every path)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    y = x32 * numerics.rms_scale(x32, eps)
+    return numerics.mul(y, 1.0 + weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
-    """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype."""
-    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+    """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype
+    (`hkv.numerics.linear`: float32 accumulation, the same bits for any number of rows)."""
+    return numerics.linear(x, weight)
 
 
 def cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """positions int[...] -> (cos, sin) float32[..., 2 * len(inv_freq)] (frequencies repeated for both halves)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    angles = numerics.mul(positions.astype(jnp.float32)[..., None], jnp.asarray(inv_freq, jnp.float32))
     emb = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -63,7 +67,7 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     sin = sin.astype(x.dtype)[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return numerics.mul(x, cos) + numerics.mul(rotated, sin)
 
 
 def attention_mask(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int | None = None) -> jnp.ndarray:
@@ -81,26 +85,17 @@ def dense_attention(
     q: jnp.ndarray,
     k: jnp.ndarray,
     v: jnp.ndarray,
-    mask: jnp.ndarray,
     scale: float,
+    window: int | None = None,
     softcap: float | None = None,
 ) -> jnp.ndarray:
-    """Plain GQA attention. q [B, T, H, D], k/v [B, S, Hkv, D], mask bool broadcastable to [B, T, S]
-    (True = visible; every row needs >= 1 visible key) -> o [B, T, H, D] in q.dtype.
+    """Causal GQA attention over a whole sequence (query t sees keys (t - window, t], window None:
+    [0, t]). q [B, T, H, D], k/v [B, T, Hkv, D] -> o [B, T, H, D] in q.dtype.
 
-    Scores accumulate in float32, optional tanh softcap `softcap * tanh(s / softcap)`, float32 softmax,
-    probabilities cast to v.dtype for the value product (transformers' eager order of roundings)."""
-    b, t, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        s = jnp.tanh(s / softcap) * softcap
-    m = jnp.broadcast_to(mask, (b, t, mask.shape[-1]))[:, None, None]
-    s = jnp.where(m, s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    Scores accumulate in float32, optional tanh softcap, a float32 softmax whose probabilities are cast
+    to v.dtype for the value product, in the order of hkv's numerical contract
+    (`hkv.core.layers.sequence_attention`), so cached steps reproduce it bit for bit."""
+    return sequence_attention(q, k, v, window=window, scale=scale, softcap=softcap)
 
 
 # ------------------------------------------------------------------- modules
@@ -147,7 +142,7 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Param(jnp.asarray(tensors[p + "down_proj.weight"], dtype))
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        gate = jax.nn.gelu(linear(x, self.gate_proj.value), approximate=True)
+        gate = numerics.gelu_tanh(linear(x, self.gate_proj.value))
         return linear(gate * linear(x, self.up_proj.value), self.down_proj.value)
 
 
@@ -179,10 +174,10 @@ class DecoderLayer(nnx.Module):
         h = self.mlp(gemma_rms_norm(x, self.pre_feedforward_layernorm.value, self.eps))
         return x + gemma_rms_norm(h, self.post_feedforward_layernorm.value, self.eps)
 
-    def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-        """Stateless: x [B, T, hidden], cos/sin [B, T, D] of this layer's type, mask bool [B, T, T]."""
+    def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+        """Stateless: x [B, T, hidden] (positions 0..T-1), cos/sin [B, T, D] of this layer's type."""
         q, k, v = self.attn.project_qkv(self.input_norm(x), cos, sin)
-        o = dense_attention(q, k, v, mask, self.scaling)
+        o = dense_attention(q, k, v, self.scaling, self.window)
         x = x + self.post_attention_norm(self.attn.project_output(o))
         return self.ffn_block(x)
 
@@ -228,7 +223,7 @@ class Gemma3(nnx.Module):
     def embed(self, tokens: jnp.ndarray) -> jnp.ndarray:
         """int32[B, T] -> [B, T, hidden] in the model dtype, scaled by sqrt(hidden) (in that dtype)."""
         w = self.embed_tokens.value
-        return w[tokens] * jnp.asarray(self._embed_scale, jnp.float32).astype(w.dtype)
+        return numerics.mul(w[tokens], jnp.asarray(self._embed_scale, jnp.float32).astype(w.dtype))
 
     def logits(self, x: jnp.ndarray) -> jnp.ndarray:
         """Final hidden [B, T, hidden] -> float32[B, T, vocab]: final norm, (tied) head, final softcap."""
@@ -276,14 +271,10 @@ class Gemma3(nnx.Module):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         rope = self.rope_tables(positions)
-        masks = {
-            FULL: attention_mask(positions, positions),
-            SLIDING: attention_mask(positions, positions, self.cfg.window),
-        }
 
         def one(layer, x):
             cos, sin = rope[layer.layer_type]
-            return layer(x, cos, sin, masks[layer.layer_type])
+            return layer(x, cos, sin)
 
         x = run_layers(self, self.embed(tokens), one, scan_layers)
         return self.logits(x)

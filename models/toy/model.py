@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hkv
-from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk, selection_bias
+from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk, sequence_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +60,12 @@ def pool(kv: jax.Array, gate: jax.Array, ratio: int) -> jax.Array:
     b, t, w = kv.shape
     n = t // ratio
     kv, gate = kv[:, : n * ratio].reshape(b, n, ratio, w), gate[:, : n * ratio].reshape(b, n, ratio, w)
-    return jnp.sum(kv * jax.nn.softmax(gate.astype(jnp.float32), axis=2), axis=2).astype(kv.dtype)
+    return hkv.numerics.fixed_sum(kv * hkv.numerics.softmax(gate, axis=2), axis=2).astype(kv.dtype)
 
 
-def attention(q, keys, values, visible):
-    """Plain softmax attention. q [B, T, H, D]; keys, values [B, S, Hkv, D]; visible bool[B, T, S]."""
-    b, t, h, d = q.shape
-    hkv_ = keys.shape[2]
-    qg = q.reshape(b, t, hkv_, h // hkv_, d)
-    logits = jnp.einsum("btkgd,bskd->btkgs", qg, keys) * d**-0.5
-    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
-    out = jnp.einsum("btkgs,bskd->btkgd", jax.nn.softmax(logits, axis=-1), values)
-    return out.reshape(b, t, h, d)
+def linear(x: jax.Array, layer: nnx.Linear) -> jax.Array:
+    """`layer(x)` (no bias) through `hkv.numerics.linear`: the same bits for any number of rows."""
+    return hkv.numerics.matmul(x, layer.kernel.value.astype(x.dtype)).astype(x.dtype)
 
 
 class Layer(nnx.Module):
@@ -100,42 +94,45 @@ class Layer(nnx.Module):
 
     def qkv(self, x):
         b, t, _ = x.shape
-        q = self.wq(x).reshape(b, t, -1, self.cfg.head_dim)
-        k = self.wk(x).reshape(b, t, self.hkv, self.cfg.head_dim)
-        return q, k, (self.wv(x).reshape(k.shape) if self.wv is not None else k)
+        q = linear(x, self.wq).reshape(b, t, -1, self.cfg.head_dim)
+        k = linear(x, self.wk).reshape(b, t, self.hkv, self.cfg.head_dim)
+        return q, k, (linear(x, self.wv).reshape(k.shape) if self.wv is not None else k)
 
     def indexer_q(self, x):
         b, t, _ = x.shape
-        return self.iq(x).reshape(b, t, self.cfg.index_heads, self.cfg.index_dim), self.iw(x)
+        return linear(x, self.iq).reshape(b, t, self.cfg.index_heads, self.cfg.index_dim), linear(x, self.iw)
+
+    def compressor_rows(self, h, which: str = "compressor"):
+        """The compressor's (or its indexer's) projected kv and gate rows of h [B, T, hidden]."""
+        if which == "indexer":
+            return linear(h, self.ikv), linear(h, self.igate)
+        return linear(h, self.ckv), linear(h, self.cgate)
 
     def finish(self, x, o):
-        x = x + self.wo(o.reshape(*o.shape[:2], -1))
-        return x + self.down(jax.nn.gelu(self.up(norm(x))))
+        x = x + linear(o.reshape(*o.shape[:2], -1), self.wo)
+        return x + linear(hkv.numerics.gelu_tanh(linear(norm(x), self.up)), self.down)
 
     def __call__(self, x):
         """Stateless layer over a whole sequence x [B, T, hidden]."""
         kind, h = self.kind, norm(x)
         q, k, v = self.qkv(h)
         t = jnp.arange(x.shape[1])
-        visible = (t[None, :] <= t[:, None]) & ((t[None, :] > t[:, None] - kind.window) if kind.window else True)
-        visible = jnp.broadcast_to(visible, (x.shape[0],) + visible.shape)
+        entries = limit = picks = None
         if isinstance(kind, Compressed):
             m = kind.ratio
-            entries = pool(self.ckv(h), self.cgate(h), m)[:, :, None, :]  # [B, T // m, 1, D]
-            n = entries.shape[1]
+            entries = pool(*self.compressor_rows(h), m)  # [B, T // m, D]
             limit = jnp.broadcast_to(causal_entry_limit(t, m), (x.shape[0], x.shape[1]))
-            seen = jnp.arange(n)[None, None, :] < limit[..., None]
             if kind.topk:
                 iq, iw = self.indexer_q(h)
-                scores = indexer_scores(iq, iw, pool(self.ikv(h), self.igate(h), m), self.cfg.index_dim)
-                seen = selection_bias(select_topk(scores, limit, kind.topk), n) == 0
-            k, v = jnp.concatenate([k, entries], 1), jnp.concatenate([v, entries], 1)
-            visible = jnp.concatenate([visible, seen], -1)
-        return self.finish(x, attention(q, k, v, visible))
+                scores = indexer_scores(iq, iw, pool(*self.compressor_rows(h, "indexer"), m), self.cfg.index_dim)
+                picks = select_topk(scores, limit, kind.topk)
+        o = sequence_attention(q, k, v, window=kind.window, scale=self.cfg.head_dim**-0.5, entries=entries,
+                               entry_limit=limit, picks=picks)  # fmt: skip
+        return self.finish(x, o)
 
 
 def norm(x):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return hkv.numerics.mul(x, hkv.numerics.rms_scale(x, 1e-6).astype(x.dtype))
 
 
 class ToyModel(nnx.Module):
@@ -160,7 +157,7 @@ class ToyModel(nnx.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(norm(x)).astype(jnp.float32)
+        return linear(norm(x), self.head).astype(jnp.float32)
 
     def cached_step(
         self,
@@ -188,13 +185,13 @@ class ToyModel(nnx.Module):
                 picks = None
                 if shared:
                     fn = lambda kv, gate, *_: pool(kv, gate, kind.ratio)  # noqa: E731  (first_token, no overlap)
-                    cache = view.compress(cache, layer.ckv(h), layer.cgate(h), fn)
+                    cache = view.compress(cache, *layer.compressor_rows(h), fn)
                     if kind.topk:
-                        cache = view.compress(cache, layer.ikv(h), layer.igate(h), fn, which="indexer")
+                        cache = view.compress(cache, *layer.compressor_rows(h, "indexer"), fn, which="indexer")
                         picks = view.index_topk(cache, *layer.indexer_q(h), kind.topk)
                 o = view.attend(cache, q, k, None if shared else v, compressed=shared, picks=picks)
                 x = layer.finish(x, o)
-            return cache, self.head(norm(x))
+            return cache, linear(norm(x), self.head)
 
         return hkv.run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
                             seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip

@@ -1,0 +1,438 @@
+"""Batch-invariant numerics: every reduction has one order, whatever the batch, chunk or path.
+
+The numerical contract of hkv (docs/numerics.md): the logits of a token at a position are bitwise
+the same whichever path computed them — the stateless forward, prefill in any chunk and batch, the
+decode step, a restored prefix. A floating-point sum depends on its order, so every sum a model
+computes must have an order that does not depend on how many rows, queries or keys a call holds.
+This module is the set of pieces that guarantee it; models, hkv's layer API and the decode-kernel
+references are written with them and nothing else that reduces:
+
+* `linear` / `matmul`: products accumulate in float32 in a kernel whose per-element order does not
+  depend on the row count (see "Matmuls" below), rounded once to the input dtype.
+* `fixed_sum` / `fixed_mean` / `softmax`: reductions as a fixed pairwise tree over the axis (exact
+  elementwise adds in an order set by the axis length only), never a library reduction.
+* `exp` / `rsqrt`: elementwise functions built from exactly rounded operations, because XLA:CPU's own
+  `exp` and `rsqrt` round differently in the vector body and the scalar tail of a loop.
+* `attend`: attention over keys cut into tiles of `KEY_TILE` at absolute positions. Scores per tile,
+  one max over everything visible (exact in any order), per-tile sums and value products, then the
+  tiles added in their order (`ordered_sum`). A path that reads fewer keys (a decode step reading
+  only the window) adds exact zeros fewer times, which changes nothing.
+
+Matmuls (measured on XLA:CPU, jaxlib 0.10.2; `tests/pallas_kernels/test_numerics.py` keeps checking):
+XLA hands dots to YNNPACK, which picks a kernel by shape; different kernels sum in different orders.
+With `compiler_options()` (YNNPACK's consistent-arithmetic mode, dots only), a bfloat16 x bfloat16
+-> float32 product is the same for any row count >= 2, and a batched product (attention) is the same
+for any batch count and any row count >= 2. A float32 x float32 non-batched product still changes
+kernel below ~50 rows, so float32 `matmul` pads to `F32_MIN_ROWS` rows. Programs that call these
+functions must be compiled with `compiler_options()` (the engine, the stateless forward and
+`hkv.jit` do); a program compiled without them still runs, without the contract.
+
+On GPU and TPU the same code runs (the options apply to the CPU backend only); there, matmul
+kernels are chosen by the backend's own libraries, and the contract holds only as far as they keep
+one order per element (not yet measured: no accelerator has been available).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Keys per attention tile. Tiles sit at absolute positions (tile j holds positions [64 j, 64 j + 64)),
+# so every path cuts the same keys into the same tiles.
+KEY_TILE = 64
+
+# Rows a float32 non-batched matmul is padded to (YNNPACK's small-row kernels sum in another order).
+F32_MIN_ROWS = 64
+# Rows any matmul is padded to (a single row takes XLA's matrix-vector emitter, another order).
+MIN_ROWS = 2
+
+_CPU_OPTIONS = {
+    # YNNPACK's consistent-arithmetic mode: one order per element whatever kernel the shape selects
+    "xla_cpu_enable_platform_dependent_math": False,
+    # YNNPACK for dots only: elementwise ops and reductions stay in XLA's own emitters, which do not
+    # change with the fusion a shape ends up in (and its reductions are 30-70x faster on CPU)
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    # XLA's classic CPU emitters: the newer fusion emitters contract a * b + c into one FMA or not
+    # depending on the fusion an expression lands in, so the same float32 arithmetic rounded
+    # differently in two programs (a value computed for a program output vs. fused into a consumer)
+    "xla_cpu_use_fusion_emitters": False,
+    # bfloat16 arithmetic rounds after every op, as written (no float32 carried through a fusion)
+    "xla_allow_excess_precision": False,
+}
+
+
+def compiler_options(platform: str | None = None) -> dict[str, object] | None:
+    """XLA options every program using this module is compiled with (`jax.jit(..., compiler_options=)`).
+
+    platform: "cpu", "gpu", "tpu" or None (`jax.default_backend()`). Returns None where no option is
+    needed (not CPU)."""
+    platform = platform or jax.default_backend()
+    return dict(_CPU_OPTIONS) if platform == "cpu" else None
+
+
+def jit(fun=None, **kwargs):
+    """`jax.jit` with `compiler_options()` added: use it for your own jitted loop around hkv's steps
+    (e.g. `hkv.decode_loop`) so that it keeps the numerical contract. Usable as `@jit` or `jit(f, ...)`."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    options = compiler_options()
+    if options:
+        kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})}
+    return jax.jit(fun, **kwargs)
+
+
+def settle(x):
+    """`x` rounded as its dtype stores it before anything adds to it: x + 0, with a zero XLA cannot see
+    through. XLA:CPU lets LLVM fuse a * b + c into one multiply-add (one rounding instead of two)
+    wherever both ops land in one kernel, and which ops share a kernel differs between programs (a
+    value computed for a program's output, or fused into its consumer): the same float32 arithmetic
+    then gives different bits. `a * b + 0` is exactly round(a * b) whether LLVM fuses it or not, and
+    what follows adds a sum, not a product, so nothing can fuse across. Settle every product that is
+    added to something (this module's reductions settle their inputs). Works on pytrees."""
+    return jax.tree.map(_settle, x)
+
+
+def _settle(v: jax.Array) -> jax.Array:
+    # v + 0 * min(|v|, 1): a zero computed from v itself, which XLA cannot fold away (a constant zero
+    # it can, inside while loops), finite for any finite or infinite v (NaN stays NaN)
+    v = jnp.asarray(v)
+    return v + jnp.asarray(0, v.dtype) * jnp.minimum(jnp.abs(v), jnp.asarray(1, v.dtype))
+
+
+def mul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`settle(a * b)`: a product that may then be added."""
+    return settle(a * b)
+
+
+def div(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b with b broadcast against a, as `a * (1 / b)` with the reciprocal taken at b's shape (settled).
+    XLA rewrites a division by a broadcast value into that form in some programs and not in others
+    (the bits differ); written out, every program computes the same thing."""
+    b = jnp.asarray(b)
+    return mul(a, (1 / b).astype(b.dtype))
+
+
+# ----------------------------------------------------------------------------------- elementwise
+def exp(x: jax.Array) -> jax.Array:
+    """float32 e**x (XLA's exp; with `compiler_options()` its classic CPU emitter gives the same bits in
+    vector and scalar code, and XLA computes an exp once instead of duplicating it into every consumer).
+    exp(-inf) = 0."""
+    return jnp.exp(jnp.asarray(x, jnp.float32))
+
+
+def rsqrt(x: jax.Array) -> jax.Array:
+    """1 / sqrt(x) in float32 from a correctly rounded sqrt and division (XLA's rsqrt is approximate and
+    rounds differently in vectorized and scalar code)."""
+    x = jnp.asarray(x, jnp.float32)
+    return 1.0 / jnp.sqrt(x)
+
+
+def sigmoid(x: jax.Array) -> jax.Array:
+    """1 / (1 + e**-x) in float32 through `exp`."""
+    return 1.0 / (1.0 + exp(-jnp.asarray(x, jnp.float32)))
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """x * sigmoid(x), computed in float32, returned in x.dtype."""
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    return settle(x32 * sigmoid(x32)).astype(jnp.asarray(x).dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x**3))), every product
+    settled (`settle`); in x.dtype."""
+    c = jnp.asarray(0.7978845608028654, x.dtype)
+    inner = mul(c, x + mul(jnp.asarray(0.044715, x.dtype), mul(mul(x, x), x)))
+    return mul(mul(jnp.asarray(0.5, x.dtype), x), 1 + jnp.tanh(inner))
+
+
+# ------------------------------------------------------------------------------------ reductions
+def fixed_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over `axis` as a fixed pairwise tree (the axis zero-padded to a power of two, then halved:
+    x[:h] + x[h:] until one element is left). The order depends only on the axis length, so a row's
+    sum is the same whatever else the array holds. Same dtype as x."""
+    x = settle(jnp.moveaxis(jnp.asarray(x), axis, -1))  # a product feeding the tree is rounded first
+    n = x.shape[-1]
+    if n == 0:
+        out = jnp.zeros(x.shape[:-1], x.dtype)
+    else:
+        width = 1 << (n - 1).bit_length()
+        if width != n:
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+        while x.shape[-1] > 1:
+            h = x.shape[-1] // 2
+            x = x[..., :h] + x[..., h:]
+        out = x[..., 0]
+    if keepdims:
+        out = jnp.expand_dims(out, axis if axis >= 0 else out.ndim + 1 + axis)
+    return out
+
+
+def fixed_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """`fixed_sum(x) * (1 / n)`."""
+    x = jnp.asarray(x)
+    n = x.shape[axis]
+    return mul(fixed_sum(x, axis, keepdims), jnp.asarray(1 / n, x.dtype))
+
+
+def ordered_sum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Sum over `axis` strictly in index order: ((x0 + x1) + x2) + ... Leading or trailing exact zeros
+    change nothing, so a path that holds more (all-zero) terms gets the same bits."""
+    x = settle(jnp.moveaxis(jnp.asarray(x), axis, 0))
+    n = x.shape[0]
+    if n == 0:
+        return jnp.zeros(x.shape[1:], x.dtype)
+    unroll = 64
+    if n <= unroll:
+        acc = x[0]
+        for j in range(1, n):
+            acc = acc + x[j]
+        return acc
+    groups = -(-n // unroll)
+    x = jnp.pad(x, [(0, groups * unroll - n)] + [(0, 0)] * (x.ndim - 1))  # trailing zeros: no effect
+
+    def group(acc, chunk):
+        for j in range(unroll):
+            acc = acc + chunk[j]
+        return acc, None
+
+    acc, _ = lax.scan(group, jnp.zeros(x.shape[1:], x.dtype), x.reshape((groups, unroll) + x.shape[1:]))
+    return acc
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """float32 softmax over `axis` with `exp` and `fixed_sum`; a slice that is all -inf gives zeros."""
+    x = jnp.asarray(x, jnp.float32)
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = exp(x - m)
+    s = fixed_sum(e, axis, keepdims=True)
+    return jnp.where(s > 0, div(e, jnp.where(s > 0, s, 1.0)), 0.0)
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """float32 1 / sqrt(mean(x**2) + eps) over the last axis, keepdims (the core of every RMSNorm)."""
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    return rsqrt(fixed_mean(x32 * x32, -1, keepdims=True) + eps)
+
+
+# -------------------------------------------------------------------------------------- matmuls
+def _min_rows(*dtypes) -> int:
+    return F32_MIN_ROWS if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else MIN_ROWS
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> float32 [..., N], accumulated in float32 by a kernel whose per-element
+    order does not depend on the number of rows (rows padded with zeros up to `MIN_ROWS`, float32 up to
+    `F32_MIN_ROWS`). The operands must share a dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    x2 = x.reshape(rows, k)
+    floor = _min_rows(x.dtype, w.dtype)
+    if rows < floor:
+        x2 = jnp.pad(x2, ((0, floor - rows), (0, 0)))
+    y = lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:rows].reshape(*lead, w.shape[1])
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype
+    (float32 accumulation, one rounding; see `matmul`)."""
+    return matmul(x, weight.astype(x.dtype).T).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ attention
+class KeyTiles(NamedTuple):
+    """One source of keys for `attend`, cut into tiles of `KEY_TILE` keys.
+
+    k, v: [N, Qk, T, KEY_TILE, Hkv, D] (Qk = 1: the tiles are shared by all Q queries of row n; Qk = Q:
+      each query has its own tiles, e.g. a sparse layer's picked entries). v may be k (K = V rows).
+    valid: bool[N, Q, T, KEY_TILE]: key s of tile t is attended by query q of row n. Invalid keys must
+      hold finite values (zeros), so that they contribute exact zeros.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+
+def tiles_from_rows(rows: jax.Array, first: jax.Array, total: int) -> jax.Array:
+    """Aligned tiles over a run of consecutive rows. rows [N, R, ...] hold positions first[n] + i;
+    returns [N, T, KEY_TILE, ...] covering positions [base, base + T * KEY_TILE) with base = the tile
+    boundary at or below first[n] and T = tiles needed for `total` positions from any alignment
+    (`tile_count(total)`). Positions outside the run hold zeros."""
+    n, r = rows.shape[:2]
+    t = tile_count(total)
+    first = jnp.asarray(first, jnp.int32).reshape(-1)
+    base = (first // KEY_TILE) * KEY_TILE
+    idx = (base - first)[:, None] + jnp.arange(t * KEY_TILE, dtype=jnp.int32)[None, :]  # [N, T*KT]
+    ok = (idx >= 0) & (idx < r)
+    got = jnp.take_along_axis(rows, jnp.clip(idx, 0, r - 1).reshape((n, t * KEY_TILE) + (1,) * (rows.ndim - 2)), axis=1)
+    got = jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 2)), got, jnp.zeros((), rows.dtype))
+    return got.reshape((n, t, KEY_TILE) + rows.shape[2:])
+
+
+def tile_count(total: int) -> int:
+    """Tiles that cover `total` consecutive positions starting anywhere (one more than the exact cover
+    when they do not start on a tile boundary)."""
+    return -(-max(total, 1) // KEY_TILE) + 1
+
+
+def tile_positions(first: jax.Array, tiles: int) -> jax.Array:
+    """int32[N, tiles, KEY_TILE] absolute positions of the tiles `tiles_from_rows` builds from `first`."""
+    base = (jnp.asarray(first, jnp.int32).reshape(-1) // KEY_TILE) * KEY_TILE
+    return base[:, None, None] + jnp.arange(tiles * KEY_TILE, dtype=jnp.int32).reshape(1, tiles, KEY_TILE)
+
+
+def pad_tiles(x: jax.Array, axis: int) -> jax.Array:
+    """Zero-pad `axis` to a multiple of KEY_TILE and split it into [T, KEY_TILE] (index order kept)."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    t = max(1, -(-n // KEY_TILE))
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, t * KEY_TILE - n)
+    x = jnp.pad(x, pad)
+    return x.reshape(x.shape[:axis] + (t, KEY_TILE) + x.shape[axis + 1 :])
+
+
+def batched_matmul(a: jax.Array, b: jax.Array, rows_floor: int | None = None) -> jax.Array:
+    """a [B, M, K] @ b [B, K, N] -> float32 [B, M, N]: independent products in the canonical row-major
+    form XLA hands to one kernel (a batch of one, or fewer than `rows_floor` rows (default
+    `MIN_ROWS`), is padded: either would take another kernel). Each product's elements are the same
+    bits whatever B is; pass `rows_floor=F32_MIN_ROWS` for float32 products whose row count varies
+    between paths and whose K x N is large (attention's tiles are small enough not to need it)."""
+    nb, m = a.shape[:2]
+    if nb == 1:
+        a, b = _two_rows(a), _two_rows(b)
+    floor = MIN_ROWS if rows_floor is None else rows_floor
+    if m < floor:
+        a = jnp.pad(a, ((0, 0), (0, floor - m), (0, 0)))
+    out = lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    return out[:nb, :m]
+
+
+def _scores(q: jax.Array, src: KeyTiles) -> jax.Array:
+    """float32 q . k per tile: q [N, Q, H, G, D] -> [N, Q, T, H, G, KT], as one batch of products of
+    KEY_TILE columns (the tile is a batch dimension: the column count never changes with the tiles)."""
+    n, nq, h, g, d = q.shape
+    t, kt = src.k.shape[2:4]
+    if src.k.shape[1] == 1:  # shared tiles: one product of the Q * G query rows per (row, tile, head)
+        qm = jnp.broadcast_to(q.transpose(0, 2, 1, 3, 4)[:, None], (n, t, h, nq, g, d)).reshape(n * t * h, nq * g, d)
+        km = src.k[:, 0].transpose(0, 1, 3, 4, 2).reshape(n * t * h, d, kt)  # [N*T*H, D, KT]
+        s = batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
+        return s.transpose(0, 3, 1, 2, 4, 5)
+    qm = jnp.broadcast_to(q[:, :, None], (n, nq, t, h, g, d)).reshape(n * nq * t * h, g, d)
+    km = src.k.transpose(0, 1, 2, 4, 5, 3).reshape(n * nq * t * h, d, kt)
+    return batched_matmul(qm, km).reshape(n, nq, t, h, g, kt)
+
+
+def _values(p: jax.Array, src: KeyTiles) -> jax.Array:
+    """Per-tile value products: p [N, Q, T, H, G, KT] (v.dtype) -> float32 [N, Q, T, H, G, D]."""
+    n, nq, t, h, g, kt = p.shape
+    d = src.v.shape[-1]
+    if src.v.shape[1] == 1:
+        pm = p.transpose(0, 2, 3, 1, 4, 5).reshape(n * t * h, nq * g, kt)
+        vm = src.v[:, 0].transpose(0, 1, 3, 2, 4).reshape(n * t * h, kt, d)
+        return batched_matmul(pm, vm).reshape(n, t, h, nq, g, d).transpose(0, 3, 1, 2, 4, 5)
+    pm = p.reshape(n * nq * t * h, g, kt)
+    vm = src.v.transpose(0, 1, 2, 4, 3, 5).reshape(n * nq * t * h, kt, d)
+    return batched_matmul(pm, vm).reshape(n, nq, t, h, g, d)
+
+
+def attend(
+    q: jax.Array,
+    sources: Sequence[KeyTiles],
+    *,
+    scale: float,
+    sinks: jax.Array | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Softmax attention of q over the tiles of `sources` (in order), one softmax over all of them.
+
+    q: [N, Q, Hkv, G, D] (G query heads per KV head); sources: `KeyTiles` with matching N, Q, Hkv, D;
+    scale: logit scale; sinks: float32[Hkv * G] per-head logits that join the denominator only, or
+    None; softcap: logits -> softcap * tanh(logits / softcap), or None.
+    Returns [N, Q, Hkv, G, D] in q.dtype; a query that sees nothing (and no sink) gets zeros.
+
+    The order is the contract: scores per tile; the max over every visible score and the sink (exact);
+    p = exp(s - max) (`exp`); per tile the sum of p (`fixed_sum`) and p (in v's dtype) times the tile's
+    values (float32); the tiles added in order (`ordered_sum`), sources one after the other, the sink's
+    term last; out = o / l. Any path that presents the same visible keys in the same tiles gets the
+    same bits, however many other (invisible) tiles it holds.
+    """
+    n, nq, h, g, d = q.shape
+    scores = []
+    for src in sources:
+        s = mul(_scores(q, src), jnp.float32(scale))
+        if softcap is not None:
+            s = mul(jnp.float32(softcap), jnp.tanh(s / jnp.float32(softcap)))
+        scores.append(jnp.where(src.valid[:, :, :, None, None, :], s, -jnp.inf))
+    m = functools.reduce(jnp.maximum, [jnp.max(s, axis=(2, 5)) for s in scores])  # [N, Q, H, G]
+    if sinks is not None:
+        sink = jnp.asarray(sinks, jnp.float32).reshape(h, g)
+        m = jnp.maximum(m, sink)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    l_parts, o_parts = [], []
+    for s, src in zip(scores, sources, strict=True):
+        p = exp(s - shift[:, :, None, :, :, None])  # masked: exp(-inf) = 0
+        l_parts.append(fixed_sum(p, axis=-1))  # [N, Q, T, H, G]
+        o_parts.append(_values(p.astype(src.v.dtype), src))  # [N, Q, T, H, G, D]
+    l = ordered_sum(jnp.concatenate(l_parts, axis=2), axis=2)
+    o = ordered_sum(jnp.concatenate(o_parts, axis=2), axis=2)
+    if sinks is not None:
+        l = l + exp(sink - shift)
+    out = jnp.where(l[..., None] > 0, div(o, jnp.where(l > 0, l, 1.0)[..., None]), 0.0)
+    return out.astype(q.dtype)
+
+
+def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
+    """The tiles holding each sequence's last `span` positions, read from a paged pool by absolute position.
+
+    pool: [num_pages, page_size, row]; page_table: int32[B, pages_per_seq] (position p at row p %
+    page_size of page `page_table[b, (p // page_size) % pages_per_seq]`, a ring if short); lengths:
+    int32[B] tokens per sequence (the newest at t = lengths - 1). Returns (rows [B, T, KEY_TILE, row],
+    valid bool[B, T, KEY_TILE]) over T = `tile_count(span)` tiles from the tile boundary at or below
+    t + 1 - span: valid where t + 1 - span <= p <= t and p >= 0; invalid rows are zeros."""
+    page_size = pool.shape[1]
+    pages_per_seq = page_table.shape[1]
+    first = lengths - span
+    positions = tile_positions(first, tile_count(span))  # [B, T, KT]
+    valid = (positions >= jnp.maximum(first, 0)[:, None, None]) & (positions < lengths[:, None, None])
+    safe = jnp.where(valid, positions, 0)
+    logical = (safe // page_size) % pages_per_seq
+    pages = jnp.where(valid, jnp.take_along_axis(page_table, logical.reshape(page_table.shape[0], -1), axis=1).reshape(logical.shape), 0)
+    rows = pool[pages, safe % page_size]
+    return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
+
+
+def entry_tiles(rows: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """rows [B, E, ...] and valid bool[B, E] (entries in index order) -> ([B, T, KEY_TILE, ...], bool[B, T,
+    KEY_TILE]) with invalid rows zeroed (entry e in tile e // KEY_TILE)."""
+    rows = jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - 2)), rows, jnp.zeros((), rows.dtype))
+    return pad_tiles(rows, 1), pad_tiles(valid, 1)
+
+
+def _two_rows(x: jax.Array) -> jax.Array:
+    """Pad a leading axis of 1 to 2 (a batch of one drops out of a product: another kernel)."""
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=0) if x.shape[0] == 1 else x
+
+
+def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
+    """Lightning-indexer scores  scale * sum_h w[h] * relu(q_h . k_e), in this module's order.
+
+    q: [N, Q, H, Dh] (keys' dtype); weights: [N, Q, H] (float32); keys: [N, E, Dh] shared by the Q
+    queries of a row. The dot products accumulate in float32 (batched over N, Q * H rows each), the
+    head sum is a `fixed_sum`. Returns float32[N, Q, E]."""
+    n, nq, h, d = q.shape
+    e = keys.shape[1]
+    floor = F32_MIN_ROWS if q.dtype == jnp.float32 else MIN_ROWS
+    dots = batched_matmul(q.reshape(n, nq * h, d), keys.astype(q.dtype).transpose(0, 2, 1), floor).reshape(n, nq, h, e)
+    w = weights.astype(jnp.float32)[..., None]
+    return fixed_sum(jnp.maximum(dots, 0.0) * w, axis=2) * jnp.float32(scale)
