@@ -107,12 +107,26 @@ cfg = Config()
 # The stateless forward (over a whole sequence) and the cached step (over a chunk, reading the cache)
 # use the same functions: RMS norm, softmax-gated pooling of each window of *m* projected rows into one
 # compressed entry, the indexer's score (DeepSeek's lightning indexer, Σₕ wₕ·relu(qₕ·k)/√d — the score
-# `LayerCache.index_topk` uses on the cache), and plain masked attention for the stateless path.
+# `LayerCache.index_topk` uses on the cache), and for the stateless path hkv's `sequence_attention`.
+#
+# **The numerical contract.** hkv promises the same logits, bit for bit, on every path (the stateless
+# forward, any prefill chunk, decode, a restored prefix): `check_model` checks it. A floating-point sum
+# depends on its order, so every reduction here goes through `hkv.numerics` (fixed-order sums,
+# products whose kernel does not change with the number of rows, see docs/numerics.md), not
+# `jnp.sum` / `x @ w`.
 
 
 # %%
+nm = hkv.numerics
+
+
 def rms_norm(x):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return nm.mul(x, nm.rms_scale(x, 1e-6))
+
+
+def linear(x, layer: nnx.Linear):
+    """`layer(x)` (no bias) with a product whose bits do not depend on how many rows x holds."""
+    return nm.matmul(x, layer.kernel.value).astype(x.dtype)
 
 
 def pool(kv, gate, ratio):
@@ -120,22 +134,12 @@ def pool(kv, gate, ratio):
     b, t, w = kv.shape
     n = t // ratio
     kv, gate = kv[:, : n * ratio].reshape(b, n, ratio, w), gate[:, : n * ratio].reshape(b, n, ratio, w)
-    return jnp.sum(kv * jax.nn.softmax(gate.astype(jnp.float32), axis=2), axis=2).astype(kv.dtype)
+    return nm.fixed_sum(kv * nm.softmax(gate, axis=2), axis=2).astype(kv.dtype)
 
 
 def index_scores(q, weights, keys):
     """q [B, T, Hi, Di], weights [B, T, Hi], keys [B, N, Di] -> float32[B, T, N]."""
-    dots = jnp.einsum("bthd,bnd->bthn", q, keys)
-    return jnp.sum(jax.nn.relu(dots) * q.shape[-1] ** -0.5 * weights[..., None], axis=2)
-
-
-def attention(q, k, v, visible):
-    """q [B, T, H, D]; k, v [B, S, Hkv, D]; visible bool[B, T, S] -> [B, T, H, D]."""
-    b, t, h, d = q.shape
-    g = h // k.shape[2]
-    logits = jnp.einsum("btkgd,bskd->btkgs", q.reshape(b, t, -1, g, d), k) * d**-0.5
-    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
-    return jnp.einsum("btkgs,bskd->btkgd", jax.nn.softmax(logits, axis=-1), v).reshape(b, t, h, d)
+    return nm.indexer_scores(q, weights, keys, q.shape[-1] ** -0.5)
 
 
 # %% [markdown]
@@ -176,43 +180,37 @@ class Attention(nnx.Module):
 
     def qkv(self, h):
         b, t, _ = h.shape
-        q = self.wq(h).reshape(b, t, self.cfg.heads, self.cfg.head_dim)
-        k = self.wk(h).reshape(b, t, self.kind.kv_heads, self.cfg.head_dim)
-        return q, k, (k if self.wv is None else self.wv(h).reshape(k.shape))
+        q = linear(h, self.wq).reshape(b, t, self.cfg.heads, self.cfg.head_dim)
+        k = linear(h, self.wk).reshape(b, t, self.kind.kv_heads, self.cfg.head_dim)
+        return q, k, (k if self.wv is None else linear(h, self.wv).reshape(k.shape))
 
     def indexer_query(self, h):
         b, t, _ = h.shape
-        return self.iq(h).reshape(b, t, self.cfg.index_heads, self.cfg.index_dim), self.iw(h)
+        return linear(h, self.iq).reshape(b, t, self.cfg.index_heads, self.cfg.index_dim), linear(h, self.iw)
 
     def finish(self, x, o):  # output projection and an MLP, both residual
-        x = x + self.wo(o.reshape(*o.shape[:2], -1))
-        return x + self.down(jax.nn.gelu(self.up(rms_norm(x))))
+        x = x + linear(o.reshape(*o.shape[:2], -1), self.wo)
+        return x + linear(nm.gelu_tanh(linear(rms_norm(x), self.up)), self.down)
 
     def __call__(self, x):
         """Stateless: x [B, T, hidden] over the whole sequence."""
         kind, h = self.kind, rms_norm(x)
         q, k, v = self.qkv(h)
-        t = jnp.arange(x.shape[1])
-        visible = t[None, :] <= t[:, None]
-        if kind.window:
-            visible &= t[None, :] > t[:, None] - kind.window
-        visible = jnp.broadcast_to(visible, (x.shape[0],) + visible.shape)
+        entries = limit = picks = None
         if kind.ratio:
             m = kind.ratio
-            entries = pool(self.ckv(h), self.cgate(h), m)[:, :, None, :]  # [B, T // m, 1, D]
+            entries = pool(linear(h, self.ckv), linear(h, self.cgate), m)  # [B, T // m, D]
             n = entries.shape[1]
-            limit = (t + 1) // m  # entries a query at position t may see
-            seen = jnp.arange(n)[None, :] < limit[:, None]  # [T, N]
+            t = jnp.arange(x.shape[1])
+            limit = jnp.broadcast_to((t + 1) // m, x.shape[:2])  # entries a query at position t may see
             if kind.topk:
-                scores = index_scores(*self.indexer_query(h), pool(self.ikv(h), self.igate(h), m))
-                scores = jnp.where(seen, scores, -jnp.inf)
+                scores = index_scores(*self.indexer_query(h), pool(linear(h, self.ikv), linear(h, self.igate), m))
+                scores = jnp.where(jnp.arange(n) < limit[..., None], scores, -jnp.inf)
                 _, best = jax.lax.top_k(scores, min(kind.topk, n))  # ties: the lowest index first
-                best = jnp.where(best < limit[:, None], best, -1)
-                seen = jnp.any(best[..., None] == jnp.arange(n), axis=-2)
-            seen = jnp.broadcast_to(seen, (x.shape[0], x.shape[1], n))
-            k, v = jnp.concatenate([k, entries], 1), jnp.concatenate([v, entries], 1)
-            visible = jnp.concatenate([visible, seen], -1)
-        return self.finish(x, attention(q, k, v, visible))
+                picks = jnp.where(best < limit[..., None], best, -1).astype(jnp.int32)
+        o = hkv.core.layers.sequence_attention(q, k, v, window=kind.window, scale=self.cfg.head_dim**-0.5,
+                                               entries=entries, entry_limit=limit, picks=picks)  # fmt: skip
+        return self.finish(x, o)
 
     def cached(self, cache, view: hkv.LayerCache, x):
         """The same layer over one cached step: reads and writes through its `hkv.LayerCache` view."""
@@ -223,9 +221,9 @@ class Attention(nnx.Module):
         picks = None
         if shared:
             fn = lambda kv, gate, *_: pool(kv, gate, kind.ratio)  # windows start at 0, no overlap
-            cache = view.compress(cache, self.ckv(h), self.cgate(h), fn)
+            cache = view.compress(cache, linear(h, self.ckv), linear(h, self.cgate), fn)
             if kind.topk:
-                cache = view.compress(cache, self.ikv(h), self.igate(h), fn, which="indexer")
+                cache = view.compress(cache, linear(h, self.ikv), linear(h, self.igate), fn, which="indexer")
                 picks = view.index_topk(cache, *self.indexer_query(h), kind.topk)
         o = view.attend(cache, q, k, None if shared else v, compressed=shared, picks=picks)
         return cache, self.finish(x, o)
@@ -263,14 +261,14 @@ class HybridLM(nnx.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(rms_norm(x)).astype(jnp.float32)
+        return linear(rms_norm(x), self.head).astype(jnp.float32)
 
     def cached_step(self, layout, cache, tokens, slots, n_valid, *, seal=True, kernel_backend=None, interpret=False):
         def forward(cache, step: hkv.Step):
             x = self.embed(step.tokens)
             for i, layer in enumerate(self.layers):
                 cache, x = layer.cached(cache, hkv.LayerCache(step, i), x)
-            return cache, self.head(rms_norm(x))
+            return cache, linear(rms_norm(x), self.head)
 
         return hkv.run_step(
             layout,
@@ -295,7 +293,7 @@ for i, (kind, ls) in enumerate(zip(cfg.kinds, spec.layers)):
 # ## The conformance kit: `hkv.testing.check_model`
 #
 # `check_model` uses only the protocol, with the stateless forward as the oracle: cold prefill in each
-# chunk size followed by greedy decode must give the same tokens (and logits within 1e-4); a prefix
+# chunk size followed by greedy decode must give the same tokens and the same logits, bit for bit; a prefix
 # restored at every block boundary and at mid-block cuts, by every route the spec allows (kept
 # snapshots, the disk tier, a window rebuild), must equal a cold run; invariants must hold and every
 # step must compile once. A failure raises an `AssertionError` naming the check. Put this line in your
@@ -303,10 +301,12 @@ for i, (kind, ls) in enumerate(zip(cfg.kinds, spec.layers)):
 
 # %%
 report = hkv.testing.check_model(model, chunk_sizes=CHECK_CHUNKS, max_context=MAX_CONTEXT, new_tokens=2)
-print(f"{len(report.checks)} checks passed, max |Δ logits| vs the stateless forward = {report.max_abs_diff:.2g}")
+print(
+    f"{len(report.checks)} checks passed, max |Δ logits| vs the stateless forward = {report.max_abs_diff:.2g} (bitwise)"
+)
 for route, cuts in report.routes.items():
     print(f"  {route:<15} at prompt cuts {cuts}")
-assert report.max_abs_diff < 1e-4
+assert report.max_abs_diff == 0.0
 assert {"snapshot", "disk"} <= set(report.routes)
 # a full-attention layer needs every past token: a window rebuild cannot restore it, and check_model
 # verified that the engine refused that route (restoring nothing rather than something wrong)

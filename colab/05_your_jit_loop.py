@@ -101,16 +101,18 @@ print(f"{cfg.num_hidden_layers} layers {list(cfg.layer_types)}; {BLOCK}-token bl
 # device. Both take the layout as a static argument and donate the cache (updated in place), so each
 # compiles once. `kernel_backend` is passed through to the model's cached step: `None` picks the Pallas
 # kernels on GPU/TPU and the reference on CPU; `"reference"` forces the jnp reference.
+# `hkv.numerics.jit` is `jax.jit` with the compiler options of hkv's numerical contract (on CPU: the
+# same logits, bit for bit, as the engine and the stateless forward; docs/numerics.md).
 
 
 # %%
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(hkv.numerics.jit, static_argnums=0, donate_argnums=1)
 def prefill(layout, cache, weights, chunk, slot, n_valid):
     m = nnx.merge(graphdef, weights)
     return hkv.step_and_sample(m, layout, cache, chunk[None], slot[None], n_valid[None])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=1)
+@functools.partial(hkv.numerics.jit, static_argnums=(0, 5), donate_argnums=1)
 def decode(layout, cache, weights, first, slot, kernel_backend):
     m = nnx.merge(graphdef, weights)
     return hkv.decode_loop(m, layout, cache, first, slot[None], steps=STEPS, kernel_backend=kernel_backend)

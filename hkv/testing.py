@@ -6,7 +6,8 @@
 
 It uses only the `hkv.CachedModel` protocol (the stateless `model(tokens)` is the oracle) and checks:
   (a) the protocol is implemented;
-  (b) cold prefill in every chunk size, then greedy decode, equals the stateless forward;
+  (b) cold prefill in every chunk size and prefill batch, then greedy decode, equals the stateless
+      forward bit for bit (the numerical contract, docs/numerics.md), in the model's own dtype;
   (c) a prefix restored at every tested cut point, by every route the spec allows (kept snapshots,
       window rebuild, disk tier), gives the cold run's tokens and logits, and the route was taken;
       a spec with a full-attention layer never takes the window-rebuild route;
@@ -60,6 +61,18 @@ def _fail(check: str, detail: str) -> AssertionError:
     return AssertionError(f"check_model: {check}: {detail}")
 
 
+def _first_difference(got: np.ndarray, want: np.ndarray, prompt_len: int) -> str:
+    """'' when got == want bitwise, else where they first differ: the position (prompt_len + i for the
+    i-th new token's logits), the vocabulary index and both values."""
+    if got.shape != want.shape:
+        return f"logits shape {got.shape} != {want.shape}"
+    diff = np.argwhere(~((got == want) | (np.isnan(got) & np.isnan(want))))
+    if not len(diff):
+        return ""
+    i, v = (int(x) for x in diff[0])
+    return f"first difference at position {prompt_len - 1 + i} (new token {i}), logit {v}: cached {got[i, v]!r} vs stateless {want[i, v]!r}"
+
+
 def _reference(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy continuation of every prompt by re-running the stateless forward (one compilation)."""
     graphdef, state = nnx.split(model)
@@ -91,12 +104,16 @@ class _Checker:
             got_l = np.asarray(g.logits)
             d = float(np.abs(got_l - want_l).max()) if got_l.shape == want_l.shape and got_l.size else 0.0
             self.report.max_abs_diff = max(self.report.max_abs_diff, d)
+            where = _first_difference(got_l, want_l, len(p))
             if g.tokens != want_t:
                 raise _fail(
                     check,
                     f"prompt of {len(p)} tokens: cached tokens {g.tokens} != stateless {want_t} "
-                    f"(max |Δ logits| = {d:.3g})",
+                    f"(max |Δ logits| = {d:.3g}; {where})",
                 )
+            if self.tol == 0.0 and where:
+                raise _fail(check, f"prompt of {len(p)} tokens: logits not bitwise equal to the stateless forward's: {where} "
+                                   f"(max |Δ| = {d:.3g}; see docs/numerics.md)")  # fmt: skip
             if not d <= self.tol:
                 raise _fail(check, f"prompt of {len(p)} tokens: max |Δ logits| = {d:.3g} > tolerance {self.tol:g}")
 
@@ -160,7 +177,7 @@ def check_model(
     disk_dir: str | None = None,
     kernel_backend: str | None = None,
     interpret: bool = False,
-    tolerance: float = 1e-4,
+    tolerance: float = 0.0,
 ) -> ConformanceReport:
     """Check that `model`'s cached path (`hkv.CachedModel`) is exact and restores exactly.
 
@@ -177,7 +194,9 @@ def check_model(
       seed: seed of the random prompts.
       disk_dir: directory for the disk tier of the disk route (default: a temporary directory).
       kernel_backend, interpret: the `pallas_kernels` implementation of the decode ops.
-      tolerance: max |logit difference| allowed against the stateless forward (1e-4 suits float32).
+      tolerance: max |logit difference| allowed against the stateless forward; 0.0 (default) asks for
+        bitwise equality, hkv's numerical contract (a failure names the check, the position and the
+        first differing logit).
 
     Returns:
       a `ConformanceReport` (checks passed, routes taken, max |Δ|).

@@ -43,7 +43,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
+from pallas_kernels import (
+    dispatch,
+    numerics,
+    online_softmax,
+    paged_folds_gpu,
+    paged_folds_tpu,
+    stacked_pools,
+    swa_decode,
+)
 from pallas_kernels import input_checks as checks
 
 # GPU tiles: query heads of one KV head per program (Triton dot tiles need >= 16) and rows folded per

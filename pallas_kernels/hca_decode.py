@@ -32,7 +32,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools, swa_decode
+from pallas_kernels import (
+    dispatch,
+    numerics,
+    online_softmax,
+    paged_folds_gpu,
+    paged_folds_tpu,
+    stacked_pools,
+    swa_decode,
+)
 from pallas_kernels import index_math as im
 from pallas_kernels import input_checks as checks
 

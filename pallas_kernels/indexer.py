@@ -34,7 +34,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import dispatch, hca_decode, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
+from pallas_kernels import (
+    dispatch,
+    hca_decode,
+    numerics,
+    online_softmax,
+    paged_folds_gpu,
+    paged_folds_tpu,
+    stacked_pools,
+)
 from pallas_kernels import input_checks as checks
 
 

@@ -303,34 +303,43 @@ def pad_tiles(x: jax.Array, axis: int) -> jax.Array:
 
 
 def batched_matmul(a: jax.Array, b: jax.Array, rows_floor: int | None = None) -> jax.Array:
-    """a [B, M, K] @ b [B, K, N] -> float32 [B, M, N]: independent products in the canonical row-major
-    form XLA hands to one kernel (a batch of one, or fewer than `rows_floor` rows (default
-    `MIN_ROWS`), is padded: either would take another kernel). Each product's elements are the same
-    bits whatever B is; pass `rows_floor=F32_MIN_ROWS` for float32 products whose row count varies
+    """a [..., M, K] @ b [..., K, N] -> float32 [..., M, N] over the shared leading (batch) dimensions:
+    independent products that XLA hands to one kernel each (a batch of one, or fewer than
+    `rows_floor` rows (default `MIN_ROWS`), is padded: either would take another kernel). Each
+    product's elements are the same bits whatever the batch is. The batch dimensions stay separate
+    (not merged by a reshape), so a mesh that splits one of them (attention heads) splits the products
+    without moving data. Pass `rows_floor=F32_MIN_ROWS` for float32 products whose row count varies
     between paths and whose K x N is large (attention's tiles are small enough not to need it)."""
-    nb, m = a.shape[:2]
-    if nb == 1:
-        a, b = _two_rows(a), _two_rows(b)
+    lead = a.shape[:-2]
+    m = a.shape[-2]
+    one = all(d == 1 for d in lead)
+    if one:  # a batch of one drops out of the product: pad the first batch dimension to two
+        a = jnp.pad(a, [(0, 1)] + [(0, 0)] * (a.ndim - 1)) if lead else a[None].repeat(2, 0)
+        b = jnp.pad(b, [(0, 1)] + [(0, 0)] * (b.ndim - 1)) if lead else b[None].repeat(2, 0)
     floor = MIN_ROWS if rows_floor is None else rows_floor
     if m < floor:
-        a = jnp.pad(a, ((0, 0), (0, floor - m), (0, 0)))
-    out = lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    return out[:nb, :m]
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, floor - m), (0, 0)])
+    nb = a.ndim - 2
+    dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+    out = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)[..., :m, :]
+    if one:
+        out = out[:1] if lead else out[0]
+    return out
 
 
 def _scores(q: jax.Array, src: KeyTiles) -> jax.Array:
-    """float32 q . k per tile: q [N, Q, H, G, D] -> [N, Q, T, H, G, KT], as one batch of products of
-    KEY_TILE columns (the tile is a batch dimension: the column count never changes with the tiles)."""
+    """float32 q . k per tile: q [N, Q, H, G, D] -> [N, Q, T, H, G, KT], as products of KEY_TILE columns
+    batched over (row, tile, head) (the tile is a batch dimension: the column count never changes)."""
     n, nq, h, g, d = q.shape
     t, kt = src.k.shape[2:4]
     if src.k.shape[1] == 1:  # shared tiles: one product of the Q * G query rows per (row, tile, head)
-        qm = jnp.broadcast_to(q.transpose(0, 2, 1, 3, 4)[:, None], (n, t, h, nq, g, d)).reshape(n * t * h, nq * g, d)
-        km = src.k[:, 0].transpose(0, 1, 3, 4, 2).reshape(n * t * h, d, kt)  # [N*T*H, D, KT]
+        qm = jnp.broadcast_to(q.transpose(0, 2, 1, 3, 4).reshape(n, 1, h, nq * g, d), (n, t, h, nq * g, d))
+        km = src.k[:, 0].transpose(0, 1, 3, 4, 2)  # [N, T, H, D, KT]
         s = batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
         return s.transpose(0, 3, 1, 2, 4, 5)
-    qm = jnp.broadcast_to(q[:, :, None], (n, nq, t, h, g, d)).reshape(n * nq * t * h, g, d)
-    km = src.k.transpose(0, 1, 2, 4, 5, 3).reshape(n * nq * t * h, d, kt)
-    return batched_matmul(qm, km).reshape(n, nq, t, h, g, kt)
+    qm = jnp.broadcast_to(q[:, :, None], (n, nq, t, h, g, d))
+    km = src.k.transpose(0, 1, 2, 4, 5, 3)  # [N, Q, T, H, D, KT]
+    return batched_matmul(qm, km)
 
 
 def _values(p: jax.Array, src: KeyTiles) -> jax.Array:
@@ -338,12 +347,11 @@ def _values(p: jax.Array, src: KeyTiles) -> jax.Array:
     n, nq, t, h, g, kt = p.shape
     d = src.v.shape[-1]
     if src.v.shape[1] == 1:
-        pm = p.transpose(0, 2, 3, 1, 4, 5).reshape(n * t * h, nq * g, kt)
-        vm = src.v[:, 0].transpose(0, 1, 3, 2, 4).reshape(n * t * h, kt, d)
+        pm = p.transpose(0, 2, 3, 1, 4, 5).reshape(n, t, h, nq * g, kt)
+        vm = src.v[:, 0].transpose(0, 1, 3, 2, 4)  # [N, T, H, KT, D]
         return batched_matmul(pm, vm).reshape(n, t, h, nq, g, d).transpose(0, 3, 1, 2, 4, 5)
-    pm = p.reshape(n * nq * t * h, g, kt)
-    vm = src.v.transpose(0, 1, 2, 4, 3, 5).reshape(n * nq * t * h, kt, d)
-    return batched_matmul(pm, vm).reshape(n, nq, t, h, g, d)
+    vm = src.v.transpose(0, 1, 2, 4, 3, 5)  # [N, Q, T, H, KT, D]
+    return batched_matmul(p, vm)
 
 
 def attend(
@@ -407,7 +415,11 @@ def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span
     valid = (positions >= jnp.maximum(first, 0)[:, None, None]) & (positions < lengths[:, None, None])
     safe = jnp.where(valid, positions, 0)
     logical = (safe // page_size) % pages_per_seq
-    pages = jnp.where(valid, jnp.take_along_axis(page_table, logical.reshape(page_table.shape[0], -1), axis=1).reshape(logical.shape), 0)
+    pages = jnp.where(
+        valid,
+        jnp.take_along_axis(page_table, logical.reshape(page_table.shape[0], -1), axis=1).reshape(logical.shape),
+        0,
+    )
     rows = pool[pages, safe % page_size]
     return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
 
@@ -421,7 +433,7 @@ def entry_tiles(rows: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array
 
 def _two_rows(x: jax.Array) -> jax.Array:
     """Pad a leading axis of 1 to 2 (a batch of one drops out of a product: another kernel)."""
-    return jnp.concatenate([x, jnp.zeros_like(x)], axis=0) if x.shape[0] == 1 else x
+    return jnp.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1)) if x.shape[0] == 1 else x
 
 
 def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
@@ -433,6 +445,9 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: flo
     n, nq, h, d = q.shape
     e = keys.shape[1]
     floor = F32_MIN_ROWS if q.dtype == jnp.float32 else MIN_ROWS
-    dots = batched_matmul(q.reshape(n, nq * h, d), keys.astype(q.dtype).transpose(0, 2, 1), floor).reshape(n, nq, h, e)
+    km = jnp.broadcast_to(
+        keys.astype(q.dtype).transpose(0, 2, 1)[:, None], (n, h, d, e)
+    )  # per head: heads stay a batch dim
+    dots = batched_matmul(q.transpose(0, 2, 1, 3), km, floor).transpose(0, 2, 1, 3)  # [N, Q, H, E]
     w = weights.astype(jnp.float32)[..., None]
     return fixed_sum(jnp.maximum(dots, 0.0) * w, axis=2) * jnp.float32(scale)

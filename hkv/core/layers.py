@@ -361,17 +361,39 @@ def sequence_attention(
     entry_limit int32[B, T] (the entries each query sees: all of them, HCA) or picks int32[B, T, k]
     (each query's indexer picks, -1 = none: CSA). Returns [B, T, H, D] in q.dtype.
     """
-    b, t = q.shape[:2]
-    k_tiles, v_tiles = nm.pad_tiles(k, 1), nm.pad_tiles(v, 1)  # [B, T', KT, Hkv, D]
-    pos = jnp.arange(k_tiles.shape[1] * nm.KEY_TILE, dtype=jnp.int32).reshape(k_tiles.shape[1], nm.KEY_TILE)
-    tq = jnp.arange(t, dtype=jnp.int32)[:, None, None]
-    valid = (pos[None] <= tq) & (pos[None] < t)
+    t = q.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)
+    mask = pos[None, :] <= pos[:, None]
     if window is not None:
-        valid = valid & (pos[None] > tq - window)
-    valid = jnp.broadcast_to(valid[None], (b,) + valid.shape)
+        mask = mask & (pos[None, :] > pos[:, None] - window)
     extra = None
     if entries is not None:
         extra = _compressed_source(entries, entry_limit, picks)
+    return masked_attention(q, k, v, mask, scale=scale, sinks=sinks, softcap=softcap, extra=extra)
+
+
+def masked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float,
+    sinks: jax.Array | None = None,
+    softcap: float | None = None,
+    extra: nm.KeyTiles | None = None,
+) -> jax.Array:
+    """Attention of q over keys k/v taken as absolute positions 0..S-1, with a visibility mask, in the
+    numerical contract's order (key tiles of `KEY_TILE` positions, `pallas_kernels.numerics.attend`).
+
+    q: [B, T, H, D]; k, v: [B, S, Hkv, D]; mask: bool broadcastable to [B, T, S] (True = visible);
+    scale, sinks (float32[H] or None), softcap (None: off); extra: further key tiles after these (a
+    layer's compressed entries). Returns [B, T, H, D] in q.dtype; a query that sees nothing gets zeros.
+    """
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    k_tiles, v_tiles = nm.pad_tiles(k, 1), nm.pad_tiles(v, 1)  # [B, S', KT, Hkv, D]
+    valid = nm.pad_tiles(jnp.broadcast_to(mask, (b, t, s)), 2)  # [B, T, S', KT]; padded keys invisible
     return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
 
 
@@ -851,6 +873,7 @@ __all__ = [
     "LayerCache",
     "LayerRun",
     "Step",
+    "masked_attention",
     "sequence_attention",
     "causal_entry_limit",
     "default_read_buckets",

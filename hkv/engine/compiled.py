@@ -39,7 +39,7 @@ from ..core.layout import Status
 from ..core.policy import window_rebuild_tokens
 from . import offload
 from . import step_store as ss
-from .. import numerics as nm
+from pallas_kernels import numerics as nm
 
 ENV = "HKV_COMPILATION_CACHE"
 MAX_SHARED = 4  # most recently built (model, options, layout) entries kept for engines built later
@@ -292,8 +292,14 @@ class _Step:
         return getattr(self._jitted, name)
 
     def _jit(self, fn):
-        """`fn` jitted as every step is: layout and the other static arguments static, cache donated."""
+        """`fn` jitted as every step is: layout and the other static arguments static, cache donated,
+        compiled with the numerical contract's options (`pallas_kernels.numerics.jit`)."""
         return nm.jit(fn, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
+
+    @functools.cached_property
+    def _nested(self):
+        """`fn` jitted for calls inside another trace (no compiler options: they belong to the outer program)."""
+        return jax.jit(self._fn, static_argnums=tuple(sorted(self._static)), donate_argnums=1)
 
     def _key(self, layout, args) -> tuple[tuple, list]:
         dyn = [a for i, a in enumerate(args, 2) if i not in self._static]
@@ -319,7 +325,11 @@ class _Step:
     def __call__(self, layout, cache, *args):
         if self._building:
             self._join(layout, args)
-        if ss.store_dir() is None or isinstance(getattr(cache, "lengths", None), jax.core.Tracer):
+        if isinstance(getattr(cache, "lengths", None), jax.core.Tracer):
+            # inside another trace (the mesh engine's shard_map): a nested jit takes no compiler
+            # options; the outer program carries them (`numerics.jit`)
+            return self._nested(layout, cache, *args)
+        if ss.store_dir() is None:
             return self._jitted(layout, cache, *args)
         key, dyn = self._key(layout, args)
         run = self._resolved.get(key) or self._get(key, layout, cache, args, dyn)

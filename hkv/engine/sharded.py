@@ -41,6 +41,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import numerics as nm
+
 from ..core import prefix as px
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.sampling import SEED_RANGE, Sampling
@@ -54,7 +56,6 @@ from .compiled import (
     step_name,
     unpack_decode,
 )
-from .. import numerics as nm
 from .engine import Engine, _DeferredInterrupt, _Seq
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, RequestHandle

@@ -39,8 +39,6 @@ _TP_DIMS = {
     ("attn", "attn_sink"): -1,  # one sink per query head
     ("attn", "wo_a"): -2,  # the grouped output projection: groups x rank
     ("attn", "wo_b"): -1,  # its input: groups x rank (row parallel: one all-reduce)
-    ("indexer", "wq_b"): -2,  # indexer heads
-    ("indexer", "weights_proj"): -2,  # indexer head weights
     ("ffn", "w_up"): -3,  # routed experts (expert parallel)
     ("ffn", "w_gate"): -3,
     ("ffn", "w_down"): -3,
@@ -51,8 +49,9 @@ def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
     """The dimension of the weight at `path` (e.g. "layers.groups.1.0.attn.wq_b"; a stacked run's leaves
     are [repetitions, ...], so dims count from the end) that tensor/expert parallelism splits, or None
     to replicate it: query heads and their sinks, the grouped output
-    projection, the indexer's heads and the routed experts are split; the single shared K=V head
-    (`wkv`), the compressors, norms, hyper-connections, embeddings and the shared expert are
+    projection and the routed experts are split; the single shared K=V head (`wkv`), the compressors,
+    the indexer (its head sum is a fixed-order tree, which a split would turn into cross-device
+    permutes inside the decode loop), norms, hyper-connections, embeddings and the shared expert are
     replicated (the cache they produce is replicated within a data shard)."""
     parts = tuple(path.split("."))
     dim = _TP_DIMS.get(parts[-2:]) if len(parts) >= 2 else None

@@ -42,11 +42,15 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     return numerics.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, dtype) -> jnp.ndarray:
-    """sum_s weights[:, s] * outputs[:, s] over each token's k slots in slot order (float32, `fixed_sum`),
-    cast to `dtype`. outputs [N, k, hidden] (the experts' outputs rounded to `dtype`), weights [N, k]."""
+def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype) -> jnp.ndarray:
+    """sum_e w[n, e] * outputs[n, e] over every expert e (w zero where token n did not pick e), as one
+    [1, E] x [E, hidden] float32 product per token (`numerics.batched_matmul`: the same bits for any
+    number of tokens; on a mesh that splits the experts, a sum of partial products across devices).
+    outputs [N, E, hidden] (rounded to `dtype` first), weights [N, k], idx int32[N, k] -> [N, hidden]."""
+    e = outputs.shape[1]
+    dense = numerics.fixed_sum(jnp.where(idx[..., None] == jnp.arange(e), weights[..., None], 0.0), axis=1)
     y = outputs.astype(dtype).astype(jnp.float32)
-    return numerics.fixed_sum(weights.astype(jnp.float32)[..., None] * y, axis=1).astype(dtype)
+    return numerics.batched_matmul(dense.astype(jnp.float32)[:, None, :], y)[:, 0].astype(dtype)
 
 
 class MoE(nnx.Module):
@@ -107,17 +111,16 @@ class MoE(nnx.Module):
         if n * e <= 2 * (n * k + e * TILE):
             dt = x.dtype
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
-            y = self._expert_rows(xe, jnp.arange(e, dtype=jnp.int32))  # [E, N, hidden] float32
-            picked = y[idx, jnp.arange(n)[:, None]]  # [N, k, hidden]: each token's experts, in slot order
-            return _combine(picked, weights, dt)
+            y = self._expert_rows(xe, None)  # [E, N, hidden] float32
+            return _combine(jnp.swapaxes(y, 0, 1), weights, idx, dt)
         return self.experts_tiled(x, weights, idx)
 
-    def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray) -> jnp.ndarray:
-        """SwiGLU of expert `expert[g]` over rows[g]: rows [G, R, hidden] -> float32 [G, R, hidden], as
-        batched products of `TILE` rows (fewer rows are padded) with the experts' weights gathered."""
-        g, r, _ = rows.shape
+    def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
+        """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
+        hidden] -> float32 [G, R, hidden], as batched products of `TILE` rows (fewer rows are padded)."""
         dt = rows.dtype
-        wg, wu, wd = (w.value.astype(dt)[expert] for w in (self.w_gate, self.w_up, self.w_down))
+        ws = (self.w_gate, self.w_up, self.w_down)
+        wg, wu, wd = (w.value.astype(dt) if expert is None else w.value.astype(dt)[expert] for w in ws)
         floor = TILE
         gate = numerics.batched_matmul(rows, wg, rows_floor=floor).astype(dt)
         up = numerics.batched_matmul(rows, wu, rows_floor=floor).astype(dt)
@@ -138,12 +141,15 @@ class MoE(nnx.Module):
         expert = flat[order]
         rank = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its expert
         dest = jnp.zeros((m,), jnp.int32).at[order].set(padded_end[expert] - padded[expert] + rank)
-        tiles = -(-(m + e * (TILE - 1)) // TILE)
+        tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
         rows = jnp.zeros((tiles * TILE, x.shape[1]), x.dtype).at[dest].set(x[jnp.arange(m) // k])
         tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
         tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
         y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
-        return _combine(y[dest].reshape(n, k, -1), weights, x.dtype)
+        per_expert = (
+            jnp.zeros((n, e, y.shape[-1]), y.dtype).at[jnp.arange(n)[:, None], idx].set(y[dest].reshape(n, k, -1))
+        )
+        return _combine(per_expert, weights, idx, x.dtype)
 
     def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` as one `jax.lax.ragged_dot` per projection over the pairs sorted by expert."""
@@ -156,7 +162,8 @@ class MoE(nnx.Module):
         u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
         y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
         out = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
-        return _combine(out, weights, x.dtype)
+        per_expert = jnp.zeros((n, self.n_experts, y.shape[-1]), y.dtype).at[jnp.arange(n)[:, None], idx].set(out)
+        return _combine(per_expert, weights, idx, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(

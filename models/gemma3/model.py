@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from hkv import numerics
-from hkv.core.layers import sequence_attention
+from hkv.core.layers import masked_attention
 from models.layer_stack import LayerStack, run_layers
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
@@ -85,17 +85,18 @@ def dense_attention(
     q: jnp.ndarray,
     k: jnp.ndarray,
     v: jnp.ndarray,
+    mask: jnp.ndarray,
     scale: float,
-    window: int | None = None,
     softcap: float | None = None,
 ) -> jnp.ndarray:
-    """Causal GQA attention over a whole sequence (query t sees keys (t - window, t], window None:
-    [0, t]). q [B, T, H, D], k/v [B, T, Hkv, D] -> o [B, T, H, D] in q.dtype.
+    """Plain GQA attention. q [B, T, H, D], k/v [B, S, Hkv, D], mask bool broadcastable to [B, T, S]
+    (True = visible; every row needs >= 1 visible key) -> o [B, T, H, D] in q.dtype.
 
     Scores accumulate in float32, optional tanh softcap, a float32 softmax whose probabilities are cast
-    to v.dtype for the value product, in the order of hkv's numerical contract
-    (`hkv.core.layers.sequence_attention`), so cached steps reproduce it bit for bit."""
-    return sequence_attention(q, k, v, window=window, scale=scale, softcap=softcap)
+    to v.dtype for the value product — in the numerical contract's order
+    (`hkv.core.layers.masked_attention`: key k at position k of a tile grid), so hkv's cached steps
+    reproduce it bit for bit."""
+    return masked_attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 # ------------------------------------------------------------------- modules
@@ -174,10 +175,10 @@ class DecoderLayer(nnx.Module):
         h = self.mlp(gemma_rms_norm(x, self.pre_feedforward_layernorm.value, self.eps))
         return x + gemma_rms_norm(h, self.post_feedforward_layernorm.value, self.eps)
 
-    def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-        """Stateless: x [B, T, hidden] (positions 0..T-1), cos/sin [B, T, D] of this layer's type."""
+    def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+        """Stateless: x [B, T, hidden], cos/sin [B, T, D] of this layer's type, mask bool [B, T, T]."""
         q, k, v = self.attn.project_qkv(self.input_norm(x), cos, sin)
-        o = dense_attention(q, k, v, self.scaling, self.window)
+        o = dense_attention(q, k, v, mask, self.scaling)
         x = x + self.post_attention_norm(self.attn.project_output(o))
         return self.ffn_block(x)
 
@@ -271,10 +272,14 @@ class Gemma3(nnx.Module):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
         rope = self.rope_tables(positions)
+        masks = {
+            FULL: attention_mask(positions, positions),
+            SLIDING: attention_mask(positions, positions, self.cfg.window),
+        }
 
         def one(layer, x):
             cos, sin = rope[layer.layer_type]
-            return layer(x, cos, sin)
+            return layer(x, cos, sin, masks[layer.layer_type])
 
         x = run_layers(self, self.embed(tokens), one, scan_layers)
         return self.logits(x)

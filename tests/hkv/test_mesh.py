@@ -113,7 +113,7 @@ def test_deepseek_v4_weights_split_heads_and_experts_and_replicate_the_kv_head(m
     assert spec(1, "attn", "wq_b") == PartitionSpec("model", None)  # query heads
     assert spec(1, "attn", "wo_b") == PartitionSpec(None, "model")  # row-parallel output projection
     assert spec(1, "ffn", "w_up") == PartitionSpec("model", None, None)  # experts
-    assert spec(1, "attn", "indexer", "wq_b") == PartitionSpec("model", None)  # indexer heads
+    assert spec(1, "attn", "indexer", "wq_b") == PartitionSpec()  # the indexer is replicated (docs/numerics.md)
     assert spec(1, "attn", "wkv") == PartitionSpec()  # the one shared K=V head: replicated
     assert spec(1, "attn", "compressor", "wkv") == PartitionSpec()
     assert specs["['embed'].value"] == PartitionSpec()
@@ -134,7 +134,7 @@ def test_stacked_layers_keep_their_repetition_axis_whole_and_split_the_same_dims
     assert specs[csa + "['attn']['wq_b'].value"] == PartitionSpec(None, "model", None)
     assert specs[csa + "['attn']['wo_b'].value"] == PartitionSpec(None, None, "model")
     assert specs[csa + "['ffn']['w_up'].value"] == PartitionSpec(None, "model", None, None)
-    assert specs[csa + "['attn']['indexer']['wq_b'].value"] == PartitionSpec(None, "model", None)
+    assert specs[csa + "['attn']['indexer']['wq_b'].value"] == PartitionSpec()
     assert specs[csa + "['attn']['wkv'].value"] == PartitionSpec()
 
 

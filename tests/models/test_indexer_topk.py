@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from hkv.core.layers import attend_rows, gather_picks, indexer_scores, indexer_topk, selection_bias
+from hkv.core.layers import indexer_scores, indexer_topk, sequence_attention
 from models.deepseek_v4.compressor import causal_entry_limit, select_topk
 from models.deepseek_v4.moe import score
 
@@ -69,21 +69,30 @@ def test_blocked_scoring_picks_what_scoring_everything_at_once_picks():
         np.testing.assert_array_equal(np.asarray(indexer_topk(q, w, keys, limit, k, block=block)), want)
 
 
-def test_per_query_rows_attend_like_a_selection_mask_over_shared_rows():
-    """`attend_rows(per_query=gather_picks(entries, picks))` equals the same entries appended as shared
-    keys under `selection_bias` (the dense formulation the stateless forward uses), sinks included."""
+def test_sequence_attention_with_picks_is_one_softmax_over_window_picks_and_sinks():
+    """`sequence_attention(..., picks=)` (the stateless CSA attention) equals a float64 softmax over the
+    visible window rows and each query's picked entries, with a per-head sink in the denominator."""
     rng = np.random.default_rng(1)
-    b, t, h, d, kw, n, k = 2, 6, 4, 8, 5, 9, 3
+    b, t, h, d, n, k, window = 2, 9, 4, 8, 5, 3, 4
     f32 = jnp.float32
-    q = jnp.asarray(rng.standard_normal((b, t, h, d)), f32)
-    win = jnp.asarray(rng.standard_normal((b, kw, 1, d)), f32)
-    wbias = jnp.asarray(np.where(rng.random((b, t, kw)) < 0.7, 0.0, -np.inf), f32)
-    entries = jnp.asarray(rng.standard_normal((b, n, d)), f32)
-    picks = jnp.asarray(np.stack([[rng.permutation(n)[:k] for _ in range(t)] for _ in range(b)]), jnp.int32)
-    picks = picks.at[0, 2, 1:].set(-1)  # a query with fewer picks than k
-    sinks = jnp.asarray(rng.standard_normal(h), f32)
-    dense_keys = jnp.concatenate([win, entries[:, :, None, :]], axis=1)
-    dense_bias = jnp.concatenate([wbias, selection_bias(picks, n)], axis=-1)
-    want = attend_rows(q, dense_keys, dense_keys, dense_bias, scale=d**-0.5, sinks=sinks)
-    got = attend_rows(q, win, win, wbias, scale=d**-0.5, sinks=sinks, per_query=gather_picks(entries, picks))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    q = rng.standard_normal((b, t, h, d))
+    kv = rng.standard_normal((b, t, 1, d))
+    entries = rng.standard_normal((b, n, d))
+    picks = np.stack([[rng.permutation(n)[:k] for _ in range(t)] for _ in range(b)]).astype(np.int32)
+    picks[0, 2, 1:] = -1  # a query with fewer picks than k
+    sinks = rng.standard_normal(h)
+    got = sequence_attention(jnp.asarray(q, f32), jnp.asarray(kv, f32), jnp.asarray(kv, f32), window=window,
+                             scale=d**-0.5, sinks=jnp.asarray(sinks, f32), entries=jnp.asarray(entries, f32),
+                             picks=jnp.asarray(picks))  # fmt: skip
+    want = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for ti in range(t):
+            rows = [kv[bi, p, 0] for p in range(max(0, ti - window + 1), ti + 1)]
+            rows += [entries[bi, e] for e in picks[bi, ti] if e >= 0]
+            rows = np.stack(rows)
+            for hi in range(h):
+                logits = rows @ q[bi, ti, hi] * d**-0.5
+                m = max(logits.max(), sinks[hi])
+                e = np.exp(logits - m)
+                want[bi, ti, hi] = e @ rows / (e.sum() + np.exp(sinks[hi] - m))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

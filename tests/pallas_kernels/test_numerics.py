@@ -1,0 +1,152 @@
+"""The batch-invariant building blocks (`pallas_kernels.numerics`): each gives the same bits for a row
+whatever else the call holds. These are the measured properties of XLA:CPU the numerical contract
+rests on; a jaxlib that breaks one fails here, by name, before any model test does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from hkv.core.layers import sequence_attention
+from pallas_kernels import numerics as nm
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+RNG = np.random.default_rng(0)
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("k,n", [(64, 128), (256, 384), (512, 1024), (128, 8)])
+def test_linear_rows_do_not_change_a_row(dtype, k, n):
+    """A row of `linear` is the same bits for 1..100 rows, 3-D inputs and 1000 rows."""
+    x = jnp.asarray(RNG.normal(0, 1, (1000, k)), dtype)
+    w = jnp.asarray(RNG.normal(0, 0.05, (n, k)), dtype)
+    f = nm.jit(nm.linear)
+    full = _f32(f(x, w))
+    for rows in (1, 2, 3, 7, 16, 33, 63, 64, 100):
+        np.testing.assert_array_equal(_f32(f(x[:rows], w)), full[:rows], err_msg=f"{rows} rows")
+    np.testing.assert_array_equal(_f32(f(x[:96].reshape(6, 16, k), w)).reshape(96, n), full[:96])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_batched_matmul_batch_and_rows_do_not_change_a_product(dtype):
+    a = jnp.asarray(RNG.normal(0, 1, (6, 48, 64)), dtype)
+    b = jnp.asarray(RNG.normal(0, 1, (6, 64, 16)), dtype)
+    f = nm.jit(nm.batched_matmul)
+    full = _f32(f(a, b))
+    for batch, rows in ((1, 1), (1, 2), (2, 5), (6, 48), (3, 17)):
+        np.testing.assert_array_equal(_f32(f(a[:batch, :rows], b[:batch])), full[:batch, :rows])
+
+
+@pytest.mark.parametrize(
+    "name,fn",
+    [
+        ("exp", nm.exp),
+        ("rsqrt", lambda x: nm.rsqrt(jnp.abs(x) + 0.1)),
+        ("sigmoid", nm.sigmoid),
+        ("silu", nm.silu),
+        ("gelu_tanh", nm.gelu_tanh),
+        ("tanh", jnp.tanh),
+        ("cos", jnp.cos),
+        ("softplus", jax.nn.softplus),
+    ],
+)
+def test_elementwise_functions_do_not_depend_on_the_array_length(name, fn):
+    """Vector bodies and scalar tails of XLA's loops give the same bits (lengths 1..40, offsets, 2-D)."""
+    x = RNG.normal(0, 6, (300,)).astype(np.float32)
+    f = nm.jit(fn)
+    full = _f32(f(x))
+    for n in range(1, 41):
+        for off in (0, 3):
+            np.testing.assert_array_equal(_f32(f(x[off : off + n])), full[off : off + n], err_msg=f"{name} {n}+{off}")
+    np.testing.assert_array_equal(_f32(f(x[:91].reshape(7, 13))).ravel(), full[:91])
+
+
+def test_fixed_sum_is_a_fixed_tree_and_ordered_sum_a_left_fold():
+    x = RNG.normal(0, 1, (37, 5, 11)).astype(np.float32)
+    got = _f32(nm.jit(lambda v: nm.fixed_sum(v, axis=-1))(x))
+    tree = np.pad(x, ((0, 0), (0, 0), (0, 5)))
+    while tree.shape[-1] > 1:
+        h = tree.shape[-1] // 2
+        tree = tree[..., :h] + tree[..., h:]
+    np.testing.assert_array_equal(got, tree[..., 0])
+    fold = x[:, 0]
+    for j in range(1, 5):
+        fold = fold + x[:, j]
+    np.testing.assert_array_equal(_f32(nm.jit(lambda v: nm.ordered_sum(v, axis=1))(x)), fold)
+    many = RNG.normal(0, 1, (150, 3)).astype(np.float32)  # past the unrolled length: a scan of chunks
+    fold = many[0]
+    for j in range(1, 150):
+        fold = fold + many[j]
+    np.testing.assert_array_equal(_f32(nm.jit(nm.ordered_sum)(many)), fold)
+
+
+def test_settle_keeps_a_product_out_of_a_fused_multiply_add():
+    """`mul(a, b) + c` rounds the product first, as numpy does, wherever XLA:CPU would fuse an FMA."""
+    a, b, c = (RNG.normal(0, 1, (4096,)).astype(np.float32) for _ in range(3))
+    got = _f32(nm.jit(lambda a, b, c: nm.mul(a, b) + c)(a, b, c))
+    np.testing.assert_array_equal(got, a * b + c)
+
+    def in_loop(a, b, c):  # XLA sinks constants into loop bodies: the zero must stay opaque there too
+        return jax.lax.fori_loop(0, 2, lambda i, acc: nm.mul(a, b) + c + 0 * acc, jnp.zeros_like(a))
+
+    np.testing.assert_array_equal(_f32(nm.jit(in_loop)(a, b, c)), a * b + c)
+
+
+def test_div_is_a_settled_reciprocal_product():
+    a = RNG.uniform(0.1, 1, (64, 2, 2)).astype(np.float32)
+    s = a.sum(-1, keepdims=True)
+    got = _f32(nm.jit(nm.div)(a, s))
+    np.testing.assert_array_equal(got, a * (np.float32(1) / s))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, 16), (4, 2, None), (4, 1, 8), (2, 2, 5)])
+def test_attention_decode_reference_equals_the_stateless_attention(dtype, heads, kv_heads, window):
+    """One query read from a paged pool (`gqa_decode_attention_reference`) gets the bits
+    `sequence_attention` gives it among all the sequence's queries, at every length."""
+    d, t = 16, 40
+    q = jnp.asarray(RNG.normal(0, 1, (1, t, heads, d)), dtype)
+    k = jnp.asarray(RNG.normal(0, 1, (1, t, kv_heads, d)), dtype)
+    v = jnp.asarray(RNG.normal(0, 1, (1, t, kv_heads, d)), dtype)
+    full = _f32(nm.jit(lambda q, k, v: sequence_attention(q, k, v, window=window, scale=d**-0.5))(q, k, v))[0]
+    rows = jnp.concatenate([k.reshape(t, -1), v.reshape(t, -1)], -1)
+    pool = jnp.zeros((8 * 16, rows.shape[-1]), dtype).at[:t].set(rows).reshape(8, 16, -1)
+    table = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)
+
+    @nm.jit
+    def decode(q1, lengths):
+        return pk.gqa_decode_attention_reference(q1, pool, table, lengths, None, num_kv_heads=kv_heads,
+                                                 window=window, scale=d**-0.5)  # fmt: skip
+
+    for pos in (0, 7, 16, 33, 39):
+        q1 = jnp.stack([q[0, pos], jnp.zeros_like(q[0, pos])])
+        got = _f32(decode(q1, jnp.asarray([pos + 1, 0], jnp.int32)))[0]
+        np.testing.assert_array_equal(got, full[pos], err_msg=f"position {pos}")
+
+
+def test_attention_ignores_invisible_tiles_and_their_order_of_arrival():
+    """Leading and trailing tiles of invisible keys change nothing: a path that reads more tiles (a
+    prefill reading a whole read bucket) gets the bits of one that reads only the visible ones."""
+    q = jnp.asarray(RNG.normal(0, 1, (2, 3, 1, 4, 8)), jnp.float32)
+    keys = jnp.asarray(RNG.normal(0, 1, (2, 1, 1, nm.KEY_TILE, 1, 8)), jnp.float32)
+    valid = jnp.asarray(RNG.uniform(size=(2, 3, 1, nm.KEY_TILE)) < 0.6)
+    one = nm.jit(lambda q, k, m: nm.attend(q, [nm.KeyTiles(k, k, m)], scale=0.3))(q, keys, valid)
+    pad = jnp.zeros_like(keys)
+    more = jnp.concatenate([pad, keys, pad], axis=2)
+    more_valid = jnp.concatenate([jnp.zeros_like(valid), valid, jnp.zeros_like(valid)], axis=2)
+    three = nm.jit(lambda q, k, m: nm.attend(q, [nm.KeyTiles(k, k, m)], scale=0.3))(q, more, more_valid)
+    np.testing.assert_array_equal(_f32(three), _f32(one))
+
+
+def test_compiler_options_are_for_cpu_only():
+    assert nm.compiler_options("gpu") is None and nm.compiler_options("tpu") is None
+    opts = nm.compiler_options("cpu")
+    assert opts["xla_cpu_enable_platform_dependent_math"] is False
+    assert opts["xla_cpu_experimental_ynn_fusion_type"] == "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
