@@ -15,6 +15,7 @@ transitions, prefix index, the model-facing layer API), `hkv.engine` runs on the
 prefix manager, offload, warm restart), `hkv.store` is the disk tier. See docs/design.md.
 """
 
+from . import numerics
 from .core import transitions
 from .core.decode import DecodeOutput, decode_loop, decode_steps, step_and_sample
 from .core.invariants import InvariantError, check_invariants
@@ -78,6 +79,7 @@ __all__ = [
     "default_read_buckets",
     "enable_compilation_cache",
     "evict_cached",
+    "numerics",
     "init_cache",
     "memory_report",
     "record_prefix",

@@ -53,6 +53,7 @@ class ToyConfig:
     head_dim: int = 8
     index_heads: int = 16
     index_dim: int = 4
+    dtype: str = "float32"  # weights, activations and the cache ("float32" or "bfloat16")
 
 
 def pool(kv: jax.Array, gate: jax.Array, ratio: int) -> jax.Array:
@@ -150,11 +151,11 @@ class ToyModel(nnx.Module):
 
     def cache_spec(self, block_tokens: int = 16, model_id: str = "toy") -> hkv.CacheSpec:
         layers = tuple(layer.spec() for layer in self.layers)
-        return hkv.CacheSpec(layers, dtype="float32", block_tokens=block_tokens, model_id=model_id)
+        return hkv.CacheSpec(layers, dtype=self.cfg.dtype, block_tokens=block_tokens, model_id=model_id)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Stateless forward: int32[B, T] -> float32[B, T, vocab]."""
-        x = self.embed(tokens)
+        x = self.embed(jnp.asarray(tokens, jnp.int32))
         for layer in self.layers:
             x = layer(x)
         return linear(norm(x), self.head).astype(jnp.float32)
@@ -198,5 +199,10 @@ class ToyModel(nnx.Module):
 
 
 def init(config: ToyConfig = ToyConfig(), seed: int = 0) -> ToyModel:
-    """A `ToyModel` with random weights."""
-    return ToyModel(config, nnx.Rngs(seed))
+    """A `ToyModel` with random weights (in `config.dtype`)."""
+    model = ToyModel(config, nnx.Rngs(seed))
+    if config.dtype != "float32":
+        graphdef, state = nnx.split(model)
+        state = jax.tree.map(lambda x: x.astype(config.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+        model = nnx.merge(graphdef, state)
+    return model
