@@ -35,7 +35,7 @@ from .engine.compiled import enable_compilation_cache
 from .engine.engine import CacheCapacityError, Engine
 from .engine.sharded import MeshEngine
 from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
-from .engine.requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
+from .engine.requests import EngineBusyError, EngineClosedError, Generation, RequestCancelledError, RequestHandle
 from .store.tier import DiskTier, DiskTierClosedError
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "Engine",
     "MeshEngine",
     "EngineBusyError",
+    "EngineClosedError",
     "EngineCheckpointError",
     "Generation",
     "Group",

@@ -118,7 +118,10 @@ class _Checker:
                 raise _fail(check, f"prompt of {len(p)} tokens: max |Δ logits| = {d:.3g} > tolerance {self.tol:g}")
 
     def generate(self, check: str, engine: Engine, prompts, new_tokens: int):
-        gens = engine.generate(prompts, new_tokens, return_logits=True)
+        try:
+            gens = engine.generate(prompts, new_tokens, return_logits=True)
+        except ValueError as e:  # a model the cache refuses (e.g. a CacheSpec dtype unlike its activations)
+            raise _fail(check, f"{type(e).__name__}: {e}") from e
         try:
             check_invariants(engine.layout, engine.cache)
         except Exception as e:  # InvariantError

@@ -16,7 +16,7 @@ import numpy as np
 
 from .layout import CacheLayout, Residency
 from .spec import ObjectKind
-from .state import HybridCache
+from .state import HybridCache, check_layout
 from .transitions import block_forms
 
 
@@ -57,7 +57,9 @@ def _checked_fields(cache: HybridCache) -> HybridCache:
 
 
 def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
-    """Raise `InvariantError` naming the first violated invariant; return None when all hold."""
+    """Raise `InvariantError` naming the first violated invariant; return None when all hold.
+    `ValueError` (naming the array) when `cache` was not built for `layout`."""
+    check_layout(layout, cache)
     c = jax.device_get(_checked_fields(cache))
     ps = layout.page_size
     lengths = np.asarray(c.lengths)

@@ -149,7 +149,8 @@ def run_step(
     Returns:
       (cache, float32[B, C, V] logits, status int32). On a status other than OK the cache comes back
       unchanged (the pools too: every write is masked, so no copy is made) and the logits are zeros.
-      A row that would hold more than `read_tokens` tokens fails the step with BAD_REQUEST.
+      A row that would hold more than `read_tokens` tokens, or an n_valid outside [0, C], fails the
+      step with BAD_REQUEST.
     """
     check_layout(layout, cache)
     max_context = layout.config.max_context
@@ -165,10 +166,12 @@ def run_step(
     c = tokens.shape[1]
     start = im.take(cache.lengths, slots)
     new_len = start + n_valid
-    over = jnp.bool_(False)  # a row past the read bound would read truncated entries: refuse the step
+    # n_valid outside [0, C] names tokens the step does not hold (or none): refuse the step
+    over = jnp.any((n_valid < 0) | (n_valid > c))
+    # a row past the read bound would read truncated entries: refuse the step
     if read_tokens is not None and read_tokens < max_context:
         known = (slots >= 0) & (slots < layout.slots)  # an unknown slot stays reserve's UNKNOWN_SLOT
-        over = jnp.any((n_valid > 0) & known & (new_len > read_tokens))
+        over = over | jnp.any((n_valid > 0) & known & (new_len > read_tokens))
     reserved, status = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over)
     status = jnp.where(over, jnp.int32(Status.BAD_REQUEST), status)
     ok = status == Status.OK
@@ -257,12 +260,15 @@ def select_topk(scores: jax.Array, limit: jax.Array, k: int) -> jax.Array:
 
 
 def gather_picks(entries: jax.Array, picks: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each query's picked compressed entries, for `attend_rows(per_query=...)`.
+    """Each query's picked compressed entries (the keys of a sparse layer's attention).
 
     entries: [B, N, D] rows of one shared K=V head; picks: int32[B, T, k] (-1 = none) ->
-    (rows [B, T, k, 1, D], bias float32[B, T, k]: 0 at a pick, -inf at -1).
+    (rows [B, T, k, 1, D], bias float32[B, T, k]: 0 at a pick, -inf at -1). With no entry yet (N = 0)
+    every pick is -1 and the rows are zeros.
     """
     b = entries.shape[0]
+    if entries.shape[1] == 0:
+        entries = jnp.zeros((b, 1, entries.shape[2]), entries.dtype)
     rows = entries[jnp.arange(b)[:, None, None], jnp.maximum(picks, 0)]  # [B, T, k, D]
     bias = jnp.where(picks >= 0, 0.0, -jnp.inf).astype(jnp.float32)
     return rows[:, :, :, None, :], bias
@@ -489,6 +495,13 @@ class LayerCache:
         """
         st = self.step
         rows = self._rows(k, v)
+        pool_dtype = cache.groups[self._group(ObjectKind.SWA)[0]].pool.dtype
+        if rows.dtype != pool_dtype:
+            raise ValueError(
+                f"layer {self.layer}: its K/V rows are {rows.dtype} but the cache stores {pool_dtype} "
+                f"(CacheSpec.dtype): build the spec with dtype={rows.dtype.name!r} (the model's activation dtype) "
+                "or cast k/v before write_kv; the decode kernels need one dtype for queries and cache"
+            )
         valid = st.valid & st.mask[:, None]
         if ObjectKind.SWA not in self._index:
             return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, valid)

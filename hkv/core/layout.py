@@ -157,9 +157,34 @@ class CacheLayout:
                 f"len(pool_pages)={len(self.config.pool_pages)} must equal the number of groups {len(self.groups)}"
             )
         requested = self.config.memory_bytes
+        if self.config.page_size > self.config.max_context:
+            raise ValueError(
+                f"page_size={self.config.page_size} must be <= max_context={self.config.max_context} "
+                "(a page larger than a whole sequence cannot hold a sliding window's ring of pages); lower page_size"
+            )
+        for g, grp in enumerate(self.groups):
+            if grp.keep is not None:
+                need = -(-grp.keep // self.page_size) + 1  # pages a window of keep + 1 rows can overlap
+                if self.logical_pages(g) < need:
+                    raise ValueError(
+                        f"page_size={self.page_size} with max_context={self.config.max_context} gives group {g} "
+                        f"({grp.kind.name}, window of {grp.keep + 1} rows) {self.logical_pages(g)} pages per "
+                        f"sequence, fewer than the {need} its window can overlap: lower page_size or raise max_context"
+                    )
         if not _is_resolved(self.config):
             object.__setattr__(self, "config", _SIZING["resolve"](self.spec, self.config))
         object.__setattr__(self, "_requested", requested)  # not a field: layouts of one resolved config are equal
+        for g in range(len(self.groups)):
+            rows = self.pool_pages(g) * self.page_size
+            if rows >= 2**31:
+                raise ValueError(
+                    f"group {g} would hold {self.pool_pages(g)} pages x {self.page_size} rows = {rows} rows, past "
+                    f"int32 row indices (2**31); lower pool_pages / prefix_records / memory_bytes"
+                )
+        if self.config.prefix_records >= 2**31 or self.tail_snapshots >= 2**31:
+            raise ValueError(
+                f"prefix_records={self.config.prefix_records} / tail_snapshots={self.tail_snapshots} must be < 2**31"
+            )
 
     @property
     def budget(self) -> Budget:

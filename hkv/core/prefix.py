@@ -395,7 +395,8 @@ def restore(
     r1 = jnp.where(
         collision[n1], Reason.COLLISION.code, jnp.where(reused[n1], Reason.PAGE_REUSED.code, Reason.FREED.code)
     )
-    fail_stage = jnp.where(h < n_blocks, 0, 5)
+    # no block matched at all: a miss (a partial hash hit restored whole is no failure: no reason)
+    fail_stage = jnp.where((h == 0) & (n_blocks > 0), 0, 5)
     fail_stage = jnp.where(n1 < h, 1, jnp.where(n2 < n1, 2, jnp.where(n3 < n2, 3, jnp.where(n4 < n3, 4, fail_stage))))
     reason = jnp.select(
         [fail_stage == 1, fail_stage == 2, fail_stage == 3, fail_stage == 4, fail_stage == 0],

@@ -17,7 +17,7 @@ STAGES = ("hash", "lifecycle", "abi", "intersection", "byte")
 class Reason(enum.StrEnum):
     """Why a plan stopped where it did. Members compare equal to their labels."""
 
-    NO_HASH_MATCH = "no_hash_match"  # the chained block hash matched fewer blocks than the prompt has
+    NO_HASH_MATCH = "no_hash_match"  # the chained block hash matched no block of the prompt
     COLLISION = "collision"  # a record's token ids differ from the prompt's (hash collision)
     FREED = "freed"  # a record was evicted (a tombstone) or one of its pages was freed
     PAGE_REUSED = "page_reused"  # a recorded page now belongs to another sequence

@@ -50,6 +50,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,12 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
             f"cannot save while {len(running)} sequence(s) are running (slots {running}); "
             f"save between steps or generate() calls"
         )
+    queued = engine.pending
+    if queued:
+        raise EngineCheckpointError(
+            f"cannot save with {queued} request(s) submitted and not finished: a checkpoint holds the cache, "
+            f"not requests; run them first (engine.run_until_idle()) or cancel their handles"
+        )
     replacing = path.exists() or path.is_symlink()
     if replacing:
         if not overwrite:
@@ -244,6 +251,14 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
             "model_id": engine.spec.model_id,
             "retention": {f.name: getattr(ret, f.name) for f in dataclasses.fields(ret)},
             "cache_salt": bytes(engine.cache_salt).hex(),
+            "prefill_batch": engine.prefill_batch,
+            "prefill_buckets": [int(w) for w in engine.prefill_widths[:-1]],
+            "read_buckets": [int(r) for r in engine.read_sizes if r is not None],
+            "decode_steps": engine.decode_steps,
+            "restore_choice": engine.restore_choice,
+            "decode_while_building": bool(engine.decode_while_building),
+            # settings a checkpoint cannot hold (objects, callables): restore warns when they are not given again
+            "not_saved": [name for name, set_ in engine.unsaved_settings().items() if set_],
         },
         "abi_fingerprint": engine.spec.fingerprint(),
         "spec": engine.spec.to_json(),
@@ -264,40 +279,46 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
             fh.flush()
             os.fsync(fh.fileno())
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not replacing:  # build the whole checkpoint beside `path`, then one rename
-        tmp = path.parent / f".{path.name}.tmp-{token}"
-        try:
-            tmp.mkdir()
-            write_arrays(tmp / doc["cache_dir"])
-            write_metadata(tmp / METADATA_FILE)
-            _fsync_dir(tmp)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not replacing:  # build the whole checkpoint beside `path`, then one rename
+            tmp = path.parent / f".{path.name}.tmp-{token}"
             try:
-                os.rename(tmp, path)
-            except OSError as err:  # another process created `path` meanwhile
-                raise EngineCheckpointError(
-                    f"{str(path)!r} appeared while saving ({err}); nothing was replaced"
-                ) from err
-            _fsync_dir(path.parent)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    else:  # new arrays beside the old ones; the metadata file is the one atomic switch
-        new_tmp = path / f".{METADATA_FILE}.tmp-{token}"
-        try:
-            write_arrays(path / doc["cache_dir"])
-            write_metadata(new_tmp)
-            _fsync_dir(path)
-            os.replace(new_tmp, path / METADATA_FILE)
-            _fsync_dir(path)
-        except BaseException:
-            # not switched: this save's entries are garbage (the live checkpoint is untouched)
-            if not (path / METADATA_FILE).is_file() or _live_cache_dir(path) != doc["cache_dir"]:
-                shutil.rmtree(path / doc["cache_dir"], ignore_errors=True)
-                if new_tmp.exists():
-                    new_tmp.unlink()
-            raise
-    _clean_stale(path, keep=doc["cache_dir"], before=started)
+                tmp.mkdir()
+                write_arrays(tmp / doc["cache_dir"])
+                write_metadata(tmp / METADATA_FILE)
+                _fsync_dir(tmp)
+                try:
+                    os.rename(tmp, path)
+                except OSError as err:  # another process created `path` meanwhile
+                    raise EngineCheckpointError(
+                        f"{str(path)!r} appeared while saving ({err}); nothing was replaced"
+                    ) from err
+                _fsync_dir(path.parent)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        else:  # new arrays beside the old ones; the metadata file is the one atomic switch
+            new_tmp = path / f".{METADATA_FILE}.tmp-{token}"
+            try:
+                write_arrays(path / doc["cache_dir"])
+                write_metadata(new_tmp)
+                _fsync_dir(path)
+                os.replace(new_tmp, path / METADATA_FILE)
+                _fsync_dir(path)
+            except BaseException:
+                # not switched: this save's entries are garbage (the live checkpoint is untouched)
+                if not (path / METADATA_FILE).is_file() or _live_cache_dir(path) != doc["cache_dir"]:
+                    shutil.rmtree(path / doc["cache_dir"], ignore_errors=True)
+                    if new_tmp.exists():
+                        new_tmp.unlink()
+                raise
+        _clean_stale(path, keep=doc["cache_dir"], before=started)
+    except OSError as err:  # a path under a regular file, a read-only or full filesystem, ...
+        raise EngineCheckpointError(
+            f"cannot save an engine checkpoint at {str(path)!r}: {err.strerror or err} (is its parent a "
+            f"writable directory?)"
+        ) from err
 
 
 def _live_cache_dir(path: Path) -> str | None:
@@ -362,6 +383,9 @@ def _show(v: Any) -> str:
 
 def _bad(where: str, v: Any, want: str) -> EngineCheckpointError:
     return EngineCheckpointError(f"checkpoint metadata: {where}={_show(v)} is invalid: want {want}")
+
+
+_NOT_SAVED = ("disk", "tokenizer", "kernel_options", "progress", "seed")
 
 
 def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
@@ -517,7 +541,28 @@ def _check_schema(doc: dict, version: int) -> None:
             raise _bad("config.pool_pages", pp, "null or a list of 1 to 256 integers")
         for i, p in enumerate(pp):
             _int(p, f"config.pool_pages[{i}]", 1, _I32)
-    eng = _obj(doc["engine"], "engine", ("block_tokens", "prefill_chunk", "model_id", "retention", "cache_salt"))
+    optional = ("prefill_batch", "prefill_buckets", "read_buckets", "decode_steps", "restore_choice",
+                "decode_while_building", "not_saved")  # fmt: skip
+    eng = _obj(
+        doc["engine"], "engine", ("block_tokens", "prefill_chunk", "model_id", "retention", "cache_salt"), optional
+    )
+    for name in ("prefill_batch", "decode_steps"):
+        if name in eng:
+            _int(eng[name], f"engine.{name}", 1, 1 << 20)
+    for name in ("prefill_buckets", "read_buckets"):
+        if name in eng:
+            if not isinstance(eng[name], list) or len(eng[name]) > 64:
+                raise _bad(f"engine.{name}", eng[name], "a list of at most 64 integers")
+            for i, w in enumerate(eng[name]):
+                _int(w, f"engine.{name}[{i}]", 1, _I32)
+    if "restore_choice" in eng and eng["restore_choice"] not in ("cheapest", "longest"):
+        raise _bad("engine.restore_choice", eng["restore_choice"], "'cheapest' or 'longest'")
+    if "decode_while_building" in eng and not isinstance(eng["decode_while_building"], bool):
+        raise _bad("engine.decode_while_building", eng["decode_while_building"], "true or false")
+    if "not_saved" in eng and not (
+        isinstance(eng["not_saved"], list) and all(n in _NOT_SAVED for n in eng["not_saved"])
+    ):
+        raise _bad("engine.not_saved", eng["not_saved"], f"a list of names among {list(_NOT_SAVED)}")
     _int(eng["block_tokens"], "engine.block_tokens", 1, 1 << 20)
     _int(eng["prefill_chunk"], "engine.prefill_chunk", 1, 1 << 24)
     _str(eng["model_id"], "engine.model_id")
@@ -604,6 +649,11 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
 
     from ..core.weights import weights_digest
 
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model={type(model).__name__}: Engine.restore needs the flax.nnx model the engine was saved with "
+            "(its weights are not in the checkpoint)"
+        )
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
         hint = ""
@@ -654,6 +704,16 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
         retention=retention,
         cache_salt=bytes.fromhex(e["cache_salt"]),
     )
+    for name in ("prefill_batch", "prefill_buckets", "read_buckets", "decode_steps", "restore_choice"):
+        if name in e:  # (checkpoints of earlier versions did not save them: the defaults apply)
+            kwargs[name] = tuple(e[name]) if isinstance(e[name], list) else e[name]
+    missing = [n for n in e.get("not_saved", ()) if n not in engine_kwargs]
+    if missing:
+        warnings.warn(
+            f"Engine.restore({str(path)!r}): the saved engine had {', '.join(missing)} set, which a checkpoint "
+            f"cannot hold; pass {', '.join(f'{n}=...' for n in missing)} again to restore them",
+            stacklevel=3,
+        )
     kwargs.update(engine_kwargs)
     metas = doc["leaves"]
 
@@ -713,6 +773,8 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
 
     with settings_error("cannot build an engine from the saved settings"):
         engine = engine_cls(model, config, **kwargs)
+    if "decode_while_building" in e:
+        engine.decode_while_building = e["decode_while_building"]
     refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
 
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)

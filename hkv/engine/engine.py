@@ -61,7 +61,7 @@ from flax import nnx
 from ..core import prefix as px
 from ..core.layers import default_read_buckets, read_size
 from ..core.layout import CacheConfig, CacheLayout, Status
-from ..core.memory import architectural_minimum, memory_report
+from ..core.memory import allocated_bytes, architectural_minimum, memory_report
 from ..core.plan import DevicePlan, RestorePlan
 from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
 from ..core.protocol import check_protocol
@@ -77,9 +77,17 @@ from .checkpoint import restore_engine, save_engine
 from .compiled import builds_on_this_thread, compiled_steps, enable_compilation_cache, step_name, unpack_decode
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .progress import Bars
-from .requests import EngineBusyError, Generation, RequestCancelledError, RequestHandle
+from .requests import EngineBusyError, EngineClosedError, Generation, RequestCancelledError, RequestHandle
 
-__all__ = ["CacheCapacityError", "Engine", "EngineBusyError", "Generation", "RequestCancelledError", "RequestHandle"]
+__all__ = [
+    "CacheCapacityError",
+    "Engine",
+    "EngineBusyError",
+    "EngineClosedError",
+    "Generation",
+    "RequestCancelledError",
+    "RequestHandle",
+]
 
 
 _could_match = jax.jit(px.could_match)  # see Engine._could_hit
@@ -209,6 +217,40 @@ def accepts_read_tokens(model) -> bool:
 RESTORE_CHOICES = ("cheapest", "longest")  # `Engine(restore_choice=...)`
 
 
+def _device_bytes() -> int | None:
+    """Memory of the default device in bytes (the host's physical memory on CPU), or None if unknown."""
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if dev.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def _check_fits(layout: CacheLayout) -> None:
+    """`ValueError` (in the config's terms) when the cache of `layout` cannot fit the device's memory,
+    before anything is allocated (a raw RESOURCE_EXHAUSTED from inside XLA otherwise)."""
+    have = _device_bytes()
+    if have is None:
+        return
+    need = allocated_bytes(layout)["total"]
+    if need > have:
+        c = layout.config
+        raise ValueError(
+            f"the cache of CacheConfig(slots={c.slots}, max_context={c.max_context}, page_size={c.page_size}, "
+            f"pool_pages={c.pool_pages}, prefix_records={c.prefix_records}) takes {need / 2**30:.1f} GiB, more than "
+            f"the device's {have / 2**30:.1f} GiB; lower slots, max_context, pool_pages or prefix_records, or size it "
+            f"with memory_bytes="
+        )
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -314,6 +356,7 @@ class Engine:
     # decode one token per step through a prefill step already run (`_decode_via_prefill`), so a
     # first request does not wait for the decode compile; False (per engine or for the class): wait
     decode_while_building: bool = True
+    _closed = False  # set by close()
 
     def __init__(
         self,
@@ -408,6 +451,7 @@ class Engine:
         self._bars = Bars(progress_bars)
         self.model = model
         self.disk = disk
+        _check_fits(self.layout)
         self.cache = self._new_cache()
         self.prefill_chunk = prefill_chunk
         self.prefill_widths = tuple(sorted({int(w) for w in prefill_buckets})) + (prefill_chunk,)
@@ -434,6 +478,8 @@ class Engine:
             "decode_seconds": 0.0,
             "compile_seconds": 0.0,
         }
+        self._kernel_options = dict(kernel_options or {})
+        self._seeded = seed is not None
         self._steps = self._make_steps(kernel_options)
         # what the model steps get as weights: the leaves (cheap per call) where the steps take them
         flat = getattr(self._steps, "flat_weights", None)
@@ -600,6 +646,7 @@ class Engine:
         `run_until_idle` or `generate` (the request joins at the next step). Arguments as in
         `generate`, for one prompt (a sequence of token ids). Invalid input raises `ValueError`.
         """
+        self._check_open()
         (prompt,), max_new = self._validate([prompt], max_new_tokens)
         sampling, stops = self._validate_options(sampling, stop_token_ids, return_logits)
         rid = next(self._ids)
@@ -908,9 +955,24 @@ class Engine:
         add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
         return restore_engine(cls, path, model, **engine_kwargs)
 
+    def unsaved_settings(self) -> dict[str, bool]:
+        """Which settings a checkpoint (`save`) cannot hold are set on this engine: {name: set}.
+        `Engine.restore` warns, naming those not given to it again."""
+        return {
+            "disk": self.disk is not None,
+            "tokenizer": self.tokenizer is not None,
+            "kernel_options": bool(self._kernel_options),
+            "progress": self.progress is not None,
+            "seed": self._seeded,
+        }
+
     def close(self) -> None:
-        """Finish pending disk writes (the engine stays usable)."""
+        """Finish pending disk writes and retire the engine: every later call (generate, submit, step,
+        warmup, save, ...) raises `EngineClosedError`. Calling close() again does nothing."""
+        if self._closed:
+            return
         self.flush_disk()
+        self._closed = True
 
     def stats(self) -> dict[str, Any]:
         """Engine counters, the cache's transition counters and the prefix metrics (a host snapshot)."""
@@ -1013,7 +1075,8 @@ class Engine:
     def _exclusive(self):
         """One thread at a time in a call that runs transitions or reads the cache between them
         (`EngineBusyError` otherwise): step / generate / run_until_idle / a handle's stream, and
-        evict_prefixes / write_through / flush_disk / save."""
+        evict_prefixes / write_through / flush_disk / save. `EngineClosedError` after `close()`."""
+        self._check_open()
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError(
                 "another thread is driving this engine (step / generate / run_until_idle / a handle's "
@@ -1024,6 +1087,12 @@ class Engine:
             yield
         finally:
             self._drive_lock.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(
+                "this engine was closed (Engine.close()); build a new one, or Engine.restore a saved one"
+            )
 
     @contextlib.contextmanager
     def _drive(self):

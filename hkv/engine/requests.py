@@ -27,6 +27,11 @@ class EngineBusyError(RuntimeError):
     stream); one engine advances from one thread at a time. `submit` never raises it."""
 
 
+class EngineClosedError(RuntimeError):
+    """The engine was closed (`Engine.close`): it runs nothing more; build a new one (or
+    `Engine.restore` a saved one)."""
+
+
 class RequestCancelledError(RuntimeError):
     """The request was cancelled (`RequestHandle.cancel`, or its stream was abandoned) before it finished."""
 

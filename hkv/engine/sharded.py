@@ -721,5 +721,23 @@ class MeshEngine:
             e.flush_disk()
 
     def close(self) -> None:
-        """Finish pending disk writes (the engine stays usable)."""
-        self.flush_disk()
+        """Finish pending disk writes and retire every shard (`hkv.Engine.close`: later calls raise
+        `hkv.EngineClosedError`)."""
+        for e in self.shards:
+            e.close()
+
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Not supported yet: raises `NotImplementedError` (the mesh's cache is one stacked value over
+        the data shards; warm restart of a mesh engine waits for the engine redesign). A `DiskTier`
+        keeps its prefixes across processes meanwhile."""
+        raise NotImplementedError(
+            "MeshEngine.save: warm restart of a mesh engine is not supported yet; give it a DiskTier "
+            "(disk=hkv.DiskTier(path)) to keep its prefixes across processes"
+        )
+
+    @classmethod
+    def restore(cls, path, model, **engine_kwargs):
+        """Not supported yet: raises `NotImplementedError` (see `save`)."""
+        raise NotImplementedError(
+            "MeshEngine.restore: warm restart of a mesh engine is not supported yet (see MeshEngine.save)"
+        )

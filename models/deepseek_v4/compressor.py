@@ -99,6 +99,8 @@ class Compressor(nnx.Module):
         """Stateless: compress every complete window of x [B, T, hidden] -> [B, T // ratio, head_dim]."""
         kv, gate = self.project(x)
         usable = (x.shape[1] // self.ratio) * self.ratio
+        if usable == 0:  # fewer tokens than one window: no entry yet
+            return jnp.zeros((x.shape[0], 0, self.head_dim), x.dtype)
         return compress_windows(
             kv[:, :usable],
             gate[:, :usable],

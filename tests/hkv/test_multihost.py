@@ -446,9 +446,8 @@ def _assert_exact(cluster, gens) -> None:
         p = g["plan"]
         if p["restored_tokens"] < p["hash_hit_tokens"]:
             assert p["reason"] is not None, (i, g["query"], p)
-        # Where the stored chain ends before the prompt's last full block, a plan with no disk blocks
-        # names the hash stage (`no_hash_match`) but one extended from disk to the chain's end names
-        # no reason (hkv.engine.Engine._disk_extend): both restored everything there was.
+        # Where the stored chain ends before the prompt's last full block, a plan that restored every
+        # hashed block names no reason, from the device or extended from disk: nothing was rejected.
 
 
 def _assert_host_ok(cluster, i, phase) -> None:
