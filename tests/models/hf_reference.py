@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -9,6 +10,22 @@ from transformers import DeepseekV4Config as HFConfig
 from transformers import DeepseekV4ForCausalLM
 
 from models.deepseek_v4 import DeepseekV4Config
+
+
+@contextlib.contextmanager
+def reproducible_torch():
+    """transformers' reference computed reproducibly: one intra-op thread (torch splits a reduction by
+    its thread count, so its float32 sums, and a router's or indexer's near-tie picks downstream, moved
+    with the machine's load: a parity test failed for nothing and passed on a re-run) and deterministic
+    algorithms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
 
 
 def build_hf_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:

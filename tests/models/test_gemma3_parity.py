@@ -25,6 +25,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from .hf_reference import reproducible_torch
+
 from models import gemma3
 from models.gemma3 import FULL, SLIDING, CheckpointError, ConfigError, Gemma3Config, RopeSpec, tiny_config
 from models.gemma3.checkpoint import read_safetensors
@@ -68,7 +70,7 @@ def build_hf(cfg: Gemma3Config, seed: int = 0, dtype=torch.float32) -> Gemma3For
 
 
 def hf_logits(hf, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
+    with reproducible_torch(), torch.no_grad():
         return hf(torch.tensor(ids)).logits.float().numpy()
 
 

@@ -18,7 +18,7 @@ from models.deepseek_v4 import RopeSpec, forward_fn, load, tiny_config
 from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from models.deepseek_v4.greedy import greedy_stateless
 
-from .hf_reference import build_hf_model, save_hf_model
+from .hf_reference import build_hf_model, reproducible_torch, save_hf_model
 
 pytestmark = pytest.mark.parity
 
@@ -71,7 +71,7 @@ def test_logits_match_transformers(pair):
     rng = np.random.default_rng(7)
     ids = rng.integers(0, ours.cfg.vocab_size, (2, 307))
     got = np.asarray(forward_fn(ours)(ids))
-    with torch.no_grad():
+    with reproducible_torch(), torch.no_grad():
         want = hf(torch.tensor(ids)).logits.float().numpy()
     assert got.shape == want.shape == (2, 307, ours.cfg.vocab_size)
     err = np.abs(got - want).max()
@@ -87,7 +87,7 @@ def test_greedy_continuation_matches_transformers_generate(pair):
     new = 12
     tokens, logits = greedy_stateless(ours, prompts, new)
     for prompt, toks, lg in zip(prompts, tokens, logits):
-        with torch.no_grad():
+        with reproducible_torch(), torch.no_grad():
             ids = torch.tensor([prompt])
             # explicit all-ones mask: otherwise generate() treats every id equal to pad_token_id as padding
             out = hf.generate(
