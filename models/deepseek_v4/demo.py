@@ -18,9 +18,9 @@ import time
 import numpy as np
 
 import hkv
+from models.stateless import greedy_stateless
 
 from . import init, tiny_config
-from .greedy import greedy_stateless
 
 
 def _checked_turn(engine: hkv.Engine, model, prompt: list[int], label: str):

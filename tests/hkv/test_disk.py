@@ -21,7 +21,7 @@ from hkv.store import manifest as mf
 from hkv.store.tier import DiskTier
 from hkv.testing import _force
 from models.deepseek_v4 import init
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .test_prefix import BASE, BT, CFG, diverge
 from .test_prefix import make_engine as _make_engine

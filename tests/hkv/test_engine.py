@@ -15,7 +15,7 @@ from hkv.core import transitions as tr
 from hkv.core.layout import Status
 from hkv.core.state import check_layout
 from models.deepseek_v4 import init, tiny_config
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .decode_building import DecodeStillBuilding
 

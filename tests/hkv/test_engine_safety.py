@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import hkv
 from hkv.core import prefix as px
 from models.deepseek_v4 import init, tiny_config
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 CFG = tiny_config()
 BT = 16

@@ -21,7 +21,7 @@ import hkv
 from hkv.core.layout import Status
 from hkv.engine.compiled import wait_for_ahead
 from models.deepseek_v4 import init, tiny_config
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .decode_building import DecodeStillBuilding
 

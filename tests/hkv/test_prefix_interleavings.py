@@ -11,7 +11,7 @@ import pytest
 import hkv
 from hkv.core import prefix as px
 from models.deepseek_v4 import init, tiny_config
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .test_prefix import BT, make_engine
 

@@ -18,7 +18,7 @@ from hkv.core import weights as hw
 from hkv.core.weights import weights_digest
 from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .test_prefix import BASE, CFG, make_engine
 

@@ -16,7 +16,7 @@ import torch
 
 from models.deepseek_v4 import RopeSpec, forward_fn, load, tiny_config
 from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 from .hf_reference import build_hf_model, reproducible_torch, save_hf_model
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from models.deepseek_v4 import forward_fn, init, tiny_config
-from models.deepseek_v4.greedy import greedy_stateless
+from models.stateless import greedy_stateless
 
 IDS = np.random.default_rng(0).integers(0, 128, (2, 12))
 
