@@ -118,13 +118,6 @@ class Gemma3Config:
     def rope_parameters(self) -> dict[str, dict[str, Any]]:
         return {t: r.to_hf() for t, r in self.rope.items()}
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    def is_sliding(self, layer: int) -> bool:
-        return self.layer_types[layer] == SLIDING
-
     # ---------------------------------------------------------------- checks
     def validate(self) -> None:
         """Raise `ConfigError` naming the first bad field and what it must be."""
