@@ -32,7 +32,7 @@ def forward_fn(model) -> Callable[[jnp.ndarray], jnp.ndarray]:
     Every forward of models with the same structure (`nnx.split`'s graph definition) shares one jitted
     function: a second `forward_fn` (each `greedy_stateless` call without `fwd` makes one) of such a model
     neither traces nor compiles again for a shape the first ran. (A jitted closure per call traced and
-    lowered the whole model every time: ~0.5 s each for the tiny DeepSeek-V4, 101 times in the suite.)"""
+    lowered the whole model every time.)"""
     graphdef, state = nnx.split(model)
 
     def call(tokens):

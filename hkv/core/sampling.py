@@ -178,11 +178,11 @@ def truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.A
 
     The most likely token always survives and ties at the cut-off are all kept, as in
     `truncate_reference`, but without sorting the vocabulary (a sort of DeepSeek-V4's 129,280 logits
-    per sampled row cost ~50 ms on a 2-core CPU and is slow on accelerators too; see
-    benchmarks/sampling.py). Each rule keeps the tokens at or above a cut-off value. The top-k /
-    top-p cut-off is the smallest value t such that fewer than top_k tokens, holding less than top_p of
-    the probability, lie strictly above t: both counts fall as t rises, so 32 halvings of the float32
-    order (`_order_key`) find it, each one pass over the vocabulary. min-p keeps exp(x - max) >= min_p.
+    per sampled row is slow on CPU and on accelerators; see benchmarks/sampling.py). Each rule keeps the
+    tokens at or above a cut-off value. The top-k / top-p cut-off is the smallest value t such that
+    fewer than top_k tokens, holding less than top_p of the probability, lie strictly above t: both
+    counts fall as t rises, so 32 halvings of the float32 order (`_order_key`) find it, each one pass
+    over the vocabulary. min-p keeps exp(x - max) >= min_p.
     The kept set equals the reference's except where float rounding of a probability sum decides a
     top-p tie (the sums add the same probabilities in another order). top_p >= 1 keeps every token."""
     key = _order_key(logits)

@@ -82,7 +82,7 @@ def init_cache(layout: CacheLayout) -> HybridCache:
     """An empty cache: no slot active, every page free, tails empty (overlap gates -inf).
 
     Built by one compiled program per layout (inside a trace it is inlined): built op by op it took
-    ~45 small compilations (one per distinct leaf shape, ~30 ms each on CPU) in every new process.
+    one small compilation per distinct leaf shape in every new process.
     """
     return _init_cache_jit(layout)
 

@@ -26,11 +26,10 @@ It identifies weights against accidents — another checkpoint, seed, fine-tune 
 tensor — not against an adversary who controls the weights (the lane sums are not a cryptographic
 hash; whoever can choose weights can construct a collision).
 
-Cost, measured on the 2-core CPU VM this repo is tested on (2026-11-30, float32, 64 arrays of
-16 MiB, the VM shared with other jobs, load average 4-7): 3.0-8 s per GB of weights, compute-bound
-(XLA:CPU does not vectorise the 32-bit integer multiplies well); a GPU or TPU runs it at memory
-bandwidth. The tiny test model (1 MB, 126 leaves) takes 0.8 s the first time in a process, mostly
-compiling. Memory: no copy of a big leaf; the small leaves' concatenation (<= `GROUP` words).
+Cost: one pass over the weights, compute-bound on CPU (XLA:CPU does not vectorise the 32-bit
+integer multiplies well); a GPU or TPU runs it at memory bandwidth. For a tiny model the first
+call in a process is mostly compiling. Memory: no copy of a big leaf; the small leaves' concatenation
+(<= `GROUP` words).
 
 The digest of an engine's weights is computed once per set of weight arrays: `weights_digest` keeps
 a small cache keyed by the identity of the leaf arrays (held by weak references, so a cached entry
@@ -202,8 +201,8 @@ def weights_digest(state) -> str:
     Raises:
       WeightsDigestError: a leaf is neither an array nor a plain scalar (names its path).
 
-    Cost: one on-device pass over the weights (3-8 s per GB on a busy 2-core CPU, see above); repeated calls on the
-    same (immutable, jax.Array) leaves return the cached digest at no cost.
+    Cost: one on-device pass over the weights (see above); repeated calls on the same (immutable,
+    jax.Array) leaves return the cached digest at no cost.
     """
     leaves = _leaves(state)
     arrays = [x for _, x in leaves]

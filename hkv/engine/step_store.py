@@ -3,8 +3,8 @@ second process runs its first `generate` with no tracing, lowering or compiling 
 
 JAX's persistent compilation cache (`hkv.engine.compiled.enable_compilation_cache`) skips XLA's
 compile in a second process, but its key is the lowered program: every step is still traced (the
-whole model, in Python) and lowered to StableHLO first. For the tiny DeepSeek-V4 of `make demo` that
-was ~2.7 s of a 5-6 s warm first `generate`. The step store keys a serialized executable
+whole model, in Python) and lowered to StableHLO first, a large part of a small model's warm first
+`generate`. The step store keys a serialized executable
 (`jax.experimental.serialize_executable`) by everything the trace depends on, computed from host
 values only:
 

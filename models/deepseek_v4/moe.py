@@ -7,8 +7,7 @@ where XLA has a native grouped matmul (GPU, TPU). On CPU `ragged_dot` lowers to 
 over every (pair, expert): tokens x top-k x experts, worse than computing every expert for every token.
 There (`jax.lax.platform_dependent`) a few tokens (decode) run every expert densely, weighted by the
 routing (tokens x experts), and many tokens (prefill) run in tiles of `TILE` pairs that each belong to
-one expert, each expert's pairs padded to whole tiles (tokens x top-k + experts x TILE rows): measured
-on the e2e benchmark's layer (8 experts top-2, hidden 256): 512 tokens 29.3 ms (ragged) -> 10.8 ms.
+one expert, each expert's pairs padded to whole tiles (tokens x top-k + experts x TILE rows).
 """
 
 from __future__ import annotations
