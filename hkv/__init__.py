@@ -33,9 +33,9 @@ from .core.weights import weights_digest
 from .engine.checkpoint import EngineCheckpointError
 from .engine.compiled import enable_compilation_cache
 from .engine.engine import CacheCapacityError, Engine
-from .engine.sharded import MeshEngine
 from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
 from .engine.requests import EngineBusyError, EngineClosedError, Generation, RequestCancelledError, RequestHandle
+from .engine.sharded import MeshEngine
 from .store.tier import DiskTier, DiskTierClosedError
 
 __all__ = [
@@ -50,16 +50,16 @@ __all__ = [
     "DiskTier",
     "DiskTierClosedError",
     "Engine",
-    "MeshEngine",
     "EngineBusyError",
-    "EngineClosedError",
     "EngineCheckpointError",
+    "EngineClosedError",
     "Generation",
     "Group",
     "HybridCache",
     "InvariantError",
     "LayerCache",
     "LayerSpec",
+    "MeshEngine",
     "ObjectKind",
     "PrefixQuery",
     "Reason",
@@ -80,9 +80,9 @@ __all__ = [
     "default_read_buckets",
     "enable_compilation_cache",
     "evict_cached",
-    "numerics",
     "init_cache",
     "memory_report",
+    "numerics",
     "record_prefix",
     "restore_prefix",
     "run_step",

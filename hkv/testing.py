@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import numerics as nm
 from .core.invariants import check_invariants
 from .core.layout import CacheConfig, CacheLayout
 from .core.policy import RetentionPolicy, window_rebuild_tokens
-from . import numerics as nm
 from .core.protocol import check_protocol
 from .engine.engine import Engine
 from .store.tier import DiskTier
@@ -70,7 +69,10 @@ def _first_difference(got: np.ndarray, want: np.ndarray, prompt_len: int) -> str
     if not len(diff):
         return ""
     i, v = (int(x) for x in diff[0])
-    return f"first difference at position {prompt_len - 1 + i} (new token {i}), logit {v}: cached {got[i, v]!r} vs stateless {want[i, v]!r}"
+    return (
+        f"first difference at position {prompt_len - 1 + i} (new token {i}), logit {v}: "
+        f"cached {got[i, v]!r} vs stateless {want[i, v]!r}"
+    )
 
 
 def _reference(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -99,7 +101,7 @@ class _Checker:
         self.model, self.ref, self.tol, self.report = model, ref, tolerance, report
 
     def compare(self, check: str, gens, prompts) -> None:
-        for g, p in zip(gens, prompts):
+        for g, p in zip(gens, prompts, strict=True):
             want_t, want_l = self.ref[tuple(p)]
             got_l = np.asarray(g.logits)
             d = float(np.abs(got_l - want_l).max()) if got_l.shape == want_l.shape and got_l.size else 0.0
@@ -112,8 +114,11 @@ class _Checker:
                     f"(max |Δ logits| = {d:.3g}; {where})",
                 )
             if self.tol == 0.0 and where:
-                raise _fail(check, f"prompt of {len(p)} tokens: logits not bitwise equal to the stateless forward's: {where} "
-                                   f"(max |Δ| = {d:.3g}; see docs/numerics.md)")  # fmt: skip
+                raise _fail(
+                    check,
+                    f"prompt of {len(p)} tokens: logits not bitwise equal to the stateless forward's: {where} "
+                    f"(max |Δ| = {d:.3g}; see docs/numerics.md)",
+                )
             if not d <= self.tol:
                 raise _fail(check, f"prompt of {len(p)} tokens: max |Δ logits| = {d:.3g} > tolerance {self.tol:g}")
 
@@ -237,7 +242,9 @@ def check_model(
     ctx = max_context or -(-(longest + bt) // bt) * bt
     every = [base, *prompts.values()]
     ref_toks, ref_logits = _reference(model, every, new_tokens)
-    ck = _Checker(model, {tuple(p): (t, lg) for p, t, lg in zip(every, ref_toks, ref_logits)}, tolerance, report)
+    ck = _Checker(
+        model, {tuple(p): (t, lg) for p, t, lg in zip(every, ref_toks, ref_logits, strict=True)}, tolerance, report
+    )
     kernels = {"kernel_backend": kernel_backend, "interpret": interpret}
 
     # (b) cold prefill in each chunk size + greedy decode == stateless forward; (e) one compile per bucket

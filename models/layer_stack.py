@@ -326,7 +326,7 @@ def run_layers(model, carry, one, scan_layers: bool | None = None):
         graphdefs, states = model.layers.stacked(g)
 
         def body(carry, xs, graphdefs=graphdefs):
-            for gd, st in zip(graphdefs, xs):
+            for gd, st in zip(graphdefs, xs, strict=True):
                 carry = one(nnx.merge(gd, st), carry)
             return carry, None
 
@@ -346,7 +346,7 @@ def run_cached_layers(model, step: Step, cache: HybridCache, carry, one, scan_la
         graphdefs, states = model.layers.stacked(g)
 
         def body(cache, carry, views, xs, graphdefs=graphdefs):
-            for gd, st, view in zip(graphdefs, xs, views):
+            for gd, st, view in zip(graphdefs, xs, views, strict=True):
                 cache, carry = one(nnx.merge(gd, st), view, cache, carry)
             return cache, carry
 

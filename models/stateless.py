@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -42,7 +42,8 @@ def describe_backend(backend: str | None = None, interpret: bool = False) -> str
     "Pallas kernels (Triton) on gpu" or "the jnp reference (XLA) on cpu"."""
     what = {"gpu": "Pallas kernels (Triton)", "tpu": "Pallas kernels (Mosaic)", "reference": "the jnp reference (XLA)"}
     resolved = resolve_backend(backend, interpret)
-    return f"{what[resolved]}{' in the Pallas interpreter' if interpret and resolved != 'reference' else ''} on {jax.default_backend()}"
+    where = " in the Pallas interpreter" if interpret and resolved != "reference" else ""
+    return f"{what[resolved]}{where} on {jax.default_backend()}"
 
 
 def pallas_interpret_arg(backend: str, interpret: bool) -> Any:

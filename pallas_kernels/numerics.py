@@ -375,7 +375,7 @@ def attend(
     term last; out = o / l. Any path that presents the same visible keys in the same tiles gets the
     same bits, however many other (invisible) tiles it holds.
     """
-    n, nq, h, g, d = q.shape
+    _, _, h, g, _ = q.shape
     scores = []
     for src in sources:
         s = mul(_scores(q, src), jnp.float32(scale))
@@ -442,7 +442,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: flo
     q: [N, Q, H, Dh] (keys' dtype); weights: [N, Q, H] (float32); keys: [N, E, Dh] shared by the Q
     queries of a row. The dot products accumulate in float32 (batched over N, Q * H rows each), the
     head sum is a `fixed_sum`. Returns float32[N, Q, E]."""
-    n, nq, h, d = q.shape
+    n, _, h, d = q.shape
     e = keys.shape[1]
     floor = F32_MIN_ROWS if q.dtype == jnp.float32 else MIN_ROWS
     km = jnp.broadcast_to(

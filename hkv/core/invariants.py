@@ -134,7 +134,7 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
     act_start, act_end = np.asarray(tb.swa_start), np.asarray(tb.swa_end)
     if not (act_end[active] == lengths[active]).all() or not (act_start[active] == want_start[active]).all():
         _fail(
-            f"SWA window bounds {list(zip(act_start.tolist(), act_end.tolist()))} do not match lengths "
+            f"SWA window bounds {list(zip(act_start.tolist(), act_end.tolist(), strict=True))} do not match lengths "
             f"{lengths.tolist()} (want starts {want_start.tolist()})"
         )
     form = np.asarray(block_forms(layout, lengths))

@@ -323,7 +323,6 @@ def _compressed_source(entries: jax.Array, limit: jax.Array | None, picks: jax.A
     """The compressed entries a query attends, as key tiles after the window's: every causal entry
     (`limit` int32[B, C]: entries each query sees; tiles shared by the row's queries) or each query's
     `picks` (int32[B, C, k], -1 = none; tiles per query, in pick order). entries: [B, N, D] (one K=V head)."""
-    b, c = (limit if picks is None else picks).shape[:2]
     if picks is None:
         rows = nm.pad_tiles(entries, 1)[:, None, :, :, None, :]  # [B, 1, T, KT, 1, D]
         e = jnp.arange(rows.shape[2] * nm.KEY_TILE, dtype=jnp.int32).reshape(rows.shape[2], nm.KEY_TILE)
@@ -626,8 +625,8 @@ class LayerCache:
         m = self.ratio
         if st.decode:
             lengths = st.kernel_lengths
-            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, im.take(g.page_table, st.slots), lengths, im.div(lengths, m),
-                                    k=k, compress_ratio=m, index_layer=li, backend=st.backend,
+            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, im.take(g.page_table, st.slots), lengths,
+                                    im.div(lengths, m), k=k, compress_ratio=m, index_layer=li, backend=st.backend,
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
         keys, limit = self._entries(cache, ObjectKind.INDEXER)
@@ -664,7 +663,7 @@ class LayerCache:
           [B, C, H, D] in q.dtype. Decode (C == 1) reads the pools in place through `pallas_kernels`.
         """
         st = self.step
-        b, c, h, d = q.shape
+        _, c, h, d = q.shape
         if d != self.head_dim or h % self.num_kv_heads:
             raise ValueError(
                 f"q.shape={tuple(q.shape)}: head_dim must be {self.head_dim} and heads a multiple of "
@@ -886,17 +885,17 @@ __all__ = [
     "LayerCache",
     "LayerRun",
     "Step",
-    "masked_attention",
-    "sequence_attention",
     "causal_entry_limit",
     "default_read_buckets",
     "gather_picks",
     "indexer_scores",
     "indexer_topk",
+    "masked_attention",
     "plan_layer_runs",
     "read_size",
     "run_step",
     "scan_layers",
     "select_topk",
     "selection_bias",
+    "sequence_attention",
 ]

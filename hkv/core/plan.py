@@ -43,7 +43,7 @@ class DevicePlan:
     disk_blocks: jax.Array
 
     @classmethod
-    def make(cls, **fields) -> "DevicePlan":
+    def make(cls, **fields) -> DevicePlan:
         """A plan from int-like fields (missing ones: 0, `first_failed_stage` and `record` -1)."""
         full = dict(first_failed_stage=-1, record=-1)
         full.update(fields)
@@ -53,12 +53,12 @@ class DevicePlan:
             raise ValueError(f"unknown DevicePlan fields {sorted(unknown)}; allowed: {names}")
         return cls(**{n: jnp.asarray(full.get(n, 0), jnp.int32) for n in names})
 
-    def host(self) -> "DevicePlan":
+    def host(self) -> DevicePlan:
         """The same plan with plain Python ints (one device-to-host transfer)."""
         return jax.tree.map(int, jax.device_get(self))
 
     @classmethod
-    def miss(cls, n_blocks: int) -> "DevicePlan":
+    def miss(cls, n_blocks: int) -> DevicePlan:
         """What `restore` returns on a freshly claimed slot when no record is a chain root with the
         lookup's first block key (an empty index, for one; `hkv.core.prefix.could_match`), for a
         lookup allowing `n_blocks` blocks: nothing matched (stage "hash", NO_HASH_MATCH, unless no
@@ -108,7 +108,7 @@ class RestorePlan:
     shard: int | None = None
 
     @classmethod
-    def from_device(cls, plan: DevicePlan, block_tokens: int, prompt_tokens: int) -> "RestorePlan":
+    def from_device(cls, plan: DevicePlan, block_tokens: int, prompt_tokens: int) -> RestorePlan:
         """The host plan of a `DevicePlan` for a prompt of `prompt_tokens` tokens."""
         p = plan.host()
         after = {name: getattr(p, f"{name}_blocks") * block_tokens for name in STAGES[1:]}
@@ -126,7 +126,7 @@ class RestorePlan:
         )
 
     @classmethod
-    def cold(cls, prompt_tokens: int) -> "RestorePlan":
+    def cold(cls, prompt_tokens: int) -> RestorePlan:
         """No prefix cache: nothing looked up, everything computed."""
         return cls(
             prompt_tokens=prompt_tokens,

@@ -44,7 +44,7 @@ class Reason(enum.StrEnum):
         return STAGES[_STAGE[self]]
 
     @classmethod
-    def from_code(cls, code: int) -> "Reason | None":
+    def from_code(cls, code: int) -> Reason | None:
         """The member with integer `code`, or None for 0. ValueError for an unknown code."""
         code = int(code)
         if code == 0:
@@ -76,4 +76,4 @@ _STAGE = {
 DISK_REASONS = tuple(r for r in Reason if r.startswith("disk_"))
 """The reasons the disk tier reports (a subset of `Reason`)."""
 
-__all__ = ["DISK_REASONS", "Reason", "STAGES"]
+__all__ = ["DISK_REASONS", "STAGES", "Reason"]

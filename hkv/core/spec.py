@@ -99,7 +99,7 @@ class LayerSpec:
     @classmethod
     def attention(
         cls, head_dim: int, num_kv_heads: int = 1, window: int | None = None, *, shared_kv: bool = False, **objects
-    ) -> "LayerSpec":
+    ) -> LayerSpec:
         """The spec of an attention layer with `num_kv_heads` heads of `head_dim` (K and V separate unless
         `shared_kv`); `objects` may add `compressor=` / `indexer=`."""
         return cls(head_dim * num_kv_heads * (1 if shared_kv else 2), window, num_kv_heads=num_kv_heads,

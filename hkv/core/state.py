@@ -150,18 +150,17 @@ def check_layout(layout: CacheLayout, cache: HybridCache) -> None:
             f"cache has {len(got_leaves)} arrays; the layout's spec needs {len(want_leaves)} "
             f"(a cache built for another spec?)"
         )
-    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+    for (path, g), (_, w) in zip(got_leaves, want_leaves, strict=True):
         if g.shape != w.shape or g.dtype != w.dtype:
             raise ValueError(
                 f"cache{jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but the layout needs "
                 f"{w.dtype}{list(w.shape)} (a cache built for another spec or config?)"
             )
-    if not isinstance(cache.abi, jax.core.Tracer):
-        if list(np.asarray(cache.abi)) != list(abi_words(layout.spec)):
-            raise ValueError(
-                f"cache ABI fingerprint differs from the layout's {layout.spec.fingerprint()} "
-                f"(same shapes, different weights/dtypes/ratios/kernel layout)"
-            )
+    if not isinstance(cache.abi, jax.core.Tracer) and list(np.asarray(cache.abi)) != list(abi_words(layout.spec)):
+        raise ValueError(
+            f"cache ABI fingerprint differs from the layout's {layout.spec.fingerprint()} "
+            f"(same shapes, different weights/dtypes/ratios/kernel layout)"
+        )
 
 
 def abi_words(spec: CacheSpec) -> np.ndarray:

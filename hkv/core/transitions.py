@@ -185,7 +185,7 @@ def reserve(
     def allocate(groups):
         """Map the needed pages (refcount, page table and generations) and zero them in the pools."""
         out = []
-        for g, (need, rows) in zip(groups, needs):
+        for g, (need, rows) in zip(groups, needs, strict=True):
             free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
             rank = jnp.cumsum(need.reshape(-1)) - 1
             pages = jnp.where(need.reshape(-1), free_ids[jnp.clip(rank, 0, free_ids.shape[0] - 1)], -1)

@@ -58,7 +58,7 @@ _MIX_A = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)  # odd multipliers, on
 _MIX_B = (0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
 DIGEST_HEX_CHARS = 32
 
-__all__ = ["WeightsDigestError", "weights_digest", "DIGEST_HEX_CHARS", "LANES"]
+__all__ = ["DIGEST_HEX_CHARS", "LANES", "WeightsDigestError", "weights_digest"]
 
 
 class WeightsDigestError(ValueError):
@@ -102,7 +102,7 @@ def _lanes(x: jax.Array, chunk: jax.Array) -> jax.Array:
     w = _as_words(x)
     idx = jnp.arange(w.shape[0], dtype=jnp.uint32)
     out = []
-    for a, b in zip(_MIX_A, _MIX_B):
+    for a, b in zip(_MIX_A, _MIX_B, strict=True):
         salt = _fmix32(chunk * jnp.uint32(a) + jnp.uint32(b))
         h = _fmix32(w ^ (idx * jnp.uint32(a) + salt))
         out.append(jnp.sum(h, dtype=jnp.uint32))
@@ -152,7 +152,7 @@ def _digest(leaves: list[tuple[str, Any]]) -> str:
     h = hashlib.blake2b(digest_size=DIGEST_HEX_CHARS // 2, person=b"hkv-weights-v1")
     pending = []
     for path, x in leaves:
-        if x is None or isinstance(x, (bool, int, float, str)) and not hasattr(x, "dtype"):
+        if x is None or (isinstance(x, (bool, int, float, str)) and not hasattr(x, "dtype")):
             # plain Python metadata in the state (rare): part of the identity by value
             h.update(f"{path}\0scalar\0{type(x).__name__}\0{x!r}\0".encode())
             continue
@@ -211,7 +211,7 @@ def weights_digest(state) -> str:
     if cacheable:
         with _LOCK:
             hit = _CACHE.get(key)
-            if hit is not None and all(r() is x for r, x in zip(hit[0], arrays)):
+            if hit is not None and all(r() is x for r, x in zip(hit[0], arrays, strict=True)):
                 return hit[1]
     digest = _digest(leaves)
     if cacheable:

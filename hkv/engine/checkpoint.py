@@ -79,17 +79,17 @@ _CACHE_DIR_RE = re.compile(rf"cache-{_TOKEN}")
 _INSIDE_PATTERNS = (re.compile(rf"cache(-{_TOKEN}.*)?"), re.compile(rf"\.{re.escape(METADATA_FILE)}\.tmp-{_TOKEN}"))
 
 __all__ = [
-    "EngineCheckpointError",
-    "save_engine",
-    "restore_engine",
-    "read_metadata",
-    "cache_dir",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "READABLE_VERSIONS",
-    "METADATA_FILE",
-    "MAX_METADATA_BYTES",
     "MAX_JSON_DEPTH",
+    "MAX_METADATA_BYTES",
+    "METADATA_FILE",
+    "READABLE_VERSIONS",
+    "EngineCheckpointError",
+    "cache_dir",
+    "read_metadata",
+    "restore_engine",
+    "save_engine",
 ]
 
 
@@ -219,7 +219,7 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(engine.cache)
     host = [np.asarray(jax.device_get(x)) for _, x in leaves_with_path]  # one device->host copy
     leaf_meta, stored = [], {}
-    for i, ((kp, _), a) in enumerate(zip(leaves_with_path, host)):
+    for i, ((kp, _), a) in enumerate(zip(leaves_with_path, host, strict=True)):
         keep = a.size > 0  # orbax refuses zero-size arrays; they carry no data
         leaf_meta.append(
             {
@@ -736,7 +736,7 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
             raise EngineCheckpointError(
                 f"checkpoint has {len(metas)} cache leaves; this engine's cache has {len(fresh_with_path)}"
             )
-        for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
+        for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True)):
             name, dtype = jax.tree_util.keystr(kp), jnp.dtype(fresh.dtype).name
             if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or m["dtype"] != dtype:
                 raise EngineCheckpointError(
@@ -781,7 +781,7 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     refuse_leaves(fresh_with_path)
     target = {
         _leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
-        for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas))
+        for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True))
         if m["stored"]
     }
 
@@ -795,7 +795,7 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
         ) from err
 
     host = []
-    for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas)):
+    for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True)):
         name = jax.tree_util.keystr(kp)
         if m["stored"]:
             a = restored.get(_leaf_key(i)) if isinstance(restored, dict) else None
@@ -832,7 +832,7 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     del fresh_with_path
     engine.cache = None
     leaves = []
-    for a, sh in zip(host, shardings):
+    for a, sh in zip(host, shardings, strict=True):
         leaf = jnp.asarray(a)
         leaves.append(leaf if leaf.sharding == sh else jax.device_put(leaf, sh))
     cache = jax.tree_util.tree_unflatten(treedef, leaves)

@@ -61,7 +61,7 @@ class PrefixQuery:
     block_tokens: int
 
     @classmethod
-    def of(cls, prompt: Sequence[int], layout: CacheLayout, salt: bytes = b"") -> "PrefixQuery":
+    def of(cls, prompt: Sequence[int], layout: CacheLayout, salt: bytes = b"") -> PrefixQuery:
         """Keys of `prompt`'s full blocks for `layout` (salt: as `Engine(cache_salt=...)`)."""
         ids = np.asarray(prompt)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -150,7 +150,9 @@ def record_prefix(
         )
         cache, recs, statuses, done = _record_many(layout, cache, slot, args[0], jnp.int32(last), *args[1:])
         recs, statuses, done = jax.device_get((recs, statuses, done))
-        ok = [int(r) for r, s in zip(recs[: int(done)], statuses[: int(done)]) if s == Status.OK and r >= 0]
+        ok = [
+            int(r) for r, s in zip(recs[: int(done)], statuses[: int(done)], strict=True) if s == Status.OK and r >= 0
+        ]
         if ok:
             last = ok[-1]
         if int(done) < len(batch):
@@ -183,5 +185,6 @@ def pack_records(
     for j, (key, ids, length, keep) in enumerate(blocks):
         keys[j], toks[j], lengths[j], retain[j] = key_words(key), ids, length, keep
     return (
-        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths), jnp.asarray(np.arange(k) < len(blocks))
+        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths),
+        jnp.asarray(np.arange(k) < len(blocks)),
     )  # fmt: skip

@@ -200,7 +200,7 @@ class StepStore:
             return compiled, tuple(entry["names"])
         except FileNotFoundError:
             return None
-        except Exception:  # noqa: BLE001 — a truncated or foreign file: rebuild it
+        except Exception:  # a truncated or foreign file: rebuild it
             path.unlink(missing_ok=True)
             return None
 
@@ -220,7 +220,7 @@ class StepStore:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, self.dir / f"{key}.step")
-        except Exception:  # noqa: BLE001
+        except Exception:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)  # a half-written file is no entry
 

@@ -63,7 +63,7 @@ def _read_json(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {path}: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -261,10 +261,10 @@ class TextCodec:
         """
         if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
             got = f"{type(texts).__name__}: {texts!r:.60}"
-            raise ValueError(f"texts must be a list of strings, got {got}")  # noqa: TRY004
+            raise ValueError(f"texts must be a list of strings, got {got}")
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise ValueError(f"texts[{i}] must be a str, got {type(t).__name__}: {t!r:.60}")  # noqa: TRY004
+                raise ValueError(f"texts[{i}] must be a str, got {type(t).__name__}: {t!r:.60}")
         out = [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=True)]
         if self.add_bos:
             out = [ids if ids[:1] == [self.bos_token_id] else [self.bos_token_id, *ids] for ids in out]
@@ -361,7 +361,7 @@ class StopStrings:
             raise ValueError(msg)
         if isinstance(stop, str):
             msg = f"stop must be a list of strings, got the string {stop!r} (write [{stop!r}])"
-            raise ValueError(msg)  # noqa: TRY004
+            raise ValueError(msg)
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty str, got {s!r}")

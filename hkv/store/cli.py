@@ -125,7 +125,7 @@ def _open(spec: dict | str):
 
     try:
         return DiskTier(spec)
-    except Exception as e:  # noqa: BLE001 — any failure to open is "cannot open", exit 2
+    except Exception as e:  # any failure to open is "cannot open", exit 2
         raise _UsageError(str(e)) from None
 
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as e:
         print(f"hkv: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 — an I/O failure while reading the store: report, don't trace
+    except Exception as e:  # an I/O failure while reading the store: report, don't trace
         print(f"hkv: error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_USAGE
 

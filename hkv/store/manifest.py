@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import re
@@ -130,7 +131,7 @@ class StoreKey:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             n = len(secret) if isinstance(secret, (bytes, bytearray)) else type(secret).__name__
             raise ValueError(f"key must be at least 16 bytes (e.g. os.urandom(32)), got {n}")
-        derive = lambda label: hmac.new(bytes(secret), label, hashlib.sha256).digest()  # noqa: E731
+        derive = lambda label: hmac.new(bytes(secret), label, hashlib.sha256).digest()
         self._mac, self._ids, self._tok = derive(b"hkv manifest"), derive(b"hkv block id"), derive(b"hkv tokens")
 
     def manifest_mac(self, abi: str, segment: str, canonical: bytes) -> str:
@@ -201,7 +202,7 @@ def _short(v: Any) -> str:
 
 
 def _int(v: Any, name: str, lo: int = 0, hi: int = INT64) -> int:
-    if type(v) is int and lo <= v <= hi:  # noqa: E721 — bool is not an integer here
+    if type(v) is int and lo <= v <= hi:  # bool is not an integer here
         return v
     raise ManifestError(f"{name}={_short(v)} must be an integer in [{lo}, {hi}]")
 
@@ -384,7 +385,7 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     for b in blocks:
         _need(isinstance(b, dict), "each block must be an object")
         extra = set(b) - _BLOCK
-        _need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")
+        _need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — _need calls it at once
         _hex(b.get("key"), 32, "block key")
         _hex(b.get("parent"), 32, "block parent", allow_empty=True)
         for f in ("index", "length"):
@@ -399,7 +400,7 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
                 lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers",
             )
             _need(
-                all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # noqa: E721 — not bool
+                all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # not bool
                 "block tokens must be int64 integers",
             )
         _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
@@ -414,42 +415,42 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
                 isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
                 f"object name must be a string of 1 to {MAX_NAME} characters",
             )
-            _need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")
+            _need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")  # noqa: B023 — _need calls it at once
             names.add(o["name"])
             extra = set(o) - _OBJECT
-            _need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
-            _need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
+            _need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — _need calls it at once
+            _need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")  # noqa: B023 — _need calls it at once
             shape = o.get("shape")
             _need(
                 isinstance(shape, list) and len(shape) <= MAX_DIMS,
-                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",
+                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",  # noqa: B023 — _need calls it at once
             )
             n = ITEMSIZE[o["dtype"]]
             for d in shape:
                 n *= _int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
                 _need(
                     n <= MAX_DATA_BYTES,
-                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",
+                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",  # noqa: B023 — _need calls it at once
                 )
             _int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
             off = _int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
             nb = _int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
             _int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
-            _need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
-            _need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
+            _need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")  # noqa: B023 — _need calls it at once
+            _need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")  # noqa: B023 — _need calls it at once
             _need(
                 off + nb <= data_bytes,
-                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",
+                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",  # noqa: B023 — _need calls it at once
             )
             if keyed:
                 _hex(o.get("sha256"), 64, f"object {o['name']} sha256")
             else:
-                _need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")
+                _need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")  # noqa: B023 — _need calls it at once
             if nb:
                 spans.append((off, off + nb, o["name"], b["index"]))
     spans.sort()
-    for (_, end, name, i), (lo, _, name2, j) in zip(spans, spans[1:]):
-        _need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")
+    for (_, end, name, i), (lo, _, name2, j) in itertools.pairwise(spans):
+        _need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")  # noqa: B023 — _need calls it at once
     return doc
 
 
@@ -464,10 +465,10 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_MANIFEST_BYTES",
     "MAX_SHARDS",
-    "ManifestError",
     "READS",
-    "StoreKey",
     "VERSION",
+    "ManifestError",
+    "StoreKey",
     "check",
     "depth",
     "load_json",

@@ -8,7 +8,6 @@ Stateless (`Attention.__call__`) computes everything from the whole sequence. Th
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

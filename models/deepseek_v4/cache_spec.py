@@ -18,7 +18,7 @@ def cache_spec(
     """The `CacheSpec` of a DeepSeek-V4 config; `model_id` is a display label (the engine adds the
     weights digest, which the ABI fingerprint covers)."""
     layers = []
-    for i, t in enumerate(cfg.layer_types):
+    for t in cfg.layer_types:
         comp = idx = None
         if t == CSA:
             m = cfg.compress_rate_csa

@@ -26,6 +26,8 @@ naming schemes are accepted by `canonical_name`:
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -41,18 +43,18 @@ from .config import ConfigError, DeepseekV4Config
 from .tensor_layout import FLOAT, INT, expected_tensors
 
 __all__ = [
-    "CheckpointError",
+    "FP4_E2M1_LUT",
     "SAFETENSORS_DTYPES",
     "SUPPORTED_QUANT_METHODS",
-    "FP4_E2M1_LUT",
-    "read_safetensors",
-    "read_safetensors_metadata",
-    "write_safetensors",
+    "CheckpointError",
     "canonical_name",
-    "unpack_fp4",
     "dequantize",
     "read_checkpoint",
     "read_config",
+    "read_safetensors",
+    "read_safetensors_metadata",
+    "unpack_fp4",
+    "write_safetensors",
 ]
 
 
@@ -185,7 +187,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             )
         specs.append((b, e, name, dt, tuple(shape)))
     ordered = sorted(specs, key=lambda s: (s[0], s[1]))
-    for prev, cur in zip(ordered, ordered[1:]):
+    for prev, cur in itertools.pairwise(ordered):
         if cur[0] < prev[1] and cur[1] > cur[0] and prev[1] > prev[0]:
             raise CheckpointError(
                 f"{path}: tensors {prev[2]!r} [{prev[0]}, {prev[1]}] and {cur[2]!r} [{cur[0]}, {cur[1]}] overlap"
@@ -244,10 +246,8 @@ def write_safetensors(
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
@@ -646,11 +646,14 @@ def read_checkpoint(
                     continue
                 values[name], origins[name] = v, f"{origin}[{e}]"
 
-    if cfg.tie_word_embeddings and "head.weight" in values and "embed.weight" in values:
-        if values["head.weight"].shape == values["embed.weight"].shape and np.array_equal(
-            values["head.weight"], values["embed.weight"]
-        ):
-            del values["head.weight"]
+    if (
+        cfg.tie_word_embeddings
+        and "head.weight" in values
+        and "embed.weight" in values
+        and values["head.weight"].shape == values["embed.weight"].shape
+        and np.array_equal(values["head.weight"], values["embed.weight"])
+    ):
+        del values["head.weight"]
     for k, (shape, kind) in expected.items():
         if k not in values:
             if k in failed or any(k.startswith(p) and k.endswith(ws) for p, ws in failed_fused):

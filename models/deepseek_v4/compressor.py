@@ -16,7 +16,6 @@ cached path call, so the two cannot drift apart.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

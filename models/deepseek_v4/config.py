@@ -141,11 +141,27 @@ class DeepseekV4Config:
         """Raise `ConfigError` naming the first bad field and its allowed range."""
         n = self.num_hidden_layers
         positive = (
-            "vocab_size hidden_size moe_intermediate_size num_hidden_layers num_attention_heads head_dim "
-            "q_lora_rank num_experts_per_tok n_routed_experts hc_mult hc_sinkhorn_iters sliding_window "
-            "o_groups o_lora_rank index_n_heads index_head_dim index_topk compress_rate_csa compress_rate_hca "
-            "max_position_embeddings"
-        ).split()
+            "vocab_size",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "q_lora_rank",
+            "num_experts_per_tok",
+            "n_routed_experts",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "sliding_window",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "compress_rate_csa",
+            "compress_rate_hca",
+            "max_position_embeddings",
+        )
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -187,7 +203,7 @@ class DeepseekV4Config:
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeepseekV4Config":
+    def from_dict(cls, d: dict[str, Any]) -> DeepseekV4Config:
         """Parse an HF `config.json` dict (transformers 5.24 layout or the original DeepSeek release)."""
         d = dict(d)
         model_type = d.get("model_type", "deepseek_v4")
@@ -212,7 +228,9 @@ class DeepseekV4Config:
             try:
                 layer_types = [_COMPRESS_RATIO_TO_LAYER_TYPE[int(r)] for r in d["compress_ratios"]]
             except KeyError as e:
-                raise ConfigError(f"compress_ratios entry {e} must be one of {sorted(_COMPRESS_RATIO_TO_LAYER_TYPE)}")
+                raise ConfigError(
+                    f"compress_ratios entry {e} must be one of {sorted(_COMPRESS_RATIO_TO_LAYER_TYPE)}"
+                ) from e
         if layer_types is None:
             inter = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
             layer_types = [HCA] * min(n, 2) + inter
@@ -269,7 +287,7 @@ class DeepseekV4Config:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "DeepseekV4Config":
+    def from_json_file(cls, path: str | os.PathLike) -> DeepseekV4Config:
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 

@@ -66,7 +66,7 @@ def main() -> None:
     t0 = time.perf_counter()
     gens = engine.generate(prompts, new, return_logits=True)
     dt = time.perf_counter() - t0
-    for p, g in zip(prompts, gens):
+    for p, g in zip(prompts, gens, strict=True):
         print(f"prompt of {len(p):>3} tokens -> {g.tokens}")
     st = engine.stats()
     print(
@@ -81,8 +81,8 @@ def main() -> None:
     print("checking against the stateless forward (no cache: re-runs all positions for every token)...", flush=True)
     t0 = time.perf_counter()
     tokens, logits = greedy_stateless(model, prompts, new)
-    exact = all(g.tokens == t for g, t in zip(gens, tokens))
-    err = max(float(np.abs(g.logits - lg).max()) for g, lg in zip(gens, logits))
+    exact = all(g.tokens == t for g, t in zip(gens, tokens, strict=True))
+    err = max(float(np.abs(g.logits - lg).max()) for g, lg in zip(gens, logits, strict=True))
     print(
         f"stateless oracle took {time.perf_counter() - t0:.1f}s: tokens identical = {exact}, "
         f"max |logit diff| = {err:.2e}"

@@ -79,7 +79,7 @@ class HyperHead(nnx.Module):
         self.norm_eps = norm_eps
 
     def __call__(self, streams: jnp.ndarray) -> jnp.ndarray:
-        b, t, n, _ = streams.shape
+        b, t, _, _ = streams.shape
         flat = unweighted_rms_norm(streams.reshape(b, t, -1).astype(jnp.float32), self.norm_eps)
         mixes = numerics.matmul(flat, self.fn.value.T)
         pre = numerics.sigmoid(numerics.mul(mixes, self.scale.value[0]) + self.base.value) + self.eps

@@ -31,7 +31,6 @@ from .norms import linear, rms_norm
 from .rope import cos_sin, inv_freq
 from .tensor_layout import INT, expected_tensors
 
-
 # Tensor/expert parallelism over a mesh's model axis: weight name (last two path parts) -> split dim.
 # Linear weights are [out, in]; negative dims stay right when layers are stacked for a scan.
 _TP_DIMS = {

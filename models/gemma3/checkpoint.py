@@ -94,7 +94,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         shape = tuple(info["shape"])
         start, end = info["data_offsets"]
         count = int(np.prod(shape, dtype=np.int64))
-        if end - start != count * np.dtype(dtype).itemsize or data is None and count:
+        if end - start != count * np.dtype(dtype).itemsize or (data is None and count):
             raise CheckpointError(f"{path}: tensor {name!r} byte range {start}:{end} does not fit shape {shape}")
         buf = data[start:end] if count else np.zeros(0, np.uint8)
         out[name] = buf.view(dtype).reshape(shape)

@@ -23,7 +23,6 @@ float32 and cast to the activation dtype; attention probabilities are a float32 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -185,7 +185,7 @@ class ToyModel(nnx.Module):
                 cache = view.write_kv(cache, k, None if shared else v)
                 picks = None
                 if shared:
-                    fn = lambda kv, gate, *_: pool(kv, gate, kind.ratio)  # noqa: E731  (first_token, no overlap)
+                    fn = lambda kv, gate, *_, ratio=kind.ratio: pool(kv, gate, ratio)  # *_: first_token, no overlap
                     cache = view.compress(cache, *layer.compressor_rows(h), fn)
                     if kind.topk:
                         cache = view.compress(cache, *layer.compressor_rows(h, "indexer"), fn, which="indexer")
@@ -195,7 +195,8 @@ class ToyModel(nnx.Module):
             return cache, linear(norm(x), self.head)
 
         return hkv.run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                            seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip
+                            seal=seal, kernel_backend=kernel_backend, interpret=interpret,
+                            read_tokens=read_tokens)  # fmt: skip
 
 
 def init(config: ToyConfig = ToyConfig(), seed: int = 0) -> ToyModel:
