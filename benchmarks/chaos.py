@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     alien = not args.no_alien and args.processes >= 2
-    turns_list = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    turns_list = lambda s: tuple(int(x) for x in s.split(",") if x.strip())
     cfg = ChaosConfig(
         workers=args.processes - alien,
         alien=alien,
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         message_tokens=turns_list(args.message_tokens),
         corrupt_truth=args.corrupt_truth,
     )
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     print(
         f"# hkv chaos  {now:%Y-%m-%d %H:%M} UTC  hkv {_machine.hkv_revision()}  {_machine.cores()} cores  "
         f"{platform.machine()}  python {platform.python_version()}"

@@ -192,14 +192,14 @@ def tier_restore(tier, layout, segs, check: bool = False) -> None:
     from hkv.engine import offload as swap
 
     abi = layout.spec.fingerprint()
-    expect = lambda e: swap.expected_objects(layout, e["length"], e["snapshot"])  # noqa: E731
+    expect = lambda e: swap.expected_objects(layout, e["length"], e["snapshot"])
     for chain in segs:
         found = tier.find_chain(abi, [b.key for b in chain], [b.tokens for b in chain])
         res = tier.read(found.refs, expect=expect)
         if res.reason is not None or len(res.payloads) != len(chain):
             raise SystemExit(f"restore failed: {len(res.payloads)}/{len(chain)} blocks, {res.reason}: {res.detail}")
         if check:
-            for want, got in zip(chain, res.payloads):
+            for want, got in zip(chain, res.payloads, strict=True):
                 for name, (a, _) in want.objects.items():
                     if not np.array_equal(a.view(np.uint8), got.objects[name][0].view(np.uint8)):
                         raise SystemExit(f"restored bytes differ: block {want.index} object {name}")
@@ -294,7 +294,7 @@ def print_io(args, io: dict) -> dict:
             walls = [w for w, _ in r[phase]]
             m, b = total / med(walls), total / min(walls)
             cpu = total / med([c for _, c in r[phase]])
-            ratio = med([rw / w for (rw, _), (w, _) in zip(res["raw"][phase], r[phase])])
+            ratio = med([rw / w for (rw, _), (w, _) in zip(res["raw"][phase], r[phase], strict=True)])
             ratios[(k, phase)] = ratio
             cells.append(
                 f"{m / 1e6:5.0f} ({b / 1e6:5.0f}) "
@@ -377,7 +377,7 @@ def sweep(args, root: str) -> None:
         f"\n== sweep (file store): median over {args.sweep_repeats} repeats of MB/s, hkv/raw ratio (paired per "
         f"repeat) and MB per CPU-second of the process"
     )
-    for (chunk, ctx), a in zip(configs, acc):
+    for (chunk, ctx), a in zip(configs, acc, strict=True):
         cells = []
         for phase, label in (("w", "write"), ("warm", "read warm"), ("cold", "read cold")):
             v = a[phase]
@@ -418,7 +418,7 @@ def breakdown(args, root: str) -> tuple[int, dict]:
         def __exit__(self, *exc):
             acc.setdefault(self.name, []).append((time.perf_counter() - self.w, time.process_time() - self.c))
 
-    for rep in range(args.sweep_repeats):
+    for _ in range(args.sweep_repeats):
         d = tempfile.mkdtemp(prefix="breakdown-", dir=root)
         try:
             with Step("write: raw (write + fsync)"):
@@ -610,7 +610,7 @@ def engine_benchmark(args, root: str) -> dict:
         rec, rec_cpu = [cold.stats()["ttft_seconds"][-1]], [time.process_time() - c0]
         say(f"  K={k}: recompute (no prefix cache) 1/{args.repeats}: TTFT {rec[-1]:.3f} s (CPU {rec_cpu[-1]:.2f} s)")
 
-        def restore(label: str, drop: bool, evict: bool = True):
+        def restore(label: str, drop: bool, evict: bool = True, *, k=k, prompt=prompt, gc=gc):
             if evict:
                 forget()
             if drop:
@@ -750,7 +750,8 @@ def main() -> None:
         name = os.path.basename(fs.split()[0])
         rot = f"/sys/block/{name}/queue/rotational"
         if os.path.exists(rot):
-            fs += ", rotational=" + open(rot).read().strip()
+            with open(rot) as f:
+                fs += ", rotational=" + f.read().strip()
     except (OSError, IndexError):
         pass
     say(f"load average {os.getloadavg()[0]:.1f} (other processes share this machine)")

@@ -18,8 +18,8 @@ Per context L (prompt = L random tokens; max_new = `--new-tokens`):
 
 * transformers: prefill = one forward of the prompt with `use_cache=True, logits_to_keep=1` (the
   first token's logits), timed; then one forward per new token on its cache, each timed; decode
-  ms/token = the median of those forwards (the mean is printed too). It also runs the warm prompt (below) from scratch, to have the
-  reference tokens for it (its prefill time is printed as a second sample).
+  ms/token = the median of those forwards (the mean is printed too). It also runs the warm prompt (below) from
+  scratch, to have the reference tokens for it (its prefill time is printed as a second sample).
 * hkv, tuned: `Engine(block_tokens=64, prefill_chunk=512, prefill_buckets=(64, 128, 256),
   RetentionPolicy(every_n_blocks=1))`, one
   slot, `max_context` = L + new rounded up to a block, pools with room for one cached history besides
@@ -93,7 +93,7 @@ import hkv
 from models.deepseek_v4 import load
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from tests.models.hf_reference import randomize  # noqa: E402
+from tests.models.hf_reference import randomize
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HF_CONFIG = {
@@ -352,7 +352,8 @@ def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
     r["cold"] = hkv_request(engine, cold, n)
     c = r["cold"]
     log(
-        f"  hkv tuned cold: TTFT {c['ttft']:.2f} s, decode {c['decode_ms']:.1f} ms/token (median; mean {c['decode_mean_ms']:.1f})"
+        f"  hkv tuned cold: TTFT {c['ttft']:.2f} s, decode {c['decode_ms']:.1f} ms/token "
+        f"(median; mean {c['decode_mean_ms']:.1f})"
     )
     r["warm"] = hkv_request(engine, warm, n)
     log(f"  hkv tuned warm: TTFT {r['warm']['ttft']:.3f} s, plan {r['warm']['plan']}")
@@ -430,7 +431,8 @@ def report(results: list[dict], args) -> int:
         if "cold_defaults" in r:
             cd, wd = r["cold_defaults"], r["warm_defaults"]
             line += (
-                f"; defaults engine: warm-up {r['compile_defaults']['wall']:.0f} s, cold TTFT {fmt_s(cd['ttft'])}, warm "
+                f"; defaults engine: warm-up {r['compile_defaults']['wall']:.0f} s, "
+                f"cold TTFT {fmt_s(cd['ttft'])}, warm "
                 f"restored {wd['restored']}{' (window rebuilt)' if wd['window_recomputed'] else ''}"
             )
         compiled = sum(
@@ -449,7 +451,8 @@ def report(results: list[dict], args) -> int:
         rt = by[top]
         ratio = rt["hf"]["prefill"] / rt["cold"]["ttft"]
         say(
-            f"* cold prefill at {top}: transformers / hkv = {ratio:.1f}x (target >= 10x: {'met' if ratio >= 10 else 'NOT met'})"
+            f"* cold prefill at {top}: transformers / hkv = {ratio:.1f}x "
+            f"(target >= 10x: {'met' if ratio >= 10 else 'NOT met'})"
         )
         if min(by) < top:
             low = min(by)
@@ -466,7 +469,8 @@ def report(results: list[dict], args) -> int:
                 w = rt["hf"]["prefill"] / rt[key]["ttft"]
                 say(
                     f"* warm TTFT at {top}, {label} engine: {w:.0f}x below transformers cold (target >= 100x with "
-                    f"defaults: {'met' if w >= 100 else 'NOT met'}{'' if key == 'warm_defaults' else ', for reference'})"
+                    f"defaults: {'met' if w >= 100 else 'NOT met'}"
+                    f"{'' if key == 'warm_defaults' else ', for reference'})"
                 )
     ties = sum(r["ties"] for r in results)
     say(
@@ -522,7 +526,8 @@ def main() -> None:
     )
     say(
         f"hkv tuned engine: block {BLOCK}, prefill chunk {CHUNK}, 1 slot, RetentionPolicy(every_n_blocks=1); "
-        f"defaults engine: CacheConfig(max_context=M), everything else default (prefix cache on, sized with the pools); "
+        f"defaults engine: CacheConfig(max_context=M), everything else default "
+        f"(prefix cache on, sized with the pools); "
         f"{args.new_tokens} new tokens; warm prompt = first {SHARED:.0%} of the cold prompt + new tokens"
     )
 
@@ -537,7 +542,10 @@ def main() -> None:
     for ctx in hkv_only:
         est = extrapolate(results + done, ctx)
         if est is not None and est > args.hkv_only_budget:
-            msg = f"{ctx} (hkv only): skipped, cold prefill extrapolated to {est:.0f} s > --hkv-only-budget {args.hkv_only_budget:.0f}"
+            msg = (
+                f"{ctx} (hkv only): skipped, cold prefill extrapolated to {est:.0f} s "
+                f"> --hkv-only-budget {args.hkv_only_budget:.0f}"
+            )
             log(msg)
             skipped.append(msg)
             continue
@@ -546,7 +554,8 @@ def main() -> None:
     if hkv_only:
         say("\n## hkv alone\n")
         say(
-            "| context | cold TTFT | decode ms/token (mean) | warm TTFT (95% shared) | restored | warm-up (compile_seconds) |"
+            "| context | cold TTFT | decode ms/token (mean) | warm TTFT (95% shared) | restored "
+            "| warm-up (compile_seconds) |"
         )
         say("|---|---|---|---|---|---|")
         for r in done:

@@ -285,7 +285,8 @@ def decode_bench(label: str, model, batches: list[int], args, rng) -> list[dict]
         _say(
             f"  {label:<5} batch {b:>2}: per-token {best['per-token']:8.0f} tok/s  decode_loop "
             f"{best['decode_loop']:8.0f}  engine {best['engine']:8.0f}  engine/per-token "
-            f"{best['engine'] / best['per-token']:5.2f}x  engine/decode_loop {best['engine'] / best['decode_loop']:5.2f}x"
+            f"{best['engine'] / best['per-token']:5.2f}x  "
+            f"engine/decode_loop {best['engine'] / best['decode_loop']:5.2f}x"
             f"  tokens {'agree' if agree else 'DIFFER'}  (warm-up {warm:.0f} s)"
         )
     return rows

@@ -29,18 +29,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from pallas_kernels import (
-    csa_decode,  # noqa: E402
-    gather,  # noqa: E402
-    hca_decode,  # noqa: E402
-    indexer,  # noqa: E402
-    online_softmax,  # noqa: E402
-    swa_decode,  # noqa: E402
+    csa_decode,
+    gather,
+    hca_decode,
+    indexer,
+    online_softmax,
+    swa_decode,
 )
 
 

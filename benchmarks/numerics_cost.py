@@ -152,8 +152,8 @@ def report(model: str, runs: dict, args) -> None:
         return min(r[part][key] for r in runs[name])
 
     print(f"\n{model} ({args.dtype}), best of {args.rounds} alternated rounds; baseline {args.baseline}")
-    print(f"| figure | baseline | contract | contract / baseline |")
-    print(f"|---|---|---|---|")
+    print("| figure | baseline | contract | contract / baseline |")
+    print("|---|---|---|---|")
     for ctx in args.contexts:
         b, c = best("baseline", "prefill", str(ctx)), best("contract", "prefill", str(ctx))
         print(f"| prefill {ctx} (s) | {b:.3f} | {c:.3f} | {c / b:.2f}x |")

@@ -102,7 +102,7 @@ def size_cache(args, spec, users) -> tuple[hkv.CacheConfig, int]:
             per = -(-(grp.keep or 1) // ps) + (1 if bt % ps or (grp.keep or 1) > ps else 0)
             extra = args.snapshot_slots * per
         else:
-            rows = lambda t: -(-(t // grp.unit) // ps)  # noqa: E731
+            rows = lambda t, unit=grp.unit: -(-(t // unit) // ps)
             need = sum(rows(f) for f in fed) - max(n_shared - 1, 0) * ((args.system_tokens // grp.unit) // ps)
             if (bt // grp.unit) % ps:
                 # a restore at a boundary inside a page copies that page (copy-on-write), and the chain
@@ -213,7 +213,7 @@ def main() -> None:
     ]
     _say(f"cache: {config}")
     _say(
-        f"  pools per group {dict(zip(groups, config.pool_pages))}; block_tokens {args.block_tokens}, "
+        f"  pools per group {dict(zip(groups, config.pool_pages, strict=True))}; block_tokens {args.block_tokens}, "
         f"prefill_chunk {args.prefill_chunk}, {retention}"
     )
     _say(
@@ -288,10 +288,7 @@ def main() -> None:
         ttfts_round = []
         for u in order_rng.permutation(active).tolist():
             usr = users[u]
-            if history[u] is None:
-                prompt = usr["system"] + usr["first"]
-            else:
-                prompt = history[u]
+            prompt = usr["system"] + usr["first"] if history[u] is None else history[u]
             arr = np.asarray(prompt)
             best = max((lcp(arr, c) for c in computed), default=0)
             reusable = (min(best, len(prompt) - 1) // args.block_tokens) * args.block_tokens
@@ -491,7 +488,8 @@ def main() -> None:
         )
     _say(f"occupancy at the end: {json.dumps(after['occupancy'])}")
     used = [int((np.asarray(g.refcount) > 0).sum()) for g in engine.cache.groups]
-    _say(f"pages in use at the end per group: {dict(zip(groups, used))} of {dict(zip(groups, config.pool_pages))}")
+    pools = dict(zip(groups, config.pool_pages, strict=True))
+    _say(f"pages in use at the end per group: {dict(zip(groups, used, strict=True))} of {pools}")
     excerpt = [
         ln
         for ln in engine.metrics_text().splitlines()

@@ -127,7 +127,8 @@ def main() -> int:
     for name, gen in (
         ("1 shard, 4x memory", lambda u, p, n: single.generate([p], n)),
         ("4 shards, prefix routing", lambda u, p, n: routed.generate([p], n)),
-        ("4 shards, random", lambda u, p, n: randomly.shards[assign.setdefault((u, len(p)), int(rng.integers(4)))].generate([p], n)),
+        ("4 shards, random",
+         lambda u, p, n: randomly.shards[assign.setdefault((u, len(p)), int(rng.integers(4)))].generate([p], n)),
     ):  # fmt: skip
         t0 = time.perf_counter()
         runs[name] = run_trace(gen, firsts, messages, args.reply)

@@ -98,7 +98,7 @@ prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
 
 # %%
 greedy = engine.generate(prompts, NEW_TOKENS)
-for p, g in zip(prompts, greedy):
+for p, g in zip(prompts, greedy, strict=True):
     print(f"prompt of {len(p):>3} tokens -> {g.tokens}  ({g.finish_reason})")
 
 # %% [markdown]
@@ -173,7 +173,7 @@ for name, spec in specs.items():
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-for ax, (name, values) in zip(axes, rows.items()):
+for ax, (name, values) in zip(axes, rows.items(), strict=True):
     alloc, minimum, uniform = np.array(values).T
     ax.plot(CONTEXTS, uniform, "s--", label="uniform full-KV cache")
     ax.plot(CONTEXTS, alloc, "o-", label="hkv allocates")

@@ -207,10 +207,11 @@ print(f"{len(turns)} turns: every warm turn produced exactly the cold run's toke
 # One row per turn: the prompt length, the hash hit, the tokens left after each of the four stages,
 # what was restored, the tokens re-run to rebuild a missing window, why the plan stopped, the snapshots
 # the turn took (`snaps`), the snapshots and records it evicted (`-snap`, `-rec`), and the time to first
-# token with the prefix cache (`warm`) and without (`cold`, see below). `no_hash_match` is not a rejection: the prompt simply goes on past what was
-# ever cached (the new message). Other reasons show memory pressure: `swa_missing` / `tail_missing` (the
-# snapshot at that boundary was evicted or never kept), `freed` (a record was evicted), `page_reused`
-# (a page the record referenced now belongs to another sequence).
+# token with the prefix cache (`warm`) and without (`cold`, see below). `no_hash_match` is not a rejection:
+# the prompt simply goes on past what was ever cached (the new message). Other reasons show memory
+# pressure: `swa_missing` / `tail_missing` (the snapshot at that boundary was evicted or never kept),
+# `freed` (a record was evicted), `page_reused` (a page the record referenced now belongs to another
+# sequence).
 
 # %%
 print(

@@ -286,7 +286,7 @@ class HybridLM(nnx.Module):
 model = HybridLM(cfg, nnx.Rngs(0))
 assert isinstance(model, hkv.CachedModel)
 spec = model.cache_spec()
-for i, (kind, ls) in enumerate(zip(cfg.kinds, spec.layers)):
+for i, (kind, ls) in enumerate(zip(cfg.kinds, spec.layers, strict=True)):
     print(f"layer {i}: {kind}\n         caches rows of {ls.kv_dim} values, window {ls.window}")
 
 # %% [markdown]

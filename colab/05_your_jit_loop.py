@@ -239,7 +239,7 @@ for name, backend in backends.items():
         cache, ms = ms_per_token(cache, context, backend)
         timings[name].append(ms)
 for name, values in timings.items():
-    print(f"{name:<18}" + "  ".join(f"{c:>5} tok: {v:6.2f} ms" for c, v in zip(CONTEXTS, values)))
+    print(f"{name:<18}" + "  ".join(f"{c:>5} tok: {v:6.2f} ms" for c, v in zip(CONTEXTS, values, strict=True)))
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
