@@ -1,35 +1,32 @@
-"""The README's "bring your own model" block is the toy model's real cached path, verbatim."""
+"""The README is the front door: short, with the two quick-start commands, the layout map, one short
+example per surface, a link to every page of the manual, and links that resolve. Its examples run in
+tests/test_docs.py with the manual's (one module, so that they share compiled steps): those of "Using
+it", in order in one namespace, there; the mesh example and host.py in tests/hkv/test_mesh.py and
+tests/hkv/test_multihost.py."""
 
 from __future__ import annotations
 
-import pathlib
-import re
-
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.test_docs import DOCS, README, blocks, broken_links
 
 
-def test_readme_shows_the_tested_cached_path():
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(class ToyModel\(nnx.Module\):\n    \.\.\.\n\n.*?)```", readme, re.S)
-    assert len(blocks) == 1, "the README lost its 'bring your own model' block"
-    method = blocks[0].split("    ...\n\n", 1)[1].rstrip("\n")
-    assert method.lstrip().startswith("def cached_step(") and "hkv.run_step" in method
-    source = (ROOT / "models" / "toy" / "model.py").read_text()
-    assert method in source, "README's cached_step differs from models/toy/model.py: copy the method again"
+def _section(text: str, heading: str) -> str:
+    return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
 
 
-@pytest.mark.slow  # ~80 s on 2 cores: it compiles its own layout; test_generation covers the same calls
-def test_readme_generation_examples_run(capsys):
-    """The "Generating: three ways" section's code blocks run as written (engine, streaming, your own
-    jit loop with prefix reuse), and the user loop's second request restores the first one's prefix."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Generating: three ways, one semantics", 1)[1].split("\n### ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, "the README's generation section lost a code block"
-    scope: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 — the README's own example
-    assert scope["gens"][0].finish_reason in ("length", "stop") and len(scope["gens"]) == 2
-    assert scope["handle"].result().tokens and scope["plan"].restored_tokens == 64
+def test_readme_is_a_front_door():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, "the README is the front door: move details into docs/"
+    assert blocks(_section(text, "## Quick start")) == [("", "bash", "make demo\nmake test\n")]
+    layout = _section(text, "## Layout")
+    for path in ("hkv/core/", "hkv/engine/", "hkv/store/", "pallas_kernels/", "models/", "tests/", "colab/"):
+        assert f"| `{path}` |" in layout, path
+    for path in ("benchmarks/", "docs/"):
+        assert f"| `{path}` |" in layout, path
+    assert "(docs/numerics.md)" in _section(text, "## Same tokens every time")
+    for page in DOCS.glob("*.md"):
+        assert f"(docs/{page.name})" in text, f"the README does not link docs/{page.name}"
+    assert "(benchmarks/README.md)" in text
+
+
+def test_readme_links_resolve():
+    assert not broken_links(README), f"README.md: broken links {broken_links(README)}"
