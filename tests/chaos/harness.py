@@ -44,11 +44,13 @@ and benchmarks/chaos.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import inspect
 import json
 import os
+import pathlib
 import queue
 import random
 import resource
@@ -236,7 +238,7 @@ class Worker:
         self.counts = _new_counts()
         self.turn = 0
         if os.path.exists(self.state_path):
-            st = json.load(open(self.state_path))
+            st = json.loads(pathlib.Path(self.state_path).read_text())
             self.chat.load(st["chat"])
             self.counts, self.turn = st["counts"], st["turn"]
         self.armed: dict | None = None  # the interrupt armed for the running generate
@@ -279,7 +281,7 @@ class Worker:
             kw["budget_bytes"] = self.cfg["budget_bytes"]
         try:
             tier = self.hkv.DiskTier(self.cfg["store"], **kw)
-        except Exception as e:  # noqa: BLE001 — one bad file must not keep a process from its store
+        except Exception as e:  # one bad file must not keep a process from its store
             _count(self.counts["tier_open_failures"], type(e).__name__)
             self._exception("DiskTier()", e)
             return None
@@ -291,7 +293,7 @@ class Worker:
             def wrapped(*a, _real=real, _name=name, **kw):
                 try:
                     return _real(*a, **kw)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self._tier_error(_name, e)
                     raise
 
@@ -322,7 +324,7 @@ class Worker:
                 eng = hkv.Engine.restore(restore, self.model, **kw)
                 self.counts["restores"]["ok"] += 1
                 return eng
-            except Exception as e:  # noqa: BLE001 — reported; the process goes on with a fresh engine
+            except Exception as e:  # reported; the process goes on with a fresh engine
                 self.counts["restores"]["failed"] += 1
                 self.counts["restore_errors"].append(f"worker {self.wid}: {type(e).__name__}: {str(e)[:300]}")
         elif restore:
@@ -368,7 +370,7 @@ class Worker:
             problems.append("running_left")
         try:
             self.hkv.check_invariants(self.engine.layout, self.engine.cache)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             problems.append(f"invariants:{type(e).__name__}")
         return problems
 
@@ -378,13 +380,13 @@ class Worker:
 
     # ------------------------------------------------------------------------------- turns
     def check(self, gens, prompts, where: str) -> None:
-        for g, p in zip(gens, prompts):
+        for g, p in zip(gens, prompts, strict=True):
             want = self.truth(p)
             if self.cfg.get("corrupt_truth") and self.counts["generations"] == 1:
                 want[0] = (want[0] + 1) % self.model.cfg.vocab_size  # the harness's self-check
             self.counts["generations"] += 1
             self.counts["tokens_checked"] += len(want)
-            bad = sum(a != b for a, b in zip(g.tokens, want)) + abs(len(g.tokens) - len(want))
+            bad = sum(a != b for a, b in zip(g.tokens, want, strict=False)) + abs(len(g.tokens) - len(want))
             if bad:
                 self.counts["wrong_tokens"] += bad
                 if len(self.counts["wrong"]) < 8:
@@ -434,7 +436,7 @@ class Worker:
         except KeyboardInterrupt:
             self.counts["interrupts"]["raised"] += 1
             return self.recover(prompts, where, "interrupt")
-        except Exception as e:  # noqa: BLE001 — an exception from generate is a failure (counted)
+        except Exception as e:  # an exception from generate is a failure (counted)
             self._exception(where, e)
             if type(e).__name__ == "CacheCapacityError":  # does it fit once the prefix cache is empty?
                 leaked = {"slot_leak", "running_left", "donated_cache"} & set(self.health())
@@ -445,7 +447,7 @@ class Worker:
                     _count(self.counts["capacity_refusals"], "fits_after_evict_prefixes")
                     self.check(gens, prompts, where + " (after evict_prefixes)")
                     return True
-                except Exception as e2:  # noqa: BLE001
+                except Exception as e2:
                     _count(self.counts["capacity_refusals"], f"still_refused:{type(e2).__name__}")
             return self.recover(prompts, where, "exception")
         if interrupt is not None:
@@ -459,13 +461,13 @@ class Worker:
             _count(self.counts["interrupt_damage"], f"{why}:{p}")
         try:
             gens = self.engine.generate(prompts, MAX_NEW)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             _count(self.counts["interrupt_damage"], f"{why}:retry_failed:{type(e).__name__}")
             self._exception(where + f" (retry after {why})", e)
             self.replace_engine()
             try:
                 gens = self.engine.generate(prompts, MAX_NEW)
-            except Exception as e2:  # noqa: BLE001
+            except Exception as e2:
                 self._exception(where + " (fresh engine)", e2)
                 return False
         self.check(gens, prompts, where + f" (retry after {why})")
@@ -480,7 +482,7 @@ class Worker:
         if a.get("evict"):
             try:
                 self.engine.evict_prefixes()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._exception("evict_prefixes", e)
         limits = resource.getrlimit(resource.RLIMIT_FSIZE)
         if a.get("disk_full"):
@@ -492,7 +494,7 @@ class Worker:
                 try:
                     self.engine.write_through()
                     self.engine.flush_disk()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self._exception("write_through", e)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limits)
@@ -539,7 +541,7 @@ class Worker:
         try:
             self.engine.save(path, overwrite=True)
             self.counts["saves"] += 1
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             _count(self.counts["save_errors"], type(e).__name__)
             self._exception("save", e)
         finally:
@@ -552,7 +554,7 @@ class Worker:
             self.tier.budget_bytes = None  # nobody evicts during the final checks
             try:
                 self.engine.flush_disk()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._exception("flush_disk", e)
 
     def final(self) -> None:
@@ -573,7 +575,7 @@ class Worker:
         try:
             self.engine.evict_prefixes()
             self.engine.flush_disk()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._exception("final evict_prefixes", e)
         ok = self.generate([prompt], None, "final")
         if self.tier is not None and ok:
@@ -605,7 +607,7 @@ class Worker:
                     "disk": g.plan.disk_tokens,
                     "restored": g.plan.restored_tokens,
                 }
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._exception("final from disk", e)
                 out["tier_ok"] = False
         out["exact"] = ok and self.counts["wrong_tokens"] == before
@@ -618,7 +620,7 @@ class Worker:
         if self.tier is not None:
             try:
                 self.tier.close()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._exception("tier.close", e)
         self.save_state()
 
@@ -665,7 +667,7 @@ class Worker:
             except KeyboardInterrupt:  # a SIGINT delivered after generate returned (deferred by hkv)
                 _count(self.counts["interrupts"], "late")
                 self.save_state()
-            except Exception as e:  # noqa: BLE001 — the harness itself must not die silently
+            except Exception as e:  # the harness itself must not die silently
                 self._exception(f"cmd {kind}", e)
                 self.save_state()
             self.say(event="done", cmd=kind, turn=self.turn)
@@ -676,7 +678,7 @@ T0 = time.monotonic()
 
 def worker_entry(config_path: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    cfg = json.load(open(config_path))
+    cfg = json.loads(pathlib.Path(config_path).read_text())
     Worker(cfg).main()
 
 
@@ -743,7 +745,7 @@ class StoreFaults:
         if not files:
             return None
         f = self.rng.choice(files)
-        data = bytearray(open(f, "rb").read())
+        data = bytearray(pathlib.Path(f).read_bytes())
         if not data:
             return None
         i = self.rng.randrange(len(data))
@@ -771,7 +773,7 @@ class StoreFaults:
         if len(files) < 2:
             return None
         a, b = self.rng.sample(files, 2)
-        data = open(a, "rb").read()
+        data = pathlib.Path(a).read_bytes()
         self._rewrite(b, data)
         return f"{os.path.relpath(a, self.store)} copied over {os.path.relpath(b, self.store)}"
 
@@ -815,7 +817,7 @@ class StoreFaults:
         where = self.rng.choice(("manifests", "hits"))
         d = self._dir(where, self._abi())
         f = os.path.join(d, self._name() + ".json")
-        open(f, "w").write(body)
+        pathlib.Path(f).write_text(body)
         return f"{os.path.relpath(f, self.store)} (depth {depth})"
 
     def _symlink_loop(self):
@@ -841,7 +843,7 @@ class StoreFaults:
     def _readme_json(self):
         where = self.rng.choice((("manifests",), ("manifests", self._abi()), ("hits",)))
         f = os.path.join(self._dir(*where), "README.json")
-        open(f, "w").write(json.dumps({"note": "this store is shared by the chaos suite", "owner": "ops"}))
+        pathlib.Path(f).write_text(json.dumps({"note": "this store is shared by the chaos suite", "owner": "ops"}))
         return os.path.relpath(f, self.store)
 
     def _garbage(self):
@@ -850,21 +852,21 @@ class StoreFaults:
         junk = bytes(self.rng.randrange(256) for _ in range(self.rng.randrange(1, 600)))
         if variant == "manifest":
             f = os.path.join(self._dir("manifests", abi), name + ".json")
-            open(f, "wb").write(junk)
+            pathlib.Path(f).write_bytes(junk)
         elif variant == "empty_manifest":
             f = os.path.join(self._dir("manifests", abi), name + ".json")
             open(f, "wb").close()
         elif variant == "data":
             f = os.path.join(self._dir("data", abi, name, "c"), "0")
-            open(f, "wb").write(junk)
+            pathlib.Path(f).write_bytes(junk)
         elif variant == "hits":
             f = os.path.join(self._dir("hits", abi), name + ".json")
-            open(f, "wb").write(junk)
+            pathlib.Path(f).write_bytes(junk)
         elif variant == "dir_manifest":
             f = self._dir("manifests", abi, name + ".json")
         else:
             f = os.path.join(self._dir("manifests", abi), name + ".json.tmp")
-            open(f, "wb").write(junk)
+            pathlib.Path(f).write_bytes(junk)
         return f"{variant}: {os.path.relpath(f, self.store)}"
 
     def _resealed(self, mutate, forge: bool = False) -> str | None:
@@ -878,10 +880,10 @@ class StoreFaults:
         self.rng.shuffle(files)
         for f in files:
             try:  # what a writer without the key can read: the JSON, its crc32
-                doc = json.loads(open(f, "rb").read())
+                doc = json.loads(pathlib.Path(f).read_bytes())
                 if doc.get("checksum") != zlib.crc32(mf._canonical(doc)) or not doc.get("blocks"):
                     continue
-            except Exception:  # noqa: BLE001 — damaged already
+            except Exception:  # damaged already
                 continue
             what = mutate(doc)
             if what is None:
@@ -922,7 +924,7 @@ class StoreFaults:
 
         def mutate(doc):
             bl = doc["blocks"]
-            sig = lambda b: [(o["name"], o["dtype"], o["shape"]) for o in b["objects"]]  # noqa: E731
+            sig = lambda b: [(o["name"], o["dtype"], o["shape"]) for o in b["objects"]]
             pairs = [
                 (i, j)
                 for i in range(len(bl))
@@ -953,7 +955,7 @@ class StoreFaults:
                 n = tier.enforce_budget()
                 tier.close()
                 out["what"] = f"enforce_budget({total // 2}) deleted {n} segments of {total} bytes"
-            except Exception as e:  # noqa: BLE001 — a hostile file keeping another process off the store
+            except Exception as e:  # a hostile file keeping another process off the store
                 out["error"] = e
 
         th = threading.Thread(target=run, daemon=True)
@@ -987,7 +989,7 @@ class Proc:
     def __init__(self, wid: int, cfg: dict, workdir: str):
         self.wid, self.cfg = wid, cfg
         path = os.path.join(workdir, f"worker{wid}.json")
-        json.dump(cfg, open(path, "w"))
+        pathlib.Path(path).write_text(json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
         env.pop("HKV_STORE_KEY", None)  # a process without key= must not pick one up
         self.p = subprocess.Popen(
@@ -1297,7 +1299,7 @@ class Parent:
 
         try:
             read_metadata(path)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return f"{type(e).__name__}: {str(e)[:200]}"
         return "ok"
 
@@ -1409,16 +1411,14 @@ class Parent:
             for wid in self.procs:
                 sp = os.path.join(self.workdir, f"state{wid}.json")
                 if os.path.exists(sp):
-                    self.summaries[wid] = json.load(open(sp))["counts"]
+                    self.summaries[wid] = json.loads(pathlib.Path(sp).read_text())["counts"]
             verify = run_verify(self.store, self.workdir, c.key)
         finally:
             for pr in self.procs.values():
                 if pr.p.poll() is None:
                     pr.p.kill()
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     pr.p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
         return self.report(verify, time.monotonic() - t_start, turns=t)
 
     def report(self, verify: dict, seconds: float, turns: int) -> dict:
@@ -1429,9 +1429,7 @@ class Parent:
             for k, v in s.items():
                 if k == "final":
                     finals[wid] = v
-                elif isinstance(v, int):
-                    agg[k] += v
-                elif isinstance(v, list):
+                elif isinstance(v, (int, list)):
                     agg[k] += v
                 elif isinstance(v, dict):
                     for kk, vv in v.items():

@@ -96,9 +96,9 @@ def test_restored_cache_is_bit_identical_and_invariant_clean(saved, restored):
     hkv.check_invariants(restored.layout, restored.cache)
     got = host_leaves(restored.cache)
     assert len(got) == len(want)
-    assert all(same_bits(g, w) for g, w in zip(got, want))
+    assert all(same_bits(g, w) for g, w in zip(got, want, strict=True))
     fresh = hkv.init_cache(restored.layout)
-    for g, f in zip(jax.tree_util.tree_leaves(restored.cache), jax.tree_util.tree_leaves(fresh)):
+    for g, f in zip(jax.tree_util.tree_leaves(restored.cache), jax.tree_util.tree_leaves(fresh), strict=True):
         assert g.sharding == f.sharding  # default device, like init_cache
     # host-side settings came back too
     assert restored.layout.config == engine.layout.config
@@ -139,7 +139,7 @@ def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
     want = host_leaves(engine.cache)
     hc.save_engine(engine, tmp_path / "bf")
     back = hkv.Engine.restore(tmp_path / "bf", bf)
-    assert all(same_bits(g, w) for g, w in zip(host_leaves(back.cache), want))
+    assert all(same_bits(g, w) for g, w in zip(host_leaves(back.cache), want, strict=True))
     assert back.spec.model_id == "tiny-bf16" and back.spec.dtype == "bfloat16"
     # the same checkpoint does not restore into a float32 model: different ABI
     with pytest.raises(hc.EngineCheckpointError, match="dtype"):
@@ -151,12 +151,12 @@ def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path
     path = saved[2]
     saved_fp = saved[0].spec.fingerprint()
     other_weights = init(CFG, seed=1)  # same config, other weights
-    with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*weights_digest") as e:
+    with pytest.raises(hc.EngineCheckpointError, match=r"fingerprint mismatch.*weights_digest") as e:
         hkv.Engine.restore(path, other_weights)
     other = make_engine(other_weights).spec.fingerprint()
     assert other != saved_fp and saved_fp in str(e.value) and other in str(e.value)
     wider = init(tiny_config(sliding_window=16), seed=0)
-    with pytest.raises(hc.EngineCheckpointError, match="fingerprint mismatch.*layers"):
+    with pytest.raises(hc.EngineCheckpointError, match=r"fingerprint mismatch.*layers"):
         hkv.Engine.restore(path, wider)
     # model_id is a label: another label on the same weights restores, and the label is the new one
     relabelled = hkv.Engine.restore(path, model, model_id="other")
@@ -164,7 +164,7 @@ def test_abi_mismatch_is_refused_naming_both_fingerprints(model, saved, tmp_path
     # the caller's own overrides are named as the cause (not the weights), before any engine is built
     assert "weights (bit for bit)" in str(e.value)
     with pytest.raises(
-        hc.EngineCheckpointError, match="block_tokens: 16 -> 8.*restore without overriding block_tokens"
+        hc.EngineCheckpointError, match=r"block_tokens: 16 -> 8.*restore without overriding block_tokens"
     ):
         hkv.Engine.restore(path, model, block_tokens=8)
     other_config = hkv.CacheConfig(slots=3, max_context=352, page_size=8)
@@ -189,7 +189,7 @@ def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):
         hkv.Engine.restore(path, model)
     f.write_text(good)
     edit_metadata(path, lambda d: d["engine"].pop("prefill_chunk"))
-    with pytest.raises(hc.EngineCheckpointError, match="missing field engine.'prefill_chunk'"):
+    with pytest.raises(hc.EngineCheckpointError, match=r"missing field engine.'prefill_chunk'"):
         hkv.Engine.restore(path, model)
     f.unlink()
     with pytest.raises(hc.EngineCheckpointError, match="missing"):
@@ -209,7 +209,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
-    with pytest.raises(hc.EngineCheckpointError, match="crc32|could not read"):
+    with pytest.raises(hc.EngineCheckpointError, match=r"crc32|could not read"):
         hkv.Engine.restore(path, model)
     # 2. a checksum that disagrees with the stored bytes names the leaf
     path2 = tmp_path / "copy2"
@@ -223,7 +223,7 @@ def test_corrupt_arrays_are_detected(model, saved, tmp_path):
     shutil.rmtree(path2)
     shutil.copytree(saved[2], path2)
     edit_metadata(path2, lambda d: d["leaves"][i].update(dtype="int32"))
-    with pytest.raises(hc.EngineCheckpointError, match="prefix.key int32"):
+    with pytest.raises(hc.EngineCheckpointError, match=r"prefix\.key int32"):
         hkv.Engine.restore(path2, model)
     # 4. the array directory is gone
     shutil.rmtree(path2)

@@ -88,7 +88,7 @@ def states():
     old = make_state("old")
     want = {"old": host_leaves(old.cache)}
     want["new"] = host_leaves(make_state("new", old).cache)
-    assert not all(np.array_equal(a, b) for a, b in zip(want["old"], want["new"]))
+    assert not all(np.array_equal(a, b) for a, b in zip(want["old"], want["new"], strict=True))
     return old.model, want
 
 
@@ -108,7 +108,9 @@ def restored_state(path: Path, model, want) -> str:
     """Which state `Engine.restore(path)` gives: "old" or "new", bit for bit (else the test fails)."""
     back = hkv.Engine.restore(path, model)
     got = host_leaves(back.cache)
-    which = [k for k, leaves in want.items() if all(a.tobytes() == b.tobytes() for a, b in zip(got, leaves))]
+    which = [
+        k for k, leaves in want.items() if all(a.tobytes() == b.tobytes() for a, b in zip(got, leaves, strict=True))
+    ]
     assert len(which) == 1, "the restored cache is neither the old nor the new checkpoint"
     assert back.cache_salt == SALTS[which[0]]  # the settings belong to the same checkpoint
     hkv.check_invariants(back.layout, back.cache)

@@ -209,7 +209,7 @@ def check_restore(model, path: Path, want_leaves) -> None:
         doc = hc.read_metadata(path)
         got = host_leaves(engine.cache)
         assert len(got) == len(want_leaves)
-        assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(got, want_leaves))
+        assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(got, want_leaves, strict=True))
         e = doc["engine"]
         assert (engine.spec.block_tokens, engine.prefill_chunk, engine.spec.model_id, engine.cache_salt.hex()) == (
             e["block_tokens"],

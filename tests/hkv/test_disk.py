@@ -64,7 +64,7 @@ def reference(model, prompts):
 
 
 def assert_same(gens, ref):
-    for g, t, lg in zip(gens, *ref):
+    for g, t, lg in zip(gens, *ref, strict=True):
         assert g.tokens == t
         assert np.abs(g.logits - lg).max() < 1e-4
 
@@ -117,7 +117,7 @@ def test_round_trip_every_block_boundary(model, engine, tmp_path, kind, ks):
     fill(engine, DiskTier(STORES[kind](tmp_path)))
     prompts = [diverge(k * BT, tail=3, seed=k) for k in ks]
     gens = []
-    for k, prompt in zip(ks, prompts):
+    for k, prompt in zip(ks, prompts, strict=True):
         forget_device(engine)
         (g,) = engine.generate([prompt], NEW, return_logits=True)
         assert g.plan.restored_tokens == g.plan.hash_hit_tokens == k * BT, (k, g.plan)
@@ -393,7 +393,7 @@ def test_swap_in_writes_the_pools_in_place_and_a_refused_one_changes_nothing(eng
     assert not np.asarray(before.active)[0]  # slot 0 is free between generate calls
     out, status = fn(layout, jax.tree.map(jnp.copy, cache), *args)
     assert int(status) == int(hkv.Status.BAD_REQUEST)
-    for a, b in zip(jax.tree.leaves(jax.device_get(out)), jax.tree.leaves(before)):
+    for a, b in zip(jax.tree.leaves(jax.device_get(out)), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -56,7 +57,7 @@ def _chain(chain: str, n: int, seed: int) -> list[BlockPayload]:
 def _segment_of(path, abi: str, chain: str) -> str:
     """The name of the segment holding `chain` (from its manifest)."""
     for name in os.listdir(os.path.join(path, "manifests", abi)):
-        doc = json.loads(open(os.path.join(path, "manifests", abi, name), "rb").read())
+        doc = json.loads(pathlib.Path(path, "manifests", abi, name).read_bytes())
         if doc["blocks"][0]["key"] == _key(chain, 0).hex():
             return doc["segment"]
     raise AssertionError(chain)
@@ -109,9 +110,9 @@ def test_verify_clean(store, capsys):
 
 def test_verify_flipped_byte_is_disk_checksum(store, capsys):
     f = _data_file(store, ABI, "a")
-    raw = bytearray(open(f, "rb").read())
+    raw = bytearray(pathlib.Path(f).read_bytes())
     raw[10] ^= 0x40
-    open(f, "wb").write(bytes(raw))
+    pathlib.Path(f).write_bytes(bytes(raw))
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 1
     assert _count(out, "disk_checksum") == 3 and _count(out, "blocks ok") == 4
@@ -120,8 +121,8 @@ def test_verify_flipped_byte_is_disk_checksum(store, capsys):
 
 def test_verify_truncated_data_is_disk_truncated(store, capsys):
     f = _data_file(store, ABI, "b")
-    raw = open(f, "rb").read()
-    open(f, "wb").write(raw[: len(raw) // 3])
+    raw = pathlib.Path(f).read_bytes()
+    pathlib.Path(f).write_bytes(raw[: len(raw) // 3])
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 1
     assert _count(out, "disk_truncated") == 2 and _count(out, "blocks ok") == 5
@@ -150,7 +151,7 @@ def test_write_killed_before_any_commit_is_an_orphan(store, capsys):
     # only that temporary file, which kvstore listing (and so DiskTier.verify) does not show
     seg_dir = os.path.join(store, "data", ABI, "20990101T000000-deadbeef0000-00000000")
     os.makedirs(os.path.join(seg_dir, "c"))
-    open(os.path.join(seg_dir, "c", "0.__lock"), "wb").write(b"\0" * 100)
+    pathlib.Path(seg_dir, "c", "0.__lock").write_bytes(b"\0" * 100)
     code, out, _ = _run(capsys, "store", "verify", "--json", store)
     rep = json.loads(out)
     assert code == 0 and rep["ok"] and rep["blocks_ok"] == 7 and rep["orphaned_segments"] == 1
@@ -162,8 +163,8 @@ def test_write_killed_before_any_commit_is_an_orphan(store, capsys):
 def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
     seg = _segment_of(store, ABI, "b")
     m = os.path.join(store, "manifests", ABI, f"{seg}.json")
-    raw = open(m, "rb").read()
-    open(m, "wb").write(raw[:-7])
+    raw = pathlib.Path(m).read_bytes()
+    pathlib.Path(m).write_bytes(raw[:-7])
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 1
     assert _count(out, "disk_checksum") == 1 and _count(out, "blocks ok") == 5
@@ -172,7 +173,7 @@ def test_corrupt_manifest_json_is_disk_checksum(store, capsys):
     # an edited (valid JSON) manifest fails its own checksum
     doc = json.loads(raw)
     doc["blocks"][0]["tokens"][0] += 1
-    open(m, "wb").write(json.dumps(doc).encode())
+    pathlib.Path(m).write_bytes(json.dumps(doc).encode())
     code, out, _ = _run(capsys, "store", "verify", store)
     assert code == 1 and _count(out, "disk_checksum") == 1 and "checksum does not match" in out
 
@@ -193,9 +194,9 @@ def test_verify_json(store, capsys):
     assert code == 0 and rep["ok"] is True and rep["exit_code"] == 0
     assert rep["blocks_ok"] == 7 and rep["segments"] == 3 and rep["problems"] == [] and rep["orphans"] == []
     f = _data_file(store, ABI, "a")
-    raw = bytearray(open(f, "rb").read())
+    raw = bytearray(pathlib.Path(f).read_bytes())
     raw[20] ^= 1
-    open(f, "wb").write(bytes(raw))
+    pathlib.Path(f).write_bytes(bytes(raw))
     os.remove(os.path.join(store, "manifests", ABI2, f"{_segment_of(store, ABI2, 'c')}.json"))
     code, out, _ = _run(capsys, "store", "verify", store, "--json")
     rep = json.loads(out)

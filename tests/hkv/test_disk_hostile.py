@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import time
 
 import numpy as np
@@ -35,8 +36,8 @@ def _intact(tier, abi=ABI, chains=(("a", 3, 1), ("b", 2, 2))):
         assert found.stop is None and len(found.refs) == n, (name, found.stop)
         res = tier.read(found.refs)
         assert res.reason is None and len(res.payloads) == n, res
-        for got, want in zip(res.payloads, blocks):
-            for obj, (arr, row) in want.objects.items():
+        for got, want in zip(res.payloads, blocks, strict=True):
+            for obj, (arr, _) in want.objects.items():
                 assert np.array_equal(got.objects[obj][0].view(np.uint8), arr.view(np.uint8))
 
 
@@ -69,11 +70,11 @@ def _verify_json(capsys, path) -> tuple[int, dict]:
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
 
-def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, capsys):
+def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
     """Defect 4: a deeply nested JSON file raised RecursionError in every find_chain and DiskTier()."""
     os.makedirs(os.path.join(store, "hits", ABI), exist_ok=True)
-    open(os.path.join(store, "manifests", ABI, "20990101T000000-deep-00000000.json"), "wb").write(DEEP)
-    open(os.path.join(store, "hits", ABI, "deep.json"), "wb").write(DEEP)
+    pathlib.Path(store, "manifests", ABI, "20990101T000000-deep-00000000.json").write_bytes(DEEP)
+    pathlib.Path(store, "hits", ABI, "deep.json").write_bytes(DEEP)
     tier = DiskTier(str(store))
     _intact(tier)
     st = tier.stats()
@@ -89,7 +90,7 @@ def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, caps
     assert code == 0 and "bad files  2 disk_malformed (skipped" in out and _count(out, "segments") == 3
 
 
-def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys):
+def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
     """Defect 4: a manifest that is a symlink loop made DiskTier() raise."""
     d = os.path.join(store, "manifests", ABI)
     os.symlink("loop-b.json", os.path.join(d, "20990101T000000-loop-0000000a.json"))
@@ -105,10 +106,10 @@ def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys)
 
 
 # ---------------------------------------------------------------------------- defect 5
-def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(store, capsys):
+def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
     """Defect 5: data_bytes=2**50 with 4 KiB shards made _probe build a list of 2**38 shards."""
     m = _manifest(store, ABI, "b")
-    doc = json.loads(open(m, "rb").read())
+    doc = json.loads(pathlib.Path(m).read_bytes())
     doc.update(data_bytes=2**50, chunk_bytes=4096, shard_bytes=4096)
     doc["blocks"][0]["objects"][0]["offset"] = 2**50 - 64
     _reseal(m, doc)
@@ -116,7 +117,7 @@ def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(sto
     with pytest.raises(
         mf.ManifestError, match=r"data_bytes=1125899906842624 must be an integer in \[0, 1099511627776\]"
     ) as e:
-        mf.parse(open(m, "rb").read())
+        mf.parse(pathlib.Path(m).read_bytes())
     assert e.value.reason == MALFORMED
     # under the hard cap, but 2**27 shard files: refused before any list of shards is built
     doc["data_bytes"] = 2**39
@@ -133,11 +134,11 @@ def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(sto
 
 
 # ---------------------------------------------------------------------------- defect 6
-def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loop_and_goes_on(store, capsys):
+def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loop_and_goes_on(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
     """Defect 6: each of these made `hkv store verify` exit 2 with the rest unchecked."""
-    open(os.path.join(store, "manifests", "README.json"), "wb").write(b'{"hello": 1}')
+    pathlib.Path(store, "manifests", "README.json").write_bytes(b'{"hello": 1}')
     m = _manifest(store, ABI, "b")
-    doc = json.loads(open(m, "rb").read())
+    doc = json.loads(pathlib.Path(m).read_bytes())
     doc["blocks"][0]["objects"][0]["shape"] = [2**64, 1]
     _reseal(m, doc)
     seg_c = _segment_of(store, ABI2, "c")
@@ -152,14 +153,14 @@ def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loo
     probs = "\n".join(rep["problems"])
     assert "manifests/README.json: disk_malformed: not a manifest name" in probs
     assert f"manifests/{ABI}/{_segment_of(store, ABI, 'b')}.json: disk_malformed: " in probs and "shape" in probs
-    assert f"data shard 0 is unreadable" in probs
+    assert "data shard 0 is unreadable" in probs
 
 
 # ---------------------------------------------------------------------------- defect 7
-def test_a_manifest_overwritten_by_another_segments_manifest_is_reported(store, capsys):
+def test_a_manifest_overwritten_by_another_segments_manifest_is_reported(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
     """Defect 7: the overwritten segment showed only as an orphan and verify exited 0."""
     a, b = _manifest(store, ABI, "a"), _manifest(store, ABI, "b")
-    open(b, "wb").write(open(a, "rb").read())
+    pathlib.Path(b).write_bytes(pathlib.Path(a).read_bytes())
     tier = DiskTier(str(store))
     _intact(tier, chains=(("a", 3, 1),))
     code, rep = _verify_json(capsys, store)
@@ -202,7 +203,7 @@ def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_anothe
         m = os.path.join(
             path, str(key is not None), "manifests", ABI, os.listdir(path / str(key is not None) / "manifests" / ABI)[0]
         )
-        doc = json.loads(open(m, "rb").read())
+        doc = json.loads(pathlib.Path(m).read_bytes())
         o0, o1 = doc["blocks"][0]["objects"][0], doc["blocks"][1]["objects"][0]
         for f in ("offset", "crc32", "sha256"):
             if f in o0:
@@ -232,7 +233,7 @@ def test_a_keyed_store_keeps_token_ids_and_block_keys_private(tmp_path, monkeypa
     tier = DiskTier(str(tmp_path), key=KEY)
     tier.write(ABI, blocks)
     tier.close()
-    raw = b"".join(open(os.path.join(dp, f), "rb").read() for dp, _, fs in os.walk(tmp_path) for f in fs)
+    raw = b"".join(pathlib.Path(dp, f).read_bytes() for dp, _, fs in os.walk(tmp_path) for f in fs)
     names = " ".join(os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path) for f in fs)
     for secret in (b"123456", b"654321", blocks[0].key.hex().encode(), blocks[1].key.hex().encode()):
         assert secret not in raw and secret.decode() not in names
@@ -298,7 +299,7 @@ def test_use_after_close_raises_a_named_error(tmp_path):
         lambda: tier.find_chain(ABI, *_keys(blocks)),
         tier.flush,
     ):
-        with pytest.raises(DiskTierClosedError, match="this DiskTier was closed.*open a new DiskTier"):
+        with pytest.raises(DiskTierClosedError, match=r"this DiskTier was closed.*open a new DiskTier"):
             call()
 
 
@@ -317,7 +318,7 @@ class _FullDiskForHits:
         return getattr(self._kv, name)
 
 
-def test_a_full_disk_never_fails_flush_or_close_through_hit_counts(store):
+def test_a_full_disk_never_fails_flush_or_close_through_hit_counts(store):  # noqa: F811 — the fixture from test_disk_cli
     """Found by the chaos suite: with a full disk, `flush` (and so `Engine.write_through`,
     `flush_disk`, `save`, `close`) raised the kvstore's ValueError from saving restore-hit counts,
     which are statistics. Now the failure is counted and the tier goes on serving."""

@@ -178,7 +178,7 @@ def _child_writer(path: str, name: str, config: str) -> None:
             check(*w)
         tier.close()
         summary["counters"] = tier.counters
-    except BaseException:  # noqa: BLE001 — reported to the parent, which fails the test
+    except BaseException:  # reported to the parent, which fails the test
         summary["errors"].append(traceback.format_exc())
     print(json.dumps(summary), flush=True)
 
@@ -234,7 +234,7 @@ def _child_reader(path: str, n_chains: str, n_blocks: str, block_bytes: str, go:
             if last:
                 break
         tier.close()
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         summary["errors"].append(traceback.format_exc())
     print(json.dumps(summary), flush=True)
 
@@ -305,7 +305,7 @@ def _kill_round(path: str, chain: str, mode: str, delay: float) -> tuple[int, st
     for line in proc.stdout:
         last = line.strip()
         done += last.startswith("done ")
-        if done and (mode == "run" and last.startswith("begin ") or mode == "pause" and last == "publishing"):
+        if done and ((mode == "run" and last.startswith("begin ")) or (mode == "pause" and last == "publishing")):
             time.sleep(delay)
             os.kill(proc.pid, signal.SIGKILL)
             break
@@ -396,7 +396,7 @@ def _writer_config(name: str, go: str) -> dict:
     ]  # S9: overlapping keys under the second ABI too
     if name == "w1":
         shared.reverse()
-    chains = [c for pair in zip(shared, own) for c in pair]
+    chains = [c for pair in zip(shared, own, strict=True) for c in pair]
     return {"chains": chains, "block_bytes": BLOCK, "go": go}
 
 

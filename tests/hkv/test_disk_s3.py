@@ -28,11 +28,11 @@ from hkv.store import manifest as mf
 from hkv.store.tier import DISK_REASONS, DiskTier
 
 from .test_disk import (
-    assert_fault_is_a_shorter_plan,
     CUT,
     FAULTS,
     NEW,
     _segment,
+    assert_fault_is_a_shorter_plan,
     assert_same,
     engine,  # noqa: F401 — the fixture
     fill,
@@ -216,7 +216,7 @@ def test_two_hosts_on_one_bucket_see_each_others_segments(s3, prefix):
     for tier, blocks in ((two, a), (one, b)):
         res = tier.read(tier.find_chain(ABI, *_keys(blocks)).refs)
         assert res.reason is None and len(res.payloads) == len(blocks)
-        for got, want in zip(res.payloads, blocks):
+        for got, want in zip(res.payloads, blocks, strict=True):
             want_rows = want.objects["g0.rows"][0]
             assert np.array_equal(got.objects["g0.rows"][0].view(np.uint8), want_rows.view(np.uint8))
     one.close()
@@ -277,7 +277,7 @@ def test_engine_restores_its_prefix_from_s3_token_exact(model, engine, s3, store
     ks = (1, CUT // BT + 2, len(BASE) // BT)
     prompts = [diverge(k * BT, tail=3, seed=k) for k in ks]
     gens = []
-    for k, prompt in zip(ks, prompts):
+    for k, prompt in zip(ks, prompts, strict=True):
         forget(engine)
         (g,) = engine.generate([prompt], NEW, return_logits=True)
         assert g.plan.restored_tokens == g.plan.hash_hit_tokens == k * BT, (k, g.plan)

@@ -41,7 +41,7 @@ def assert_same_payloads(got_payloads, want_payloads) -> None:
     """Read-back payloads equal what was written: key, parent, tokens, snapshot flag, and every
     object's dtype, first row and bytes."""
     assert len(got_payloads) == len(want_payloads)
-    for got, want in zip(got_payloads, want_payloads):
+    for got, want in zip(got_payloads, want_payloads, strict=True):
         assert got.key == want.key and got.parent == want.parent
         assert got.tokens == want.tokens and got.snapshot == want.snapshot
         for name, (arr, row) in want.objects.items():
@@ -128,7 +128,7 @@ def test_failed_write_publishes_nothing(tmp_path):
     bad = chain("f", 1)
     bad[0].objects["g0.rows"] = (np.zeros((2, 2), np.complex64), 0)  # no manifest dtype for complex
     fut = tier.write_async(ABI, bad)
-    with pytest.raises(Exception):
+    with pytest.raises(mf.ManifestError, match="dtype"):
         fut.result()
     tier.flush()
     assert tier.counters["write_failures"] == 1
@@ -260,7 +260,7 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
     assert res.reason == reason and len(res.payloads) == want, (res.reason, res.detail)
     if fault is not None:
         assert f"shard {bad}" in res.detail or reason == "disk_checksum"
-    for got, blk in zip(res.payloads, blocks):
+    for got, blk in zip(res.payloads, blocks, strict=False):
         for name, (arr, _) in blk.objects.items():
             assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
 
@@ -278,7 +278,7 @@ def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == len(c)
-        for got, blk in zip(res.payloads, c):
+        for got, blk in zip(res.payloads, c, strict=True):
             for name, (arr, _) in blk.objects.items():
                 assert np.array_equal(got.objects[name][0].view(np.uint8), arr.view(np.uint8))
     assert tier.verify()["blocks_ok"] == 20
@@ -317,7 +317,7 @@ def test_requests_queued_while_the_writer_is_busy_are_written_as_one_segment(tmp
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == 2
-        for got, blk in zip(res.payloads, c):
+        for got, blk in zip(res.payloads, c, strict=True):
             assert np.array_equal(got.objects["g0.rows"][0].view(np.uint8), blk.objects["g0.rows"][0].view(np.uint8))
 
 

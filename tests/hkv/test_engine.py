@@ -40,13 +40,13 @@ def _snapshot(cache):
 
 def _assert_oracle(gens, oracle):
     """Generations of PROMPTS equal the stateless forward's tokens, logits within 1e-4."""
-    for g, toks, lg in zip(gens, *oracle):
+    for g, toks, lg in zip(gens, *oracle, strict=True):
         assert g.tokens == toks and np.abs(g.logits - lg).max() < 1e-4
 
 
 def _assert_same(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -60,7 +60,7 @@ def test_cached_generation_equals_stateless_forward(model, oracle, chunk):
         block_tokens=16,
     )
     gens = engine.generate(PROMPTS, NEW, return_logits=True)
-    for g, toks, lg in zip(gens, *oracle):
+    for g, toks, lg in zip(gens, *oracle, strict=True):
         assert g.tokens == toks
         assert g.logits.shape == (NEW, CFG.vocab_size) and g.logits.dtype == np.float32
         assert np.abs(g.logits - lg).max() < 1e-4
@@ -173,7 +173,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model, monkeypatch):
         engine.run_until_idle()
         assert engine.stats()["preemptions"] >= 1
         assert engine.stats()["cache"]["failed_no_pages"] >= 1
-        for h, ((toks,), (lg,)) in zip((hs, hl), want):
+        for h, ((toks,), (lg,)) in zip((hs, hl), want, strict=True):
             assert h.result().tokens == toks
             assert np.abs(h.result().logits - lg).max() < 1e-4
         hkv.check_invariants(engine.layout, engine.cache)
@@ -203,7 +203,6 @@ def test_request_larger_than_the_pools_is_a_named_error(model):
 def test_matches_transformers_generate(tmp_path):
     torch = pytest.importorskip("torch")
     from models.deepseek_v4 import load
-
     from models.stateless import greedy_stateless
 
     from ..models.hf_reference import build_hf_model, reproducible_torch, save_hf_model
@@ -215,7 +214,7 @@ def test_matches_transformers_generate(tmp_path):
         ours, hkv.CacheConfig(slots=2, max_context=320, page_size=8, prefix_records=0), prefill_chunk=32
     )
     gens = engine.generate(PROMPTS, 8, return_logits=True)
-    for prompt, g in zip(PROMPTS, gens):
+    for prompt, g in zip(PROMPTS, gens, strict=True):
         ids = torch.tensor([prompt])
         with reproducible_torch(), torch.no_grad():
             out = hf.generate(
@@ -265,7 +264,7 @@ def test_unknown_or_inactive_slot_is_a_status_with_cache_unchanged(model):
         model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=0)
     )
     cache = hkv.init_cache(layout)
-    cache, slot, status = tr.claim_slot(layout, cache)
+    cache, _, _ = tr.claim_slot(layout, cache)
     before = _snapshot(cache)
     for bad, want in ((7, Status.UNKNOWN_SLOT), (-1, Status.UNKNOWN_SLOT), (1, Status.SLOT_INACTIVE)):
         out, st = tr.release_slot(layout, cache, jnp.int32(bad))
@@ -275,7 +274,7 @@ def test_unknown_or_inactive_slot_is_a_status_with_cache_unchanged(model):
         assert int(st) == want
         _assert_same(before, _snapshot(out))
     step = jax.jit(lambda c, t, s, n: model.cached_step(layout, c, t, s, n))
-    out, logits, st = step(cache, jnp.ones((1, 4), jnp.int32), jnp.array([9]), jnp.array([4]))
+    out, _, st = step(cache, jnp.ones((1, 4), jnp.int32), jnp.array([9]), jnp.array([4]))
     assert int(st) == Status.UNKNOWN_SLOT
     _assert_same(before, _snapshot(out))
 
@@ -306,7 +305,7 @@ def test_decode_through_the_pallas_kernels_in_the_interpreter(model):
     )
     gens = engine.generate(prompts, 4, return_logits=True)
     tokens, logits = greedy_stateless(model, prompts, 4)
-    for g, toks, lg in zip(gens, tokens, logits):
+    for g, toks, lg in zip(gens, tokens, logits, strict=True):
         assert g.tokens == toks
         assert np.abs(g.logits - lg).max() < 1e-4
 
@@ -316,7 +315,7 @@ def test_reserve_rejects_a_slot_twice_or_a_shrinking_length(model):
         model.cache_spec(), hkv.CacheConfig(slots=2, max_context=64, page_size=8, prefix_records=0)
     )
     cache = hkv.init_cache(layout)
-    cache, slot, _ = tr.claim_slot(layout, cache)
+    cache, _, _ = tr.claim_slot(layout, cache)
     cache, st = tr.reserve(layout, cache, jnp.array([0]), jnp.array([9]), jnp.array([True]))
     cache = tr.advance(layout, cache, jnp.array([0]), jnp.array([9]), jnp.array([True]))
     cache = tr.slide(layout, cache, jnp.array([0]), jnp.array([True]))

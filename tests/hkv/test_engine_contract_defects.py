@@ -109,7 +109,7 @@ def test_save_refuses_queued_requests_and_unwritable_paths_by_name(engine, model
     with pytest.raises(EngineCheckpointError, match="cannot save an engine checkpoint at") as err:
         engine.save(blocker / "ck")
     assert ".tmp-" not in str(err.value)  # the user's path, not an internal temporary name
-    with pytest.raises(TypeError, match="flax.nnx model"):
+    with pytest.raises(TypeError, match=r"flax\.nnx model"):
         hkv.Engine.restore(tmp_path / "ck", object())
 
 
@@ -132,9 +132,9 @@ def test_restore_keeps_the_settings_a_checkpoint_can_hold_and_names_the_others(m
 def test_mesh_engine_save_and_restore_say_they_are_not_supported_yet(model, tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     m = hkv.MeshEngine(model, hkv.CacheConfig(slots=2, max_context=64, page_size=16, prefix_records=8), mesh=mesh)
-    with pytest.raises(NotImplementedError, match="MeshEngine.save"):
+    with pytest.raises(NotImplementedError, match=r"MeshEngine\.save"):
         m.save(tmp_path / "ck")
-    with pytest.raises(NotImplementedError, match="MeshEngine.restore"):
+    with pytest.raises(NotImplementedError, match=r"MeshEngine\.restore"):
         hkv.MeshEngine.restore(tmp_path / "ck", model)
 
 

@@ -42,7 +42,7 @@ def truth(model):
     """Greedy continuations (4 tokens) of the prompts these tests use, from the stateless forward."""
     prompts = [BASE[:280], BASE[:100], OTHER[:90], BASE[:64] + OTHER[:30]]
     toks, _ = greedy_stateless(model, prompts, 4)
-    return {tuple(p): t for p, t in zip(prompts, toks)}
+    return {tuple(p): t for p, t in zip(prompts, toks, strict=True)}
 
 
 # The two-slot layout of every two-slot test here (the property test's long-lived engine included):
@@ -294,7 +294,7 @@ def test_bad_prompts_raise_named_errors_with_the_cache_untouched(model, bad, mat
     with pytest.raises(ValueError, match=match):
         engine.generate(bad, 2)
     after = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(engine.cache))]
-    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 def test_generate_after_the_disk_tier_was_closed_names_it(model, tmp_path):

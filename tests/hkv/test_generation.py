@@ -44,7 +44,7 @@ def model():
 def truth(model):
     """Greedy continuations (8 tokens) and their logits from the stateless forward."""
     toks, logits = greedy_stateless(model, [A, B, C], 8)
-    return {tuple(p): (t, lg) for p, t, lg in zip([A, B, C], toks, logits)}
+    return {tuple(p): (t, lg) for p, t, lg in zip([A, B, C], toks, logits, strict=True)}
 
 
 def _engine(model, **kw):
@@ -63,7 +63,7 @@ def _idle_ok(engine):
 def test_greedy_is_exact_with_logprobs_of_the_chosen_tokens(model, truth):
     engine = _engine(model)
     gens = engine.generate([A, B], 8)
-    for g, p in zip(gens, [A, B]):
+    for g, p in zip(gens, [A, B], strict=True):
         toks, lg = truth[tuple(p)]
         assert g.tokens == toks and g.finish_reason == "length" and g.logits is None and g.seed is None
         want = jax.nn.log_softmax(jnp.asarray(lg), axis=-1)[np.arange(8), toks]
@@ -337,7 +337,7 @@ def test_calls_between_steps_drop_abandoned_streams_and_refuse_while_the_engine_
     flush_disk / write_through, are EngineBusyError instead of racing the driving thread's
     transitions on the same cache."""
     engine = _engine(model)
-    for i, call in enumerate((engine.evict_prefixes, lambda: engine.save(tmp_path / "ck"))):
+    for call in (engine.evict_prefixes, lambda: engine.save(tmp_path / "ck")):
         h = engine.submit(C, 8)
         for k, _ in enumerate(h):
             if k == 1:
@@ -353,7 +353,7 @@ def test_calls_between_steps_drop_abandoned_streams_and_refuse_while_the_engine_
                 try:
                     call()
                     seen.append(None)
-                except Exception as e:  # noqa: BLE001 (recorded and asserted below)
+                except Exception as e:  # recorded and asserted below
                     seen.append(type(e).__name__)
 
     busy = _engine(model, progress=progress, disk=hkv.DiskTier(str(tmp_path / "store")))
@@ -396,10 +396,8 @@ def test_handles_fed_by_a_driving_thread(model, truth):
 
     def drive():
         while not stop.is_set():
-            try:
+            with contextlib.suppress(hkv.EngineBusyError):  # a handle in this thread drove meanwhile
                 engine.run_until_idle()
-            except hkv.EngineBusyError:  # a handle in this thread drove meanwhile
-                pass
 
     t = threading.Thread(target=drive)
     t.start()
@@ -618,7 +616,7 @@ def test_decode_loop_refuses_out_of_vocabulary_tokens(model):
     cache = hkv.init_cache(layout)
     cache, slot, _ = hkv.transitions.claim_slot(layout, cache)
     lengths = np.asarray(cache.lengths).copy()
-    cache, new, n, st = hkv.decode_loop(model, layout, cache, jnp.array([CFG.vocab_size]), slot[None], steps=2)
+    cache, _, n, st = hkv.decode_loop(model, layout, cache, jnp.array([CFG.vocab_size]), slot[None], steps=2)
     assert int(st) == Status.BAD_TOKEN and int(n[0]) == 0
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
 
@@ -732,13 +730,13 @@ def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact
             # the decode step was asked for (per variant: with and then without logits) after a prefill step ran
             assert len(held.asked) == 2 and all(held.asked)
     want, got = results["decode"], results["prefill"]
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason and g.seed == w.seed
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
         if w.logits is not None:
             np.testing.assert_allclose(g.logits, w.logits, atol=1e-5)
         assert g.plan.restored_tokens == w.plan.restored_tokens
-    for g, p in zip(got[:3], [A, B, C]):
+    for g, p in zip(got[:3], [A, B, C], strict=True):
         assert g.tokens == truth[tuple(p)][0]
         assert np.abs(g.logits - truth[tuple(p)][1]).max() < 1e-4
     assert got[4].plan.restored_tokens > 0  # its prefix: blocks recorded while decoding through prefill
@@ -850,10 +848,10 @@ def test_warmup_compiles_every_step_and_changes_nothing(model, truth):
     after = jax.device_get(engine.cache)
     for name in ("lengths", "active"):
         np.testing.assert_array_equal(getattr(before, name), getattr(after, name))
-    for a, b in zip(jax.tree.leaves(before.groups), jax.tree.leaves(after.groups)):
+    for a, b in zip(jax.tree.leaves(before.groups), jax.tree.leaves(after.groups), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(before.prefix.state, after.prefix.state)
-    for a, b in zip(jax.tree.leaves(before.counters), jax.tree.leaves(after.counters)):
+    for a, b in zip(jax.tree.leaves(before.counters), jax.tree.leaves(after.counters), strict=True):
         np.testing.assert_array_equal(a, b)
     jits = [engine._prefill, engine._decode, engine._claim, engine._release, engine._restore, engine._record_many]
     jits.append(engine._count_plan)

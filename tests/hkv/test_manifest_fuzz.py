@@ -16,6 +16,8 @@ The default run is small (`max_examples` 60 / 25); `-m slow` runs a larger one.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -170,10 +172,8 @@ def _mutate(draw, doc):
                 else:
                     o.pop(draw(st.sampled_from(OBJECT)), None)
         elif kind == "overlap" and isinstance(blocks, list) and len(blocks) > 1:
-            try:
+            with contextlib.suppress(KeyError, IndexError, TypeError):
                 blocks[1]["objects"][0]["offset"] = blocks[0]["objects"][0]["offset"]
-            except (KeyError, IndexError, TypeError):
-                pass
         elif kind == "dup_block" and isinstance(blocks, list) and blocks:
             blocks.append(json.loads(json.dumps(blocks[0])))
         elif kind == "many_objects" and isinstance(blocks, list) and blocks and isinstance(blocks[0], dict):
@@ -240,7 +240,7 @@ def assert_invariants(doc: dict, keyed: bool) -> None:
             if o["nbytes"]:
                 spans.append((o["offset"], o["offset"] + o["nbytes"]))
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 # ------------------------------------------------------------------------------ the fuzzers

@@ -104,7 +104,7 @@ def test_memory_bytes_below_the_reservation_or_mixed_with_explicit_sizes_is_refu
     with pytest.raises(ValueError, match="leave prefix_records None"):
         hkv.CacheConfig(memory_bytes=10**6, prefix_records=8)
     for bad in (0, -5, 1.5, True):
-        with pytest.raises(ValueError, match="memory_bytes=.* must be a positive integer"):
+        with pytest.raises(ValueError, match=r"memory_bytes=.* must be a positive integer"):
             hkv.CacheConfig(memory_bytes=bad)
 
 

@@ -53,7 +53,7 @@ def reference(model):
     e = hkv.Engine(model, CONF, **OPTS)
     greedy = [g.tokens for g in e.generate(PROMPTS, NEW)]
     seeded = [g.tokens for g in e.generate(PROMPTS, NEW, sampling=SEEDED)]
-    turn2 = [p + g + [5, 6, 7] for p, g in zip(PROMPTS, greedy)]
+    turn2 = [p + g + [5, 6, 7] for p, g in zip(PROMPTS, greedy, strict=True)]
     second = [g.tokens for g in e.generate(turn2, 4)]
     return {"greedy": greedy, "seeded": seeded, "turn2": turn2, "second": second}
 
@@ -66,7 +66,7 @@ def run_and_check(engine: hkv.MeshEngine, reference) -> None:
     assert [g.tokens for g in engine.generate(PROMPTS, NEW, sampling=SEEDED)] == reference["seeded"]
     second = engine.generate(reference["turn2"], 4)
     assert [g.tokens for g in second] == reference["second"]
-    for a, b, p in zip(first, second, reference["turn2"]):
+    for a, b, p in zip(first, second, reference["turn2"], strict=True):
         assert b.plan.shard == a.plan.shard, (a.plan, b.plan)
         assert b.plan.restored_tokens >= (len(p) - 4) // BT * BT - BT, b.plan
     for d in range(len(engine.shards)):
@@ -91,7 +91,7 @@ def test_shard_config_divides_every_capacity_and_names_what_does_not():
 
 
 def test_mesh_engine_refuses_a_bad_mesh(model):
-    with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
+    with pytest.raises(ValueError, match=r"must be a jax\.sharding\.Mesh"):
         hkv.MeshEngine(model, CONF, mesh=[0, 1])
     with pytest.raises(ValueError, match="data_axis='batch' is not an axis"):
         hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), data_axis="batch")
@@ -285,7 +285,7 @@ def test_readme_mesh_example_runs_and_routes_the_second_turn_to_its_prefix(capsy
     section = readme.split("### One engine over a mesh", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
     scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 — the README's own example
+    exec(compile(block, "README.md", "exec"), scope)  # the README's own example
     first, second = scope["first"], scope["second"]
     assert second[0].plan.shard == first[0].plan.shard and second[0].plan.restored_tokens == 32
     assert first[0].plan.shard != first[1].plan.shard

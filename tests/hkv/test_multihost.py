@@ -146,7 +146,7 @@ def _serve(engine, names: list[str], phase: str, out: dict) -> None:
     t = time.monotonic()
     gens = engine.generate([q[n] for n in names], NEW, return_logits=True)
     out["notes"].setdefault("serve_seconds", []).append([phase, names, round(time.monotonic() - t, 2)])
-    for n, g in zip(names, gens):
+    for n, g in zip(names, gens, strict=True):
         p = g.plan
         out["gens"].append(
             {
@@ -427,7 +427,7 @@ def _oracle(hosts: int) -> dict:
     q = queries(hosts)
     names = sorted(q)
     tokens, logits = oracle_for(init(CFG, seed=3), pad_to=352)([q[n] for n in names], NEW)
-    return {n: (t, np.asarray(lg)) for n, t, lg in zip(names, tokens, logits)}
+    return {n: (t, np.asarray(lg)) for n, t, lg in zip(names, tokens, logits, strict=True)}
 
 
 # --------------------------------------------------------------------------------- the checks

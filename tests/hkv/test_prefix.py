@@ -57,7 +57,7 @@ def assert_exact(model, prompts, gens):
     """The generations equal the stateless greedy oracle (its forward compiled once per model and
     shared by every test: `tests.oracle`)."""
     tokens, logits = oracle_for(model, pad_to=352)(prompts, NEW)
-    for g, t, lg in zip(gens, tokens, logits):
+    for g, t, lg in zip(gens, tokens, logits, strict=True):
         assert g.tokens == t
         assert np.abs(g.logits - lg).max() < 1e-4
 
@@ -107,7 +107,7 @@ def test_reuse_at_every_block_boundary_is_exact(model, warm):
     ks = list(range(0, len(BASE) // BT + 1))
     prompts = [diverge(k * BT, seed=k) for k in ks] + [diverge(5 * BT + 7, seed=99)]  # last: diverges mid-block
     gens = warm.generate(prompts, NEW, return_logits=True)
-    for k, g in zip(ks, gens):
+    for k, g in zip(ks, gens, strict=False):  # gens[-1], the mid-block prompt: below
         assert g.plan.hash_hit_tokens == g.plan.restored_tokens == k * BT, (k, g.plan)
         assert g.plan.first_failed_stage in ("hash", None)
         assert g.plan.recompute == (k * BT, len(prompts[k]))
@@ -459,7 +459,7 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
     for want, (parent, length, enabled) in cases.items():
         out, r, status = px.record(engine.layout, cache, slot, key, parent, toks, jnp.bool_(True), length, enabled)
         assert int(r) == -1 and (want == "disabled" or hkv.Status(int(status)).name == want)
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache)):
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(cache), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -495,7 +495,7 @@ def test_record_and_restore_refuse_a_slot_outside_the_layout(model):
     record = jax.jit(px.record, static_argnums=0)  # one compilation each (eager: one per op)
     record_many = jax.jit(px.record_many, static_argnums=0)
     restore = jax.jit(px.restore, static_argnums=0)
-    ok_out, r, status = record(layout, cache, jnp.int32(0), key, jnp.int32(-1), toks, jnp.bool_(True), jnp.int32(BT))
+    _, r, status = record(layout, cache, jnp.int32(0), key, jnp.int32(-1), toks, jnp.bool_(True), jnp.int32(BT))
     assert int(status) == hkv.Status.OK and int(r) >= 0  # the same call on the real slot records
     for bad in (-1, 1, 7):
         out, r, status = record(layout, cache, jnp.int32(bad), key, jnp.int32(-1), toks, jnp.bool_(True), jnp.int32(BT))

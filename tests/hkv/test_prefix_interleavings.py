@@ -39,7 +39,7 @@ def test_random_interleavings_keep_invariants_and_outputs(model, seed):
         new = int(rng.integers(1, 4))
         gens = engine.generate(prompts, new, return_logits=True)
         tokens, logits = greedy_stateless(model, prompts, new, pad_to=256)
-        for g, t, lg in zip(gens, tokens, logits):
+        for g, t, lg in zip(gens, tokens, logits, strict=True):
             assert g.tokens == t
             assert np.abs(g.logits - lg).max() < 1e-4
             assert g.plan.restored_tokens % BT == 0 and g.plan.restored_tokens <= g.plan.prompt_tokens - 1

@@ -3,10 +3,11 @@
 One engine is driven through random sequences of submits (prompts with shared prefixes, greedy or
 seeded sampling, optional stop ids), steps, cancels, streams abandoned after k tokens, waits, runs
 until idle, blocking `generate` calls alongside, and a KeyboardInterrupt (lost-cache or deferred)
-injected after the n-th call of one of the engine's transitions. After every operation: the cache's invariants hold, every active slot belongs to a live request, an
-idle engine holds no slot, and every handle's tokens so far are a prefix of what the same request
-produces alone on a fresh engine. At the end every completed handle has exactly those tokens and
-every cancelled one raises `RequestCancelledError`; nothing waits forever (`result(timeout=...)`).
+injected after the n-th call of one of the engine's transitions. After every operation: the cache's
+invariants hold, every active slot belongs to a live request, an idle engine holds no slot, and every
+handle's tokens so far are a prefix of what the same request produces alone on a fresh engine. At the
+end every completed handle has exactly those tokens and every cancelled one raises
+`RequestCancelledError`; nothing waits forever (`result(timeout=...)`).
 
 Same model and layout as test_generation, so the compiled steps are shared. The slow twins run more
 and longer sequences, and one under page pressure (cached prefixes evicted, requests preempted)."""

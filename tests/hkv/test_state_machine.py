@@ -26,6 +26,7 @@ filled with a poison value, so a write that lands where it should not is caught 
 from __future__ import annotations
 
 import collections
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +162,7 @@ def assert_bit_identical_except(before, after, counter_deltas: dict[str, int]) -
     moved by exactly `counter_deltas`."""
     lb, la = leaves(before), leaves(after)
     assert [p for p, _ in lb] == [p for p, _ in la]
-    for (path, x), (_, y) in zip(lb, la):
+    for (path, x), (_, y) in zip(lb, la, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, path
         if path.startswith(".counters"):
             name = path.split("'")[1]
@@ -282,7 +283,7 @@ class Harness:
 
     def expected_status(self, slots, new, mask) -> tuple[int, list[int]]:
         """Host prediction of reserve's status, and the pages it allocates per group."""
-        live = [(int(s), int(n)) for s, n, m in zip(slots, new, mask) if m]
+        live = [(int(s), int(n)) for s, n, m in zip(slots, new, mask, strict=True) if m]
         if any(n > self.layout.config.max_context for _, n in live):
             return Status.CONTEXT_CAP, []
         if any(not self.active[s] for s, _ in live):
@@ -308,7 +309,7 @@ class Harness:
         )
         positions = old[:, None] + np.arange(C)[None, :]
         valid = (np.arange(C)[None, :] < n[:, None]) & mask[:, None]
-        seqs = [self.seq[s] if m else 0 for s, m in zip(slots, mask)]
+        seqs = [self.seq[s] if m else 0 for s, m in zip(slots, mask, strict=True)]
         swa = []
         for layer, ls in enumerate(lay.spec.layers):
             kv = np.full((B, C, ls.kv_dim), POISON, np.float32)
@@ -371,7 +372,9 @@ class Harness:
         slots = np.array([s for s, _ in rows] + pads, np.int32)[perm]
         n = np.array([k for _, k in rows] + [0] * len(pads), np.int32)[perm]
         mask = n > 0
-        old = np.array([self.length[s] if (m and self.active[s]) else 0 for s, m in zip(slots, mask)], np.int32)
+        old = np.array(
+            [self.length[s] if (m and self.active[s]) else 0 for s, m in zip(slots, mask, strict=True)], np.int32
+        )
         new = np.where(mask, old + n, pad_len).astype(np.int32)
         want, need = self.expected_status(slots, new, mask)
         writes = self.writes(slots, old, np.where(mask, n, 0), mask)
@@ -399,7 +402,7 @@ class Harness:
         tail_of = {(layer, name): ti for ti, (layer, name, _) in enumerate(lay.spec.compressors())}
         for b in np.nonzero(mask)[0]:
             s = int(slots[b])
-            for gi, grp in enumerate(self.groups):
+            for gi in range(len(self.groups)):
                 self.counters["pages_released"] += len(self.mapped(s, gi) - self.required(gi, int(new[b])))
             for gi, grp in enumerate(self.groups):
                 for layer in grp.layers:
@@ -458,7 +461,9 @@ class Harness:
         for ti, _ in enumerate(lay.spec.compressors()):
             t = c.tails[ti]
             for s in range(lay.slots):
-                for got, want in zip((t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate), self.tails[s][ti]):
+                for got, want in zip(
+                    (t.tail_kv, t.tail_gate, t.overlap_kv, t.overlap_gate), self.tails[s][ti], strict=True
+                ):
                     assert np.asarray(got[s]).tobytes() == want.tobytes(), f"tail {ti} slot {s}"
 
 
@@ -467,7 +472,7 @@ class CacheMachine(RuleBasedStateMachine):
     """Random claim / append / release sequences; `Harness.check` after every rule."""
 
     LAYOUT: CacheLayout = DEEPSEEK_TIGHT
-    SEEN: collections.Counter = collections.Counter()  # statuses across a whole run (per subclass)
+    SEEN: ClassVar[collections.Counter] = collections.Counter()  # statuses across a whole run (per subclass)
 
     def __init__(self):
         super().__init__()
@@ -505,7 +510,9 @@ class CacheMachine(RuleBasedStateMachine):
         )
         pad_len = data.draw(st.sampled_from([0, 5, 10**6]), label="pad length")
         perm = data.draw(st.permutations(range(B)), label="row order")
-        self.h.append(list(zip(slots, ns)), pads, pad_len, fused=data.draw(st.booleans(), label="fused"), perm=perm)
+        self.h.append(
+            list(zip(slots, ns, strict=True)), pads, pad_len, fused=data.draw(st.booleans(), label="fused"), perm=perm
+        )
 
     @precondition(lambda self: any(self.h.active))
     @rule(data=st.data())
@@ -567,14 +574,14 @@ class CacheMachine(RuleBasedStateMachine):
 
 class GemmaMachine(CacheMachine):
     LAYOUT = GEMMA_TIGHT
-    SEEN = collections.Counter()
+    SEEN: ClassVar[collections.Counter] = collections.Counter()
 
 
 class DeepseekFullPoolMachine(CacheMachine):
     """Pools sized for every slot at max_context: NO_PAGES must never happen."""
 
     LAYOUT = DEEPSEEK_FULL
-    SEEN = collections.Counter()
+    SEEN: ClassVar[collections.Counter] = collections.Counter()
 
 
 FAST = settings(
@@ -750,7 +757,7 @@ def test_double_ownership_is_caught():
     pt, pg = np.asarray(g.page_table).copy(), np.asarray(g.page_gen).copy()
     pt[t], pg[t] = pt[s], pg[s]
     forged = _forge(c, 0, page_table=pt, page_gen=pg, refcount=_refs(pt, g.refcount.shape[0]))
-    with pytest.raises(InvariantError, match="group 0: .*owned twice"):
+    with pytest.raises(InvariantError, match=r"group 0: .*owned twice"):
         check_invariants(h.layout, forged)
     with pytest.raises(InvariantError, match=r"group 0: refcount != references"):  # refcounts left as they were
         check_invariants(h.layout, _forge(c, 0, page_table=pt, page_gen=pg))
@@ -759,7 +766,7 @@ def test_double_ownership_is_caught():
 @pytest.mark.parametrize("delta", [1, -1])
 @pytest.mark.parametrize("used", [True, False], ids=["used-page", "free-page"])
 def test_forged_refcount_is_caught(delta, used):
-    h, s = _filled()
+    h, _ = _filled()
     c = jax.device_get(h.cache)
     gi = 1  # COMPRESSED ratio 4
     rc = np.asarray(c.groups[gi].refcount).copy()

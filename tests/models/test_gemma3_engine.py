@@ -53,7 +53,7 @@ def assert_exact(model, prompts, gens, new=NEW):
     """The generations equal the stateless greedy oracle (its forward compiled once per model and
     shared by every test: `tests.oracle`)."""
     tokens, logits = oracle_for(model, pad_to=192)(prompts, new)
-    for g, t, lg in zip(gens, tokens, logits):
+    for g, t, lg in zip(gens, tokens, logits, strict=True):
         assert g.tokens == t
         assert g.logits.shape == (new, model.vocab_size) and g.logits.dtype == np.float32
         assert np.abs(g.logits - lg).max() < 1e-4
@@ -182,6 +182,11 @@ def test_bfloat16_prefill_attention_accumulates_in_float32():
     gens = engine.generate(prompts, 4, return_logits=True)
     tokens, logits = gemma3.greedy_stateless(model, prompts, 4)
     assert [g.tokens for g in gens] == tokens
-    prefill = [float(np.abs(g.logits[0] - np.asarray(lg, np.float32)[0]).max()) for g, lg in zip(gens, logits)]
+    prefill = [
+        float(np.abs(g.logits[0] - np.asarray(lg, np.float32)[0]).max()) for g, lg in zip(gens, logits, strict=True)
+    ]
     assert max(prefill) < 0.005, prefill
-    assert max(float(np.abs(g.logits - np.asarray(lg, np.float32)).max()) for g, lg in zip(gens, logits)) < 0.02
+    assert (
+        max(float(np.abs(g.logits - np.asarray(lg, np.float32)).max()) for g, lg in zip(gens, logits, strict=True))
+        < 0.02
+    )

@@ -25,11 +25,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from .hf_reference import reproducible_torch
-
 from models import gemma3
 from models.gemma3 import FULL, SLIDING, CheckpointError, ConfigError, Gemma3Config, RopeSpec, tiny_config
 from models.gemma3.checkpoint import read_safetensors
+
+from .hf_reference import reproducible_torch
 
 pytestmark = pytest.mark.parity
 
@@ -127,7 +127,7 @@ def test_greedy_continuation_matches_transformers_generate(case):
     prompts = [rng.integers(0, ours.cfg.vocab_size, n).tolist() for n in (300, 257)]
     new = 12
     tokens, logits = gemma3.greedy_stateless(ours, prompts, new, fwd=case["fwd"])
-    for prompt, toks, lg in zip(prompts, tokens, logits):
+    for prompt, toks, lg in zip(prompts, tokens, logits, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             # explicit all-ones mask: otherwise generate() treats every id equal to pad_token_id as padding
@@ -322,7 +322,7 @@ def test_loader_names_wrong_shape_missing_and_unknown_tensors(saved_tensors, tmp
 
     shutil.copytree(tmp_path / "ok", tmp_path / "nocfg")
     os.remove(tmp_path / "nocfg" / "config.json")
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         gemma3.load(tmp_path / "nocfg")
 
 
@@ -356,7 +356,7 @@ def test_pieces_compose_into_a_kv_cached_decode():
         rope = m.rope_tables(pos)
         x = m.embed(tokens)
         new_kv = []
-        for layer, (kc, vc) in zip(m.layers, kv):
+        for layer, (kc, vc) in zip(m.layers, kv, strict=True):
             q, k, v = layer.attn.project_qkv(layer.input_norm(x), *rope[layer.layer_type])
             kc = jax.lax.dynamic_update_slice_in_dim(kc, k, start, axis=1)
             vc = jax.lax.dynamic_update_slice_in_dim(vc, v, start, axis=1)

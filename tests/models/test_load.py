@@ -172,7 +172,7 @@ def test_config_with_unknown_layer_type_is_rejected(reference, tmp_path):
     cfg["layer_types"][2] = "linear_attention"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
-    with pytest.raises(CheckpointError, match="layer_types has unknown entries .\x27linear_attention\x27."):
+    with pytest.raises(CheckpointError, match=r"layer_types has unknown entries .'linear_attention'."):
         load(tmp_path)
 
 

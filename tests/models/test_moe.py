@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.deepseek_v4 import moe
 from models.deepseek_v4.config import tiny_config
 from models.deepseek_v4.model import init
 

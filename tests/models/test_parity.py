@@ -86,7 +86,7 @@ def test_greedy_continuation_matches_transformers_generate(pair):
     prompts = [rng.integers(0, ours.cfg.vocab_size, n).tolist() for n in (300, 257)]
     new = 12
     tokens, logits = greedy_stateless(ours, prompts, new)
-    for prompt, toks, lg in zip(prompts, tokens, logits):
+    for prompt, toks, lg in zip(prompts, tokens, logits, strict=True):
         with reproducible_torch(), torch.no_grad():
             ids = torch.tensor([prompt])
             # explicit all-ones mask: otherwise generate() treats every id equal to pad_token_id as padding

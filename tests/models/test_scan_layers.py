@@ -49,7 +49,7 @@ def test_plan_covers_every_layer_and_scans_what_repeats(keys, want):
 
 def test_deepseek_v4_pattern_at_43_layers_traces_three_layer_bodies():
     cfg = tiny_config(num_hidden_layers=43, layer_types=(), mlp_layer_types=())
-    keys = list(zip(cfg.layer_types, cfg.mlp_layer_types))
+    keys = list(zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
     assert plan_layer_runs(keys) == (LayerRun(0, 1, 3), LayerRun(3, 2, 20))
 
 
@@ -98,10 +98,10 @@ def _run_cached(model, scan: bool, chunks):
 def _assert_same(model, chunks):
     cache_s, scanned = _run_cached(model, True, chunks)
     cache_u, unrolled = _run_cached(model, False, chunks)
-    for s, u in zip(scanned, unrolled):
+    for s, u in zip(scanned, unrolled, strict=True):
         np.testing.assert_allclose(s, u, atol=1e-5, rtol=0)
         np.testing.assert_array_equal(s.argmax(-1), u.argmax(-1))
-    for a, b in zip(jax.tree.leaves(cache_s), jax.tree.leaves(cache_u)):
+    for a, b in zip(jax.tree.leaves(cache_s), jax.tree.leaves(cache_u), strict=True):
         if jnp.issubdtype(a.dtype, jnp.floating):  # pools and tails (overlap gates hold -inf)
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
         else:  # lengths, page tables, refcounts, counters, the state table
@@ -141,7 +141,7 @@ def test_repeating_layers_are_held_stacked_and_a_scan_takes_them_uncopied():
     # the stateless forward: the stacked leaves are the scan's operands themselves
     jaxpr = jax.make_jaxpr(lambda *w: rebuild(w)(tokens))(*leaves).jaxpr
     scanned = [v for e in jaxpr.eqns if e.primitive.name == "scan" for v in e.invars]
-    by_id = {id(x): v for x, v in zip(leaves, jaxpr.invars)}
+    by_id = {id(x): v for x, v in zip(leaves, jaxpr.invars, strict=True)}
     assert all(any(by_id[id(x)] is v for v in scanned) for x in stacked)
     # both forwards and the cached step: nothing anywhere builds an array of a stacked weight's shape
     shapes = {(tuple(x.shape), x.dtype) for x in stacked}

@@ -104,7 +104,7 @@ def test_csa_and_swa_on_stacked_pools_equal_single_layer_pools(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hca_gather_and_indexer_on_stacked_pools(backend):
-    win, comp, _ = _csa_case(1)
+    win, _, _ = _csa_case(1)
     kw = dict(backend=backend, interpret=testing.INTERPRET)
     full = testing.entry_case(
         np.random.default_rng(2),
