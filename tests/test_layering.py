@@ -144,3 +144,12 @@ def test_one_formatter():
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     out = subprocess.run([str(ruff), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, f"files not formatted with `ruff format` (run it):\n{out.stdout}{out.stderr}"
+
+
+def test_one_linter():
+    """`ruff check .` finds nothing under the rule set of pyproject.toml's [tool.ruff.lint]."""
+    ruff = pathlib.Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    out = subprocess.run([str(ruff), "check", "--output-format=concise", "."], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"`ruff check .` findings (fix them, or `ruff check --fix`):\n{out.stdout}{out.stderr}"
