@@ -13,7 +13,7 @@ KV heads of 64). Per model, in a fresh process per (tree, round):
 * prefill: cold time to first token of an L-token prompt (`Engine(block_tokens=64, prefill_chunk=512)`,
   one slot, `warmup()` first, the prefix cache emptied before each request), L in --contexts;
 * decode: ms per token of `decode_steps=8` dispatches at batch 1 and 8 (prompts of --decode-context
-  tokens, 48 new tokens; the median step over the steps that only decoded).
+  tokens prefilled together, 48 new tokens; the median over the steps that only decoded).
 
 The baseline tree is a `git worktree` of --baseline (default: the commit before the contract) in a
 temporary folder; both trees run this file's worker code with their own `hkv` and `models` (the
@@ -41,7 +41,7 @@ def v4_model(dtype):
     sl, csa, hca = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
     cfg = deepseek_v4.tiny_config(
         vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
-        head_dim=64, q_lora_rank=128, qk_rope_head_dim=64, num_experts_per_tok=2, n_routed_experts=8,
+        head_dim=64, q_lora_rank=128, qk_rope_head_dim=32, num_experts_per_tok=2, n_routed_experts=8,
         layer_types=(sl, csa, hca, csa, hca, csa, hca, csa), mlp_layer_types=("hash_moe",) + ("moe",) * 7,
         compress_rate_csa=4, compress_rate_hca=128, hc_mult=2, sliding_window=128, o_groups=2, o_lora_rank=64,
         index_n_heads=16, index_head_dim=32, index_topk=128, max_position_embeddings=65536,
@@ -54,7 +54,7 @@ def gemma_model(dtype):
 
     cfg = gemma3.tiny_config(
         num_hidden_layers=8, hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=64, window=128, vocab_size=4096, max_position_embeddings=65536,
+        head_dim=64, sliding_window=128, vocab_size=4096, max_position_embeddings=65536,
     )  # fmt: skip
     return gemma3.init(cfg, seed=0, dtype=dtype)
 
@@ -86,20 +86,25 @@ def worker(args) -> dict:
         out["tokens"][f"prefill{ctx}"] = g.tokens
     for batch in (1, 8):
         cfg = hkv.CacheConfig(slots=batch, max_context=args.decode_context + 64, prefix_records=0)
-        eng = hkv.Engine(model, cfg, block_tokens=64, prefill_chunk=512, compilation_cache=False)
+        eng = hkv.Engine(model, cfg, block_tokens=64, prefill_chunk=512, prefill_batch=batch, compilation_cache=False)
         eng.decode_while_building = False
         prompts = [rng.integers(0, 4096, args.decode_context).tolist() for _ in range(batch)]
         eng.generate(prompts, 9)  # compiles prefill and decode
         per_token = []
         handles = [eng.submit(p, 48) for p in prompts]
         while not all(h.done for h in handles):
-            had = sum(len(h.tokens) for h in handles)
+            before = [len(h.tokens) for h in handles]
             t0 = time.perf_counter()
             eng.step()
             dt = time.perf_counter() - t0
-            got = sum(len(h.tokens) for h in handles) - had
-            if had >= batch and got:
-                per_token.append(dt / (got / batch))
+            after = [len(h.tokens) for h in handles]
+            # a step that only decoded: every request had its first token before it and gained one
+            if (
+                all(before)
+                and all(a > b for a, b in zip(after, before, strict=True))
+                and not any(h.done for h in handles)
+            ):
+                per_token.append(dt / (min(a - b for a, b in zip(after, before, strict=True))))
         out["decode"][str(batch)] = 1e3 * float(np.median(per_token))
         out["tokens"][f"decode{batch}"] = [list(h.result().tokens) for h in handles]
     return out

@@ -222,7 +222,10 @@ def rms_scale(x: jax.Array, eps: float) -> jax.Array:
 
 
 # -------------------------------------------------------------------------------------- matmuls
-def _min_rows(*dtypes) -> int:
+def min_rows(*dtypes) -> int:
+    """The fewest rows a product of operands of `dtypes` may have and keep its per-element order:
+    `F32_MIN_ROWS` when any operand is float32, else `MIN_ROWS`. Pass it as `batched_matmul`'s
+    `rows_floor` where the row count of a product differs between paths."""
     return F32_MIN_ROWS if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else MIN_ROWS
 
 
@@ -235,7 +238,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     for d in lead:
         rows *= d
     x2 = x.reshape(rows, k)
-    floor = _min_rows(x.dtype, w.dtype)
+    floor = min_rows(x.dtype, w.dtype)
     if rows < floor:
         x2 = jnp.pad(x2, ((0, floor - rows), (0, 0)))
     y = lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -444,7 +447,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: flo
     head sum is a `fixed_sum`. Returns float32[N, Q, E]."""
     n, _, h, d = q.shape
     e = keys.shape[1]
-    floor = F32_MIN_ROWS if q.dtype == jnp.float32 else MIN_ROWS
+    floor = min_rows(q.dtype)
     km = jnp.broadcast_to(
         keys.astype(q.dtype).transpose(0, 2, 1)[:, None], (n, h, d, e)
     )  # per head: heads stay a batch dim

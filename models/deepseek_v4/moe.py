@@ -116,11 +116,11 @@ class MoE(nnx.Module):
 
     def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
         """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
-        hidden] -> float32 [G, R, hidden], as batched products of `TILE` rows (fewer rows are padded)."""
+        hidden] -> float32 [G, R, hidden], as batched products (rows padded to `numerics.min_rows`)."""
         dt = rows.dtype
         ws = (self.w_gate, self.w_up, self.w_down)
         wg, wu, wd = (w.value.astype(dt) if expert is None else w.value.astype(dt)[expert] for w in ws)
-        floor = TILE
+        floor = numerics.min_rows(dt)  # bfloat16: any count >= 2 rows; float32: TILE (= F32_MIN_ROWS)
         gate = numerics.batched_matmul(rows, wg, rows_floor=floor).astype(dt)
         up = numerics.batched_matmul(rows, wu, rows_floor=floor).astype(dt)
         return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor)
