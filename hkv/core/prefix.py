@@ -170,10 +170,9 @@ def record(
     tt = jnp.maximum(t, 0)
     for ci, s in enumerate(px.snaps):
         src = cache.tails[ci]
-        put = snap_now
 
         def cp(dst, a):
-            return dst.at[tt].set(jnp.where(put, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
+            return dst.at[tt].set(jnp.where(snap_now, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
 
         snaps.append(
             TailState(
@@ -418,7 +417,7 @@ def restore(
         g = groups[gi]
         if recompute and grp.kind == ObjectKind.SWA:
             continue  # the window is rebuilt by the recompute step
-        lo, hi, p0, p1 = _row_range(layout, gi, length)
+        _, hi, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
         row = jnp.where(do & (logical >= p0) & (logical < p1), px.pages[gi][r], -1)
         partial = (hi % ps != 0) & (p1 > p0) & do

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels import numerics as nm
+
 from ..core import prefix as px
 from ..core import transitions as tr
 from ..core.decode import decode_steps, step_and_sample
@@ -39,7 +41,6 @@ from ..core.layout import Status
 from ..core.policy import window_rebuild_tokens
 from . import offload
 from . import step_store as ss
-from pallas_kernels import numerics as nm
 
 ENV = "HKV_COMPILATION_CACHE"
 MAX_SHARED = 4  # most recently built (model, options, layout) entries kept for engines built later
@@ -65,7 +66,7 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
     A directory already configured in `jax.config` wins over every setting but False.
     """
     if not isinstance(setting, (type(None), bool, str, os.PathLike)):
-        raise ValueError(f"compilation_cache={setting!r} must be None, a bool or a directory path")  # noqa: TRY004
+        raise ValueError(f"compilation_cache={setting!r} must be None, a bool or a directory path")
     if setting is False:
         return None
     current = jax.config.jax_compilation_cache_dir
@@ -356,8 +357,8 @@ class _Step:
             return None
         store = ss.StepStore(directory)
         disk_key = store.key(
-            self.__name__, graph, repr(steps.kernels), repr(layout), repr(key[1]), repr(ss.aval_sig(cache)), str(device),
-            *map(repr, key[2]),
+            self.__name__, graph, repr(steps.kernels), repr(layout), repr(key[1]), repr(ss.aval_sig(cache)),
+            str(device), *map(repr, key[2]),
         )  # fmt: skip
         return store, disk_key, device
 

@@ -222,7 +222,7 @@ def _device_bytes() -> int | None:
     dev = jax.devices()[0]
     try:
         stats = dev.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - a backend without memory stats
+    except Exception:  # a backend without memory stats
         stats = {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
@@ -708,12 +708,12 @@ class Engine:
         if stop is None:
             stop = ()
         if isinstance(stop, str) or not isinstance(stop, Iterable):
-            raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")  # noqa: TRY004
+            raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
         stop = tuple(stop)  # once: a generator would be used up by the check below and read empty after
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
         encoded = self.tokenizer.encode(list(texts))
-        for i, (text, p) in enumerate(zip(texts, encoded)):
+        for i, (text, p) in enumerate(zip(texts, encoded, strict=True)):
             if not p:
                 raise ValueError(
                     f"texts[{i}]={text!r:.60} encodes to no tokens (this tokenizer adds no BOS); every prompt "
@@ -742,7 +742,7 @@ class Engine:
 
             self._run(seqs, read)
         out = []
-        for s, r in zip(seqs, readers):
+        for s, r in zip(seqs, readers, strict=True):
             r.finish()
             s.cancelled = False
             g = s.generation(self.model.vocab_size)
@@ -850,7 +850,7 @@ class Engine:
             self._precompile(every, times)
             for fn, args, name in model_steps:
                 run(fn, *args, name=name)
-            slot, status = run(self._claim, name="claim")
+            slot, _ = run(self._claim, name="claim")
             slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
             for fn, args, name in slot_steps(slot):
                 run(fn, *args, name=name)
@@ -879,7 +879,7 @@ class Engine:
                         fn.prepare(self.layout, self.cache, *args)
                     else:
                         fn.lower(self.layout, self.cache, *args).compile()
-                except Exception:  # noqa: BLE001 — the call itself compiles it and raises what is wrong
+                except Exception:  # the call itself compiles it and raises what is wrong
                     return name, 0.0
             return name, time.perf_counter() - t0
 
@@ -1287,7 +1287,8 @@ class Engine:
                 [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
             )
             if variant is None:
-                read = self._read_bound(max(seq.fed + int(n) for seq, n in zip(rows, n_valid)))
+                fed = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
+                read = self._read_bound(max(fed))
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
             out, dt, fresh = self._timed(
                 self._prefill, self._step_weights, tokens, slots, n_valid, params, keep, read, name=name
@@ -1683,7 +1684,7 @@ class Engine:
                 for slot in np.nonzero(np.asarray(self._view.active))[0]:
                     self._tx(self._release, jnp.int32(slot))
                 return
-        except Exception:  # noqa: BLE001 — a cache that cannot even release a slot is replaced below
+        except Exception:  # a cache that cannot even release a slot is replaced below
             pass
         self._reset_cache()
         self._record_stamps = {}
@@ -1906,18 +1907,18 @@ class Engine:
                 if r >= 0:
                     stamps[int(r)] = int(last_used[r])
             i += int(done)
-            if int(done) < len(batch):  # block todo[i] got NO_PAGES: no free record slot
-                # admission control: for a record slot evict only chains last used before this
-                # sequence's own previous use, shorter than what it restored, or never reused
-                if not self._make_room(
-                    kinds=("record",),
-                    used_before=seq.prev_use,
-                    shorter_than=seq.prev_len,
-                    never_hit=True,
-                    need=len(batch) - int(done),
-                ):
-                    seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
-                    return
+            # block todo[i] got NO_PAGES (no free record slot) when done < len(batch). Admission control:
+            # for a record slot evict only chains last used before this sequence's own previous use,
+            # shorter than what it restored, or never reused.
+            if int(done) < len(batch) and not self._make_room(
+                kinds=("record",),
+                used_before=seq.prev_use,
+                shorter_than=seq.prev_len,
+                never_hit=True,
+                need=len(batch) - int(done),
+            ):
+                seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
+                return
 
     def _make_room(
         self,
@@ -1945,7 +1946,8 @@ class Engine:
             meta = {k: np.asarray(getattr(p, k)) for k in fields}
         else:  # the policy's columns only (not the token, page and TAIL snapshot arrays)
             index = self._view.prefix
-            meta = dict(zip(fields, map(np.asarray, jax.device_get(tuple(getattr(index, k) for k in fields)))))
+            got = jax.device_get(tuple(getattr(index, k) for k in fields))
+            meta = dict(zip(fields, map(np.asarray, got), strict=True))
         live = self._live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
 
@@ -2109,7 +2111,7 @@ class Engine:
         toks = [ids[i * bt : (i + 1) * bt] for i in range(usable)]
         try:
             chain = self.disk.find_chain(self.spec.fingerprint(), kb, toks, start=l0 // bt)
-        except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
+        except Exception as e:  # a store that fails to answer is a miss, never a crash
             self._disk_unavailable(seq, e)
             return {"kb": kb, "refs": [], "stop": None, "snaps": [], "reach": l0, "error": True}
         snaps = [j for j, r in enumerate(chain.refs) if r.snapshot]
@@ -2141,7 +2143,7 @@ class Engine:
         built = builds_on_this_thread()  # a read timed with a compilation is not measured
         try:
             reason, payloads = ("disk_missing", []) if probe["error"] else self._disk_read(refs, snaps)
-        except Exception as e:  # noqa: BLE001 — a store that fails to answer is a miss, never a crash
+        except Exception as e:  # a store that fails to answer is a miss, never a crash
             self._disk_unavailable(seq, e)
             reason, payloads = "disk_missing", []
         l1 = l0 + len(payloads) * bt

@@ -178,7 +178,7 @@ def swap_in(
         page, off, _ = _locate(layout, g, s[None], pos[None], (ok & (pos < hi))[None])
         groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
     new_tails = []
-    for t, src in zip(c.tails, tails):
+    for t, src in zip(c.tails, tails, strict=True):
 
         def put(arr, new):
             return arr.at[s].set(jnp.where(ok, new.astype(arr.dtype), arr[s])) if arr.shape[1] else arr
@@ -195,12 +195,13 @@ def swap_in(
     # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed
     # swap_in leaves the cache unchanged without copying (or selecting over) every pool
     c = c.replace(
-        groups=tuple(g.replace(pool=old.pool) for g, old in zip(groups, cache.groups)), tails=tuple(new_tails)
+        groups=tuple(g.replace(pool=old.pool) for g, old in zip(groups, cache.groups, strict=True)),
+        tails=tuple(new_tails),
     )
     c = advance(layout, c, s[None], l1[None], ok[None])
     c = slide(layout, c, s[None], ok[None])
     out = _keep_if(ok, c, cache)
-    out = out.replace(groups=tuple(g.replace(pool=p) for g, p in zip(out.groups, pools)))
+    out = out.replace(groups=tuple(g.replace(pool=p) for g, p in zip(out.groups, pools, strict=True)))
     status = jnp.where(good, st, Status.BAD_REQUEST).astype(jnp.int32)
     return out, status
 
@@ -291,8 +292,8 @@ def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid
 
 __all__ = [
     "bucket",
-    "has_indexer",
     "expected_objects",
+    "has_indexer",
     "mark_on_disk",
     "swap_in",
     "swap_in_inputs",

@@ -427,7 +427,7 @@ class DiskTier:
         self.context = context or ts.Context()
         try:
             self.kv = ts.KvStore.open(self.spec, context=self.context).result()
-        except Exception as e:  # noqa: BLE001 — tensorstore raises ValueError/RuntimeError by driver
+        except Exception as e:  # tensorstore raises ValueError/RuntimeError by driver
             raise ValueError(f"cannot open disk tier store {self.spec!r}: {e}") from None
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
@@ -507,7 +507,7 @@ class DiskTier:
         for k, fut in probes.items():
             try:
                 r = fut.result()
-            except Exception as e:  # noqa: BLE001 — classified: smaller than the cap, or unreadable
+            except Exception as e:  # classified: smaller than the cap, or unreadable
                 msg = str(e)
                 if "OUT_OF_RANGE" in msg:
                     sizes[k] = _size_in(msg)
@@ -524,14 +524,14 @@ class DiskTier:
         for k, fut in reads.items():
             try:
                 r = fut.result()
-            except Exception as e:  # noqa: BLE001 — e.g. replaced by a shorter file between the reads
+            except Exception as e:  # e.g. replaced by a shorter file between the reads
                 n = _size_in(str(e)) if sizes[k] is None else None  # a store whose probe answer had no size
                 if n is None or n > cap:
                     out[k] = (None, f"unreadable: {str(e)[:300]}")
                     continue
                 try:
                     r = self.kv.read(k, byte_range=slice(0, n)).result()
-                except Exception as e2:  # noqa: BLE001 — changed again since: unreadable
+                except Exception as e2:  # changed again since: unreadable
                     out[k] = (None, f"unreadable: {str(e2)[:300]}")
                     continue
             out[k] = (bytes(r.value), None) if r.state == "value" else (None, None)
@@ -759,7 +759,7 @@ class DiskTier:
                     except mf.ManifestError as e:
                         r.fut.set_exception(e)
                 batches = [(self._write_segment(abi, [b for r in good for b in r.blocks]), good)] if good else []
-        except BaseException as e:  # noqa: BLE001 — the callers' futures carry it
+        except BaseException as e:  # the callers' futures carry it
             for r in take:
                 if not r.fut.done():
                     r.fut.set_exception(e)
@@ -892,10 +892,8 @@ class DiskTier:
                 w.copy.result()
         except BaseException:
             for w in writes:  # the staging buffer is not reused while tensorstore may still read it
-                try:
+                with contextlib.suppress(Exception):  # the first failure is the one raised
                     w.result()
-                except Exception:  # noqa: BLE001 — the first failure is the one raised
-                    pass
             raise
         return _Staged(doc, raw, writes, len(blocks))
 
@@ -917,7 +915,7 @@ class DiskTier:
                 f"disk tier: wrote {staged.blocks} blocks ({doc['stored_bytes']:,} bytes) as segment {doc['segment']}"
             )
             self.enforce_budget()
-        except BaseException as e:  # noqa: BLE001 — the callers' futures carry it
+        except BaseException as e:  # the callers' futures carry it
             for r in reqs:
                 r.fut.set_exception(e)
             return
@@ -986,7 +984,7 @@ class DiskTier:
                     assume_metadata=True,
                     context=self.context,
                 )
-            except Exception:  # noqa: BLE001 — classified per block (`_probe`)
+            except Exception:  # classified per block (`_probe`)
                 arrays[sid] = None
         # every object read issued at once (tensorstore decodes concurrent reads in parallel, which
         # measured faster than one read over a segment's byte span)
@@ -1001,10 +999,10 @@ class DiskTier:
             try:
                 arr = arrays[sid].result()
                 reads.append([arr[o["offset"] : o["offset"] + o["nbytes"]].read() for o in entry["objects"]])
-            except Exception:  # noqa: BLE001 — checked (and classified) per block below
+            except Exception:  # checked (and classified) per block below
                 reads.append(None)
         out: list[BlockPayload] = []
-        for r, objs in zip(refs, reads):
+        for r, objs in zip(refs, reads, strict=True):
             sid = (r.abi, r.segment)
             reason, detail, doc = checked[sid]
             if reason is None:
@@ -1034,7 +1032,7 @@ class DiskTier:
             try:
                 res = fut.result()
                 fut = (bytes(res.value), None) if res.state == "value" else (None, None)
-            except Exception:  # noqa: BLE001 — its size changed, or it became unreadable: look again
+            except Exception:  # its size changed, or it became unreadable: look again
                 fut = self._read_bounded([name], mf.MAX_MANIFEST_BYTES)[name]
         raw, why = fut
         with self._lock:
@@ -1082,7 +1080,7 @@ class DiskTier:
         if objs is None:
             return self._probe(sid, doc, "data array unreadable", 0, doc["data_bytes"])
         objects = {}
-        for o, fut in zip(entry["objects"], objs):
+        for o, fut in zip(entry["objects"], objs, strict=True):
             dt = dtype_of(o["dtype"])
             n = int(np.prod(o["shape"], dtype=np.int64)) * dt.itemsize
             if o["offset"] % mf.ALIGN or n != o["nbytes"]:
@@ -1105,7 +1103,7 @@ class DiskTier:
                 )
             try:
                 raw = fut.result()
-            except Exception as e:  # noqa: BLE001 — zarr's crc32c, a short or a missing chunk
+            except Exception as e:  # zarr's crc32c, a short or a missing chunk
                 return self._probe(sid, doc, str(e), o["offset"], o["nbytes"])
             if zlib.crc32(raw) != o["crc32"]:
                 return self._probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"], o["nbytes"])
@@ -1151,7 +1149,7 @@ class DiskTier:
         for i in range(first, last + 1):
             try:
                 raw = self.kv.read(f"data/{sid[0]}/{sid[1]}/c/{i}").result()
-            except Exception as e:  # noqa: BLE001 — a symlink loop, a permission error, a directory
+            except Exception as e:  # a symlink loop, a permission error, a directory
                 return MISSING, f"segment {sid[1]}'s data shard {i} is unreadable ({str(e)[:300]})", None
             if raw.state != "value":
                 return MISSING, f"segment {sid[1]}'s data shard {i} is gone ({detail})", None
@@ -1191,7 +1189,7 @@ class DiskTier:
                     for k in s.keys:
                         covered[(s.abi, k)] = covered.get((s.abi, k), 0) + 1
 
-                def rank(s: _Segment):
+                def rank(s: _Segment, extended=extended, covered=covered):
                     inner = any(extended.get((s.abi, k), set()) - {s.name} and covered[(s.abi, k)] == 1 for k in s.keys)
                     return (inner, max(s.last_hit, s.created))
 
@@ -1223,16 +1221,14 @@ class DiskTier:
         folders: the range delete was all)."""
         try:
             spec = self.kv.spec().to_json()
-        except Exception:  # noqa: BLE001 — not a local store
+        except Exception:  # not a local store
             return
         if spec.get("driver") != "file" or not isinstance(spec.get("path"), str):
             return
         seg_dir = os.path.join(spec["path"], "data", abi, segment)
         for d in (os.path.join(seg_dir, "c"), seg_dir):
-            try:
+            with contextlib.suppress(OSError):  # not empty (a concurrent writer's temporary file) or gone
                 os.rmdir(d)
-            except OSError:  # not empty (a concurrent writer's temporary file) or already gone
-                pass
 
     # ---------------------------------------------------------------------- verify / stats
     def verify(self) -> dict:
@@ -1273,7 +1269,7 @@ class DiskTier:
             while refs:
                 try:
                     res = self.read(refs, count=False)
-                except Exception as e:  # noqa: BLE001 — never expected; still reported, and the check goes on
+                except Exception as e:  # never expected; still reported, and the check goes on
                     res = ReadResult([], MALFORMED, f"{type(e).__name__}: {e}")
                 ok += len(res.payloads)
                 if res.reason is None:
@@ -1312,7 +1308,7 @@ class DiskTier:
         """Whether `seg`'s manifest is no longer in the store (deleted since it was listed)."""
         try:
             return self.kv.read(seg.manifest_key).result().state == "missing"
-        except Exception:  # noqa: BLE001 — an unreadable store proves nothing: the problems stand
+        except Exception:  # an unreadable store proves nothing: the problems stand
             return False
 
     def _save_hits_advisory(self) -> None:
@@ -1320,7 +1316,7 @@ class DiskTier:
         disk, a read-only store) is counted in `counters["hit_write_failures"]`, never raised."""
         try:
             self.save_hits()
-        except Exception as e:  # noqa: BLE001 — statistics must not fail a flush (or the engine calling it)
+        except Exception as e:  # statistics must not fail a flush (or the engine calling it)
             self.counters["hit_write_failures"] += 1
             self._say(f"disk tier: hit counts not saved ({type(e).__name__}: {str(e)[:200]})")
 
@@ -1351,7 +1347,7 @@ class DiskTier:
                 )
                 d["segments"] += 1
                 d["stored_bytes"] += s.stored_bytes
-            for k, refs in self._blocks.items():
+            for refs in self._blocks.values():
                 for abi in {r.abi for r in refs}:
                     per_abi[abi]["blocks"] += 1
                     per_abi[abi]["snapshots"] += any(r.snapshot for r in refs if r.abi == abi)
@@ -1394,19 +1390,19 @@ class DiskTier:
 __all__ = [
     "ABI",
     "AUTH",
-    "BlockPayload",
-    "BlockRef",
     "CHECKSUM",
-    "ChainLookup",
     "DISK_REASONS",
-    "DiskBacklogError",
-    "DiskTier",
-    "DiskTierClosedError",
     "ENV_KEY",
     "MALFORMED",
     "MISSING",
-    "ReadResult",
     "TRUNCATED",
+    "BlockPayload",
+    "BlockRef",
+    "ChainLookup",
+    "DiskBacklogError",
+    "DiskTier",
+    "DiskTierClosedError",
+    "ReadResult",
     "dtype_of",
     "resolve_key",
 ]
