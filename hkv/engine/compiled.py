@@ -151,7 +151,7 @@ def _on_exit() -> None:
 
 def _ahead(job) -> concurrent.futures.Future:
     """Run `job` on one of two threads that build or load steps ahead of their first call
-    (`_Step.build_ahead`): with the caller's own compile, that keeps both cores of a 2-core CPU busy.
+    (`_Step.build_ahead`): with the caller's own compile, that keeps two cores busy.
     RuntimeError once the interpreter is exiting (the pool takes no new work)."""
     with _LOCK:
         if not _AHEAD_POOL:
@@ -237,7 +237,7 @@ def builds_on_this_thread() -> int:
 
 def pack_decode(o) -> jax.Array:
     """A `DecodeOutput`'s host-bound fields as one int32[B, 2 * steps + 3] array (one transfer
-    instead of five: ~0.25 ms less per decode dispatch on CPU): tokens, logprobs (float32 bits),
+    instead of five per decode dispatch): tokens, logprobs (float32 bits),
     n_new, stopped, status (repeated on every row). `unpack_decode` reads it back."""
     b = o.tokens.shape[0]
     return jnp.concatenate(
@@ -417,11 +417,9 @@ class _Step:
         inside another trace or for a call already built or building. Returns whether a job started.
 
         What it is for: a first request compiles its prefill step, then its decode step, one after
-        the other, and one XLA compile keeps only ~1.6 cores busy on average (serial passes, Python
-        tracing). Built ahead, the decode step compiles beside the prefill step: the first
-        `generate` of `make demo`'s tiny model with an empty cache on a 2-core CPU took 26.0 s
-        against 27.9 s (means of four). A new process with the step store loads the decode step
-        while the prefill step loads (2.9-3.0 -> 2.4-2.5 s). (That is `Engine`'s path with
+        the other, and one XLA compile does not keep every core busy (serial passes, Python
+        tracing). Built ahead, the decode step compiles beside the prefill step, and a new process
+        with the step store loads the decode step while the prefill step loads. (That is `Engine`'s path with
         `decode_while_building` off; with it on, the engine decodes through the prefill step and
         builds the decode step later, once that has cost about a compile: `Engine._decode_via_prefill`.)
 
@@ -620,7 +618,7 @@ class CompiledSteps:
     def flat_weights(self, weights):
         """`weights` (an `nnx.State`) as the tuple of its leaves, what the model steps (prefill,
         decode, restore_window) are cheapest to call with: a State flattens in Python on every call
-        (one callback per variable: ~0.17 ms for the tiny model's 126), a tuple in C++ (~0.06 ms).
+        (one Python callback per variable), a tuple in C++.
         The first engine fixes the structure; weights of another structure are returned as they are
         (the steps take both)."""
         leaves, treedef = jax.tree.flatten(weights)

@@ -257,7 +257,7 @@ def _pow2(n: int) -> int:
 
 def _device_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
     """Zeros on the default device (uncommitted, as a step's inputs are) without running a program:
-    `jnp.zeros` compiles a broadcast per new shape, ~0.1 s each on a first call in a process, which a
+    `jnp.zeros` compiles a broadcast per new shape on a first call in a process, which a
     first request waited for when the placeholders of the steps built ahead were made that way."""
     return jax.device_put(np.zeros(shape, dtype))
 
@@ -818,8 +818,8 @@ class Engine:
                 if not self.prefix_enabled:
                     return out
                 out.append((self._restore, (slot, keys, toks, jnp.int32(0)), "restore"))
-                # the per-request metrics update: compiling it took 0.56 s of the first request's TTFT
-                # on the e2e benchmark's model (it counts into the cache's counters: restored below)
+                # the per-request metrics update: compiling it is part of a first request's TTFT otherwise
+                # (it counts into the cache's counters: restored below)
                 out.append((self._count_plan, (jax.tree.map(jnp.int32, DevicePlan.make().host()),), "count_plan"))
                 if self.window_recompute_tokens:
                     ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
@@ -863,7 +863,7 @@ class Engine:
 
     def _precompile(self, calls: list, times: dict[str, float]) -> None:
         """Compile `calls` [(jitted step, arguments after (layout, cache), name)] in parallel threads
-        (one XLA compile keeps ~1.6 cores busy on average; JAX keeps each for the step's next call with the same
+        (one XLA compile does not keep every core busy; JAX keeps each for the step's next call with the same
         argument types, so `warmup` then only runs them). An optimization only: a step that fails
         to compile here compiles at its call."""
         workers = min(len(calls), os.cpu_count() or 1)
@@ -1353,7 +1353,7 @@ class Engine:
     def _dispatch_ahead(self, rows: list[_Seq], args: tuple, host: tuple) -> None:
         """Send the next decode before the host hands these results (`host`, of a dispatch made with
         `args`) to their requests, so that bookkeeping (tokens, streams, finished requests'
-        releases) runs while the device decodes: on a 2-core CPU, ~0.5-1 ms per dispatch less.
+        releases) runs while the device decodes instead of after it.
 
         Only when the next step would run nothing but this decode: the same requests, none ending
         here (its slot is released first), nothing waiting to be admitted or prefilled, no
@@ -1518,7 +1518,7 @@ class Engine:
         thread (`_Step.build_ahead`, speculative: it starts after a short delay and not at all when
         the process exits first). A first call never needs the step (its prompts start no cached
         chain: `_could_hit`), the next one that shares a prefix does, and compiling it then was
-        most of that call (3.1 s of the demo's 3.9 s second turn, cold). Once per engine; nothing
+        most of that call in a fresh process. Once per engine; nothing
         when the step is built already. A failure here is left to the call that needs the step
         (which builds it and raises what is wrong): the call that just ended has succeeded."""
         if not (self.prefix_enabled and self._recorded) or ("restore",) in self._asked_ahead or self.pending:
@@ -1837,7 +1837,7 @@ class Engine:
         `usable` may be restored: no when none may, or when no record is a chain root with the first
         block's key (`hkv.core.prefix.could_match`, a small program reading the index's keys). Then
         admission builds the miss plan on the host (`DevicePlan.miss`) instead of running — and, in a
-        fresh process, compiling (2.3-2.7 s on the demo model) — the whole lookup, so requests that
+        fresh process, compiling — the whole lookup, so requests that
         share no prefix with anything cached never pay for it."""
         if usable == 0:
             return False
@@ -2053,7 +2053,7 @@ class Engine:
         bucket that installs the longest chain these blocks end, restored into an empty slot (every
         block from disk: the restore after `evict_prefixes`, or of a conversation whose records all
         left the device), so that a first restore from disk does not compile its install step on
-        the request's path (1.3-1.7 s of the demo's 2-3 s cold disk restore was that compile). A
+        the request's path (most of a cold disk restore's time was that compile). A
         restore from l0 > 0 may need a smaller bucket, built at first use (`warmup` builds every
         bucket from 0). Once per bucket and engine; nothing when the step is built already; a
         failure is left to the restore that needs the step. It starts at once (a restore often
