@@ -444,7 +444,7 @@ class LayerCache:
             return tr.read_rows(self._layout, cache, kind, self.layer, self.step.slots, rows, valid)
         gi, li = self._group(kind)
         g = cache.groups[gi]
-        page, off, ok = tr._locate(self._layout, g, self.step.slots, rows, valid)
+        page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
         vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
         return jnp.where(ok[..., None], vals, 0)
 
@@ -453,7 +453,7 @@ class LayerCache:
         (the `transitions` write paths take a static layer)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
-        page, off, _ = tr._locate(self._layout, g, self.step.slots, rows, valid)
+        page, off, _ = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
         pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
         groups = list(cache.groups)
         groups[gi] = g.replace(pool=pool)

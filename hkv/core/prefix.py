@@ -29,11 +29,12 @@ import jax.numpy as jnp
 
 from .layout import CacheLayout, Status, TailState
 from .plan import DevicePlan
+from .policy import window_rebuild_tokens
 from .prefix_index import PrefixIndex, RecordState, init_prefix
 from .reasons import Reason
 from .spec import ObjectKind
 from .state import HybridCache, abi_words
-from .transitions import _keep_if, add_refs, checked_slot
+from .transitions import add_refs, checked_slot, keep_if
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -486,8 +487,49 @@ def restore(
         record=jnp.where(ok & do, r, -1),
     )
     counters = count_plan(layout, cache, plan).counters if count else cache.counters
-    out = _keep_if(ok, claimed.replace(counters=counters), cache.replace(counters=counters))
+    out = keep_if(ok, claimed.replace(counters=counters), cache.replace(counters=counters))
     return out, plan
+
+
+def restore_window(
+    model,
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    keys: jax.Array,
+    tokens: jax.Array,
+    n_blocks: jax.Array,
+    ids: jax.Array,
+    **step_options,
+) -> tuple[HybridCache, DevicePlan, jax.Array]:
+    """The window-rebuild route as one transition: `restore` in window-recompute mode (the
+    COMPRESSED / INDEXER rows at the longest boundary L passing stages 1-2, the slot left at L - R),
+    then the model's `cached_step` over tokens [L - R, L) without sealing, which rebuilds the SWA
+    window and TAIL at L exactly (R = `hkv.core.policy.window_rebuild_tokens`).
+
+    Args:
+      model: a `hkv.CachedModel` (its `cached_step` runs R tokens of one row).
+      layout, cache, slot, keys, tokens, n_blocks: as for `restore`.
+      ids: int32[max_context] the prompt's token ids (padded): the rebuilt tokens are read from it.
+      step_options: passed to `model.cached_step` (the engine's kernel choices).
+    Returns:
+      (cache, plan, status): plan as `restore`'s (byte_blocks reports L); status the cached step's
+      (Status.OK when nothing was restored and no step ran).
+    """
+    r = window_rebuild_tokens(layout.spec)
+    cache, plan = restore(layout, cache, slot, keys, tokens, n_blocks, recompute=r, count=False)
+    length = plan.byte_blocks * layout.spec.block_tokens
+    ok = (plan.status == Status.OK) & (length > 0)
+    window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
+
+    def run(c):
+        c, _, st = model.cached_step(
+            layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **step_options
+        )
+        return c, st
+
+    cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
+    return cache, plan, st
 
 
 def count_plan(layout: CacheLayout, cache: HybridCache, plan: DevicePlan) -> HybridCache:
@@ -565,4 +607,5 @@ __all__ = [
     "record",
     "record_many",
     "restore",
+    "restore_window",
 ]

@@ -26,8 +26,16 @@ def _count(cache: HybridCache, name: str, n) -> dict:
     return c
 
 
-def _keep_if(ok, new: HybridCache, old: HybridCache) -> HybridCache:
-    """`new` where ok else `old`, leaf by leaf (both computed; shapes identical)."""
+def keep_if(ok, new: HybridCache, old: HybridCache) -> HybridCache:
+    """`new` where ok else `old`, leaf by leaf: how a transition that cannot complete returns its
+    input unchanged.
+
+    Args:
+      ok: bool scalar (traced).
+      new, old: caches of one layout (identical shapes).
+    Returns:
+      A HybridCache; leaves that are the same traced value in both are passed through (no select).
+    """
     # Leaves the transition did not touch (the pools, usually) are the same traced value: no select.
     return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), new, old)
 
@@ -82,7 +90,7 @@ def claim_slot(layout: CacheLayout, cache: HybridCache) -> tuple[HybridCache, ja
         counters=_count(cache, "transitions", 1),
     )
     failed = cache.replace(counters=_count(cache, "failed_slot_cap", 1))
-    out = _keep_if(ok, new, failed)
+    out = keep_if(ok, new, failed)
     return out, jnp.where(ok, slot, -1), jnp.where(ok, Status.OK, Status.SLOT_CAP).astype(jnp.int32)
 
 
@@ -140,7 +148,7 @@ def release_slot(layout: CacheLayout, cache: HybridCache, slot: jax.Array) -> tu
         counters=counters,
     )
     status = jnp.where(ok, Status.OK, jnp.where(known, Status.SLOT_INACTIVE, Status.UNKNOWN_SLOT))
-    return _keep_if(ok, new, cache), status.astype(jnp.int32)
+    return keep_if(ok, new, cache), status.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- allocation
@@ -223,7 +231,7 @@ def reserve(
     failed = cache.replace(groups=groups)
     for st, name in fail_name.items():
         failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
-    return _keep_if(ok, new, failed), status
+    return keep_if(ok, new, failed), status
 
 
 def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.Array) -> HybridCache:
@@ -257,10 +265,18 @@ def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.A
 
 
 # ---------------------------------------------------------------------------- typed writes
-def _locate(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: jax.Array):
-    """(page, offset) of row indices rows[B, R] of each slot; page = P (out of range) where invalid,
-    unmapped, or beyond the page table (a row past capacity is not the last page's row); the offset
-    of a negative row (never ok) is some row of a page."""
+def locate_rows(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid: jax.Array):
+    """Where rows of a storage group live in its pool.
+
+    Args:
+      layout: the cache layout (its page size).
+      g: the group's `GroupState` (page table [S, M], pool [L_g, P, page_size, dim]).
+      slots: int32[B] slot of each batch row; rows: int32[B, R] row indices; valid: bool[B, R].
+    Returns:
+      (page, offset, ok), each [B, R]: page = P (out of range, so a scatter drops it) where invalid,
+      unmapped, or beyond the page table (a row past capacity is not the last page's row); the
+      offset of a negative row (never ok) is some row of a page.
+    """
     ps = layout.page_size
     m = g.page_table.shape[1]
     logical = jnp.clip(im.div(rows, ps), 0, m - 1)  # (a negative row: any page; it is not ok)
@@ -274,7 +290,7 @@ def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
     grp = layout.groups[gi]
     g = cache.groups[gi]
     li = grp.layers.index(layer)
-    page, off, _ = _locate(layout, g, slots, rows, valid)
+    page, off, _ = locate_rows(layout, g, slots, rows, valid)
     pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
     groups = list(cache.groups)
     groups[gi] = g.replace(pool=pool)
@@ -335,7 +351,7 @@ def read_rows(layout, cache, kind: ObjectKind, layer: int, slots, rows, valid) -
     gi = layout.spec.group_of(kind, layer)
     g = cache.groups[gi]
     li = layout.groups[gi].layers.index(layer)
-    page, off, ok = _locate(layout, g, slots, rows, valid)
+    page, off, ok = locate_rows(layout, g, slots, rows, valid)
     vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
     return jnp.where(ok[..., None], vals, 0)
 

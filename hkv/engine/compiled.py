@@ -34,11 +34,10 @@ from flax import nnx
 
 from pallas_kernels import numerics as nm
 
+from ..core import install
 from ..core import prefix as px
 from ..core import transitions as tr
 from ..core.decode import decode_steps, step_and_sample
-from ..core.layout import Status
-from ..core.policy import window_rebuild_tokens
 from . import offload
 from . import step_store as ss
 
@@ -567,24 +566,9 @@ class CompiledSteps:
             return o.cache, pack_decode(o), o.logits
 
         def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
-            """One transition: claim COMPRESSED/INDEXER rows at boundary L, then rebuild the SWA window
-            and TAIL by running tokens [L - R, L) without sealing (hkv.core.prefix.restore(recompute=R))."""
+            """`hkv.core.prefix.restore_window` with this engine's model and kernels."""
             count(layout, "restore_window")
-            r = window_rebuild_tokens(layout.spec)
-            cache, plan = px.restore(layout, cache, slot, keys, toks, n_blocks, recompute=r, count=False)
-            length = plan.byte_blocks * layout.spec.block_tokens
-            ok = (plan.status == Status.OK) & (length > 0)
-            window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
-            model = merged(weights)
-
-            def run(c):
-                c, _, st = model.cached_step(
-                    layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **opts
-                )
-                return c, st
-
-            cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
-            return cache, plan, st
+            return px.restore_window(merged(weights), layout, cache, slot, keys, toks, n_blocks, ids, **opts)
 
         def step(fn, static=(0,), name=None):
             name = name or fn.__name__
@@ -610,10 +594,10 @@ class CompiledSteps:
 
         def swap_in(layout, cache, slot, l0, l1, rows, tails):
             count(layout, step_name("swap_in", offload.swap_in_size(rows)))  # one per row bucket
-            return offload.swap_in(layout, cache, slot, l0, l1, rows, tails)
+            return install.swap_in(layout, cache, slot, l0, l1, rows, tails)
 
         self.swap_in = jit(swap_in)
-        self.mark_on_disk = jit(offload.mark_on_disk)
+        self.mark_on_disk = jit(install.mark_on_disk)
 
     def flat_weights(self, weights):
         """`weights` (an `nnx.State`) as the tuple of its leaves, what the model steps (prefill,

@@ -1,4 +1,5 @@
-"""Moving cached blocks between the device pools and the disk tier: `swap_out` and `swap_in`.
+"""Moving cached blocks between the device pools and the disk tier, host side: `swap_out` and the
+inputs of `hkv.core.install.swap_in`.
 
 `swap_out` is the host side of write-behind: from one host snapshot of the prefix index it copies
 the rows a record's chain needs to host memory (one gather per group over the record's pages, run
@@ -6,13 +7,11 @@ before the donated eviction step, so no donated buffer is ever read later) and r
 `hkv.store.tier.BlockPayload`s: per block its COMPRESSED / INDEXER rows, and for the record's own block
 the SWA window and TAIL snapshot at its boundary.
 
-`swap_in` is the transition that installs verified payloads: it extends a slot holding a prefix of
-L0 tokens (0, or a device-restored prefix) to L1 tokens — reserves the pages (all or nothing),
-writes the rows of every group, installs the TAIL at L1, advances and slides. It never runs on
-unverified bytes: `hkv.store.tier.DiskTier.read` checks them first.
-
-`mark_on_disk` records in the prefix index which records have a committed disk copy (set only when
-the segment's manifest is published).
+The transition that installs verified payloads, `hkv.core.install.swap_in`, extends a slot holding
+a prefix of L0 tokens (0, or a device-restored prefix) to L1 tokens — reserves the pages (all or
+nothing), writes the rows of every group, installs the TAIL at L1, advances and slides. It never
+runs on unverified bytes: `hkv.store.tier.DiskTier.read` checks them first. This module builds its
+inputs (`swap_in_inputs`, `swap_in_shapes`, the row buckets) on the host.
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.layout import CacheLayout, Status, TailState
+from ..core.layout import CacheLayout, TailState
 from ..core.spec import ObjectKind
 from ..core.state import HybridCache
-from ..core.transitions import _keep_if, _locate, advance, checked_slot, reserve, slide
 from ..store.tier import BlockPayload
 from .block_keys import key_bytes
 
@@ -141,71 +139,6 @@ def swap_out(
     return payloads
 
 
-def swap_in(
-    layout: CacheLayout, cache: HybridCache, slot: jax.Array, l0: jax.Array, l1: jax.Array, rows: tuple, tails: tuple
-) -> tuple[HybridCache, jax.Array]:
-    """Extend `slot` (active, holding exactly l0 tokens) to l1 tokens from host rows.
-
-    rows[g]: for a COMPRESSED / INDEXER group, [L_g, R, dim] rows starting at l0 // unit (the first
-    l1 // unit - l0 // unit are used); for an SWA group, [L_g, K, dim] window rows starting at
-    max(l1 // unit - keep, 0) (rows < l1 used). tails[c]: TailState of compressor c at l1 without
-    the slot dimension. Returns (cache, status): BAD_REQUEST unless l0 < l1, both on block boundaries
-    and the slot holds l0 tokens; NO_PAGES if the pools cannot hold it — the cache then unchanged.
-    """
-    bt = layout.spec.block_tokens
-    known, s = checked_slot(layout, slot)
-    good = (
-        known
-        & cache.active[s]
-        & (cache.lengths[s] == l0)
-        & (l0 < l1)
-        & (l0 % bt == 0)
-        & (l1 % bt == 0)
-        & (l1 <= layout.config.max_context)
-    )
-    c, st = reserve(layout, cache, s[None], l1[None], good[None])
-    ok = good & (st == Status.OK)
-    groups = list(c.groups)
-    for gi, grp in enumerate(layout.groups):
-        g = groups[gi]
-        vals = rows[gi]
-        if grp.kind == ObjectKind.SWA:
-            hi = l1 // grp.unit
-            lo = jnp.zeros_like(hi) if grp.keep is None else jnp.maximum(hi - grp.keep, 0)
-        else:
-            lo, hi = l0 // grp.unit, l1 // grp.unit
-        pos = lo + jnp.arange(vals.shape[1])
-        page, off, _ = _locate(layout, g, s[None], pos[None], (ok & (pos < hi))[None])
-        groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
-    new_tails = []
-    for t, src in zip(c.tails, tails, strict=True):
-
-        def put(arr, new):
-            return arr.at[s].set(jnp.where(ok, new.astype(arr.dtype), arr[s])) if arr.shape[1] else arr
-
-        new_tails.append(
-            TailState(
-                tail_kv=put(t.tail_kv, src.tail_kv),
-                tail_gate=put(t.tail_gate, src.tail_gate),
-                overlap_kv=put(t.overlap_kv, src.overlap_kv),
-                overlap_gate=put(t.overlap_gate, src.overlap_gate),
-            )
-        )
-    pools = [g.pool for g in groups]  # written under `ok` above: unchanged where it is False
-    # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed
-    # swap_in leaves the cache unchanged without copying (or selecting over) every pool
-    c = c.replace(
-        groups=tuple(g.replace(pool=old.pool) for g, old in zip(groups, cache.groups, strict=True)),
-        tails=tuple(new_tails),
-    )
-    c = advance(layout, c, s[None], l1[None], ok[None])
-    c = slide(layout, c, s[None], ok[None])
-    out = _keep_if(ok, c, cache)
-    out = out.replace(groups=tuple(g.replace(pool=p) for g, p in zip(out.groups, pools, strict=True)))
-    status = jnp.where(good, st, Status.BAD_REQUEST).astype(jnp.int32)
-    return out, status
-
-
 def swap_in_shapes(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, tuple]:
     """(rows, tails) as (dtype, shape) of the `swap_in` inputs that extend a slot from boundary l0 to
     l1: per group the row capacity (COMPRESSED / INDEXER: the rows of n = (l1 - l0) / block_tokens
@@ -281,21 +214,10 @@ def swap_in_zero_inputs(layout: CacheLayout, l0: int, l1: int) -> tuple[tuple, t
     )
 
 
-def mark_on_disk(layout: CacheLayout, cache: HybridCache, keys: jax.Array, valid: jax.Array) -> HybridCache:
-    """Set `on_disk` for every record (alive or tombstone) whose key is one of keys uint32[K, 4]
-    (rows where `valid`): their segment's manifest has been published."""
-    px = cache.prefix
-    hit = jnp.any(jnp.all(px.key[:, None, :] == keys[None, :, :], axis=-1) & valid[None, :], axis=1)
-    hit = hit & (px.state != 0)
-    return cache.replace(prefix=px.replace(on_disk=px.on_disk | hit))
-
-
 __all__ = [
     "bucket",
     "expected_objects",
     "has_indexer",
-    "mark_on_disk",
-    "swap_in",
     "swap_in_inputs",
     "swap_in_shapes",
     "swap_in_size",

@@ -373,13 +373,14 @@ def test_swap_in_writes_the_pools_in_place_and_a_refused_one_changes_nothing(eng
     still leaves every leaf of the cache as it was."""
     import re
 
+    from hkv.core import install
     from hkv.engine import offload
 
     layout, cache = engine.layout, engine.cache
     rows, tails = offload.swap_in_warmup_inputs(layout)[0]
     bt = engine.spec.block_tokens
     args = (jnp.int32(0), jnp.int32(0), jnp.int32(bt), rows, tails)
-    fn = jax.jit(offload.swap_in, static_argnums=0, donate_argnums=1)  # as the engine compiles it
+    fn = jax.jit(install.swap_in, static_argnums=0, donate_argnums=1)  # as the engine compiles it
     hlo = fn.lower(layout, cache, *args).compile().as_text()
     pools = {tuple(g.pool.shape) for g in cache.groups}
     whole = [
