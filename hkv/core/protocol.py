@@ -15,7 +15,7 @@ rows for the tokens held, not for `max_context`); `hkv.engine.engine.accepts_rea
 tells which.
 
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
-`hkv.core.layers` and the README's "bring your own model".
+`hkv.core.layers` and docs/bring-your-own-model.md.
 """
 
 from __future__ import annotations

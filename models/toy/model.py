@@ -1,4 +1,4 @@
-"""A toy hybrid-attention model written only against hkv's public API: the README's "bring your own model".
+"""A toy hybrid-attention model written only against hkv's public API: docs/bring-your-own-model.md.
 
 Each layer is one of
   * `Attn(window=w, num_kv_heads=h)`: GQA attention over the last w tokens (window=None: full attention);
