@@ -2,7 +2,7 @@
 (before the contract), alternated in fresh processes, ratios printed in one run.
 
     python benchmarks/numerics_cost.py                      # 1K and 8K prefill, decode batch 1 and 8 (8K prompts: long)
-    python benchmarks/numerics_cost.py --quick              # 1K prefill, decode at 1K context (~10 min per model and dtype)
+    python benchmarks/numerics_cost.py --quick              # 1K prefill, decode at 1K context (~10 min per model)
     python benchmarks/numerics_cost.py --baseline 3c21334 --rounds 3
 
 Models (random weights, float32 unless --dtype): the small DeepSeek-V4 of `benchmarks/e2e.py` (8

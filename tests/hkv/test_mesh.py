@@ -290,3 +290,15 @@ def test_readme_mesh_example_runs_and_routes_the_second_turn_to_its_prefix(capsy
     assert second[0].plan.shard == first[0].plan.shard and second[0].plan.restored_tokens == 32
     assert first[0].plan.shard != first[1].plan.shard
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.slow  # compiles a (8, 1) mesh engine of its own
+def test_a_data_parallel_mesh_gives_the_same_logit_bits_as_one_device(model):
+    """The numerical contract over a data-parallel mesh (docs/numerics.md): with no model axis, every
+    shard runs the single-device programs on its own requests, so each token's logits are the same
+    bits as the single-device engine's (a model axis adds partial sums across devices: tokens only)."""
+    one = hkv.Engine(model, CONF, **OPTS).generate(PROMPTS, NEW, return_logits=True)
+    mesh = hkv.MeshEngine(model, CONF, mesh=mesh_of(8, 1), **OPTS).generate(PROMPTS, NEW, return_logits=True)
+    for i, (a, b) in enumerate(zip(one, mesh, strict=True)):
+        assert a.tokens == b.tokens, i
+        np.testing.assert_array_equal(np.asarray(b.logits), np.asarray(a.logits), err_msg=f"prompt {i}")
