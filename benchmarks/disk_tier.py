@@ -389,12 +389,13 @@ def sweep(args, root: str) -> None:
 
 
 def breakdown(args, root: str) -> tuple[int, dict]:
-    """Where DiskTier's write and read time goes: its steps re-run one by one (with hkv.store.tier's private
-    layout helpers, same arguments) on one segment, against raw I/O of the same bytes; wall and CPU."""
+    """Where DiskTier's write and read time goes: its steps re-run one by one (with hkv.store.layout's helpers,
+    same arguments) on one segment, against raw I/O of the same bytes; wall and CPU."""
     import zlib
 
     import tensorstore as ts
 
+    from hkv.store import layout as hl
     from hkv.store import tier as hd
 
     layout = flash_layout(args.block_tokens, args.segment_tokens)
@@ -423,7 +424,7 @@ def breakdown(args, root: str) -> tuple[int, dict]:
         try:
             with Step("write: raw (write + fsync)"):
                 raw_write(os.path.join(d, "raw"), segs)
-            lay = hd._Layout.plan(sum(-(-a.nbytes // 64) * 64 for a in objs), args.chunk_bytes, args.shard_bytes)
+            lay = hl.Layout.plan(sum(-(-a.nbytes // 64) * 64 for a in objs), args.chunk_bytes, args.shard_bytes)
             parts, off = [], 0
             for a in objs:
                 parts.append((off, a.reshape(-1).view(np.uint8)))
@@ -438,23 +439,23 @@ def breakdown(args, root: str) -> tuple[int, dict]:
             kv = ts.KvStore.open({"driver": "file", "path": os.path.join(d, "ts") + "/"}).result()
             with Step("write: hkv 3/3 tensorstore: every shard written + committed, one after another"):
                 arr = ts.open(
-                    hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
+                    hl.array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
                 ).result()
                 for lo, hi in lay.shards:
                     arr[lo:hi].write(buf[lo:hi]).result()
             with Step("  (3/3 with every shard write issued at once)"):
                 arr = ts.open(
-                    hd._array_spec(kv / "concurrent/", lay.padded, lay.chunk, lay.shard),
+                    hl.array_spec(kv / "concurrent/", lay.padded, lay.chunk, lay.shard),
                     open=True,
                     assume_metadata=True,
                 ).result()
                 for f in [arr[lo:hi].write(buf[lo:hi]) for lo, hi in lay.shards]:
                     f.result()
             with Step("  (3/3 as one shard in one transaction: DiskTier before the pipeline)"):
-                one = hd._Layout.plan(lay.padded, args.chunk_bytes, lay.padded)
+                one = hl.Layout.plan(lay.padded, args.chunk_bytes, lay.padded)
                 txn = ts.Transaction()
                 arr = ts.open(
-                    hd._array_spec(kv / "txn/", one.padded, one.chunk, one.shard),
+                    hl.array_spec(kv / "txn/", one.padded, one.chunk, one.shard),
                     open=True,
                     assume_metadata=True,
                     transaction=txn,
@@ -474,7 +475,7 @@ def breakdown(args, root: str) -> tuple[int, dict]:
             with Step("read (page cache dropped): raw"):
                 raw_read(os.path.join(d, "raw"), segs)
             arr = ts.open(
-                hd._array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
+                hl.array_spec(kv / "serial/", lay.padded, lay.chunk, lay.shard), open=True, assume_metadata=True
             ).result()
             drop_page_cache(d)
             with Step("read (page cache dropped): hkv, one zarr3 read per object"):

@@ -179,9 +179,15 @@ def seal(doc: dict, key: StoreKey | None = None) -> bytes:
     return canonical[:-1] + tail + b"}"
 
 
-def _need(cond: bool, what, reason: str = MALFORMED) -> None:
+def need(cond: bool, what, reason: str = MALFORMED) -> None:
     """Raise `ManifestError(what)` unless `cond`; `what` may be a callable building the message
-    (so the hot per-object checks format nothing when they pass)."""
+    (so the hot per-object checks format nothing when they pass).
+
+    Args:
+        cond: what must hold.
+        what: the message, or a callable that builds it.
+        reason: how the refusal is counted (`disk_malformed` by default).
+    """
     if not cond:
         raise ManifestError(what() if callable(what) else what, reason)
 
@@ -189,7 +195,15 @@ def _need(cond: bool, what, reason: str = MALFORMED) -> None:
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (32, 64)}
 
 
-def _hex(v: Any, n: int, name: str, allow_empty: bool = False) -> None:
+def check_hex(v: Any, n: int, name: str, allow_empty: bool = False) -> None:
+    """Raise `ManifestError` unless `v` is a str of `n` lowercase hex digits (or "" with `allow_empty`).
+
+    Args:
+        v: the value (hostile: it is only ever shown cut short).
+        n: 32 or 64.
+        name: what the message calls it.
+        allow_empty: whether "" passes (a first block's parent).
+    """
     if isinstance(v, str) and ((allow_empty and v == "") or _HEX[n].fullmatch(v)):
         return
     raise ManifestError(f"{name}={_short(v)} must be {n} lowercase hex digits")
@@ -201,7 +215,17 @@ def _short(v: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _int(v: Any, name: str, lo: int = 0, hi: int = INT64) -> int:
+def check_int(v: Any, name: str, lo: int = 0, hi: int = INT64) -> int:
+    """`v` when it is an int (not a bool) in [lo, hi]; else raise `ManifestError`.
+
+    Args:
+        v: the value (hostile: it is only ever shown cut short).
+        name: what the message calls it.
+        lo: the least value allowed.
+        hi: the greatest value allowed (int64's by default).
+    Returns:
+        `v`.
+    """
     if type(v) is int and lo <= v <= hi:  # bool is not an integer here
         return v
     raise ManifestError(f"{name}={_short(v)} must be an integer in [{lo}, {hi}]")
@@ -248,9 +272,9 @@ def load_json(
     Raises:
         ManifestError: `disk_malformed` (too large, too deep), `disk_checksum` (not UTF-8 or not JSON).
     """
-    _need(len(raw) <= max_bytes, f"{what} is {len(raw):,} bytes, more than the {max_bytes:,} a {what} may have")
+    need(len(raw) <= max_bytes, f"{what} is {len(raw):,} bytes, more than the {max_bytes:,} a {what} may have")
     d = depth(raw)
-    _need(d <= max_depth, f"JSON nested deeper than {max_depth} levels ({d}): not a {what}")
+    need(d <= max_depth, f"JSON nested deeper than {max_depth} levels ({d}): not a {what}")
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
@@ -283,13 +307,13 @@ def parse(
         ManifestError: with the `reason` it is counted under.
     """
     doc = load_json(raw)
-    _need(isinstance(doc, dict), f"manifest must be a JSON object, not {type(doc).__name__}")
-    _need(doc.get("format") == FORMAT, f"format={_short(doc.get('format'))} must be {FORMAT!r}")
-    _need(
+    need(isinstance(doc, dict), f"manifest must be a JSON object, not {type(doc).__name__}")
+    need(doc.get("format") == FORMAT, f"format={_short(doc.get('format'))} must be {FORMAT!r}")
+    need(
         doc.get("version") in READS and not isinstance(doc.get("version"), bool),
         f"version={_short(doc.get('version'))}: this hkv reads versions {READS}",
     )
-    _need(
+    need(
         isinstance(doc.get("checksum"), int) and doc["checksum"] == zlib.crc32(_canonical(doc)),
         "checksum does not match the manifest's contents (corrupted or edited)",
         CHECKSUM,
@@ -297,18 +321,18 @@ def parse(
     where_abi = abi if abi is not None else doc.get("abi")
     where_seg = segment if segment is not None else doc.get("segment")
     if key is None:
-        _need(
+        need(
             "hmac" not in doc and "auth" not in doc,
             "manifest is authenticated (HMAC) but this tier has no key (pass key= or set HKV_STORE_KEY)",
             AUTH,
         )
     else:
-        _need(
+        need(
             doc.get("auth") == AUTH_SCHEME and isinstance(doc.get("hmac"), str),
             f"manifest is not authenticated (no {AUTH_SCHEME} HMAC) but this tier has a key",
             AUTH,
         )
-        _need(
+        need(
             isinstance(where_abi, str)
             and isinstance(where_seg, str)
             and hmac.compare_digest(doc["hmac"], key.manifest_mac(where_abi, where_seg, _canonical(doc))),
@@ -316,8 +340,8 @@ def parse(
             AUTH,
         )
     check(doc, keyed=key is not None, max_data_bytes=max_data_bytes)
-    _need(abi is None or doc["abi"] == abi, f"manifest under ABI {abi} claims ABI {doc['abi']}", ABI)
-    _need(
+    need(abi is None or doc["abi"] == abi, f"manifest under ABI {abi} claims ABI {doc['abi']}", ABI)
+    need(
         segment is None or doc["segment"] == segment,
         f"manifest stored as segment {segment} names segment {doc['segment']} (overwritten or moved)",
     )
@@ -338,119 +362,119 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     Raises:
         ManifestError: `disk_malformed`, naming the first bad field and its allowed range.
     """
-    _need(isinstance(doc, dict), "manifest must be a JSON object")
+    need(isinstance(doc, dict), "manifest must be a JSON object")
     extra = set(doc) - _TOP
-    _need(not extra, f"unknown manifest fields {sorted(_short(k) for k in extra)[:5]}")
-    _hex(doc.get("abi"), 32, "abi")
+    need(not extra, f"unknown manifest fields {sorted(_short(k) for k in extra)[:5]}")
+    check_hex(doc.get("abi"), 32, "abi")
     for f in ("segment", "writer"):
         v = doc.get(f)
-        _need(
+        need(
             isinstance(v, str) and 0 < len(v) <= MAX_NAME and NAME.match(v) is not None,
             f"{f}={_short(v)} must be 1 to {MAX_NAME} characters of [A-Za-z0-9_.-], not starting with '.' or '-'",
         )
     c = doc.get("created", 0.0)
-    _need(
+    need(
         isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= 2**40,
         f"created={_short(c)} must be unix seconds in [0, {2**40}]",
     )
     cap = MAX_DATA_BYTES if max_data_bytes is None else min(MAX_DATA_BYTES, max_data_bytes)
-    data_bytes = _int(doc.get("data_bytes"), "data_bytes", 0, cap)
-    _int(doc.get("stored_bytes"), "stored_bytes", 0, 1 << 62)
-    chunk = _int(doc.get("chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES)
+    data_bytes = check_int(doc.get("data_bytes"), "data_bytes", 0, cap)
+    check_int(doc.get("stored_bytes"), "stored_bytes", 0, 1 << 62)
+    chunk = check_int(doc.get("chunk_bytes"), "chunk_bytes", 1, MAX_CHUNK_BYTES)
     padded = -(-max(data_bytes, 1) // chunk) * chunk
     if doc.get("version", VERSION) >= 2 or "shard_bytes" in doc:
         s = doc.get("shard_bytes")
-        _need(
+        need(
             isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_CHUNKS_PER_SHARD * chunk and s % chunk == 0,
             f"shard_bytes={_short(s)} must be a positive multiple of chunk_bytes={chunk} of at most "
             f"{MAX_CHUNKS_PER_SHARD} chunks",
         )
     else:
         s = padded
-        _need(
+        need(
             s // chunk <= MAX_CHUNKS_PER_SHARD,
             f"data_bytes={data_bytes} is {s // chunk} chunks of {chunk} "
             f"bytes in one shard, more than {MAX_CHUNKS_PER_SHARD}",
         )
     shards = -(-padded // s)
-    _need(
+    need(
         shards <= MAX_SHARDS,
         f"data_bytes={data_bytes} in shards of {s} bytes is {shards} shards, more than {MAX_SHARDS}",
     )
     blocks = doc.get("blocks")
-    _need(
+    need(
         isinstance(blocks, list) and 0 < len(blocks) <= MAX_BLOCKS, f"blocks must be a list of 1 to {MAX_BLOCKS} blocks"
     )
     spans = []
     for b in blocks:
-        _need(isinstance(b, dict), "each block must be an object")
+        need(isinstance(b, dict), "each block must be an object")
         extra = set(b) - _BLOCK
-        _need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — _need calls it at once
-        _hex(b.get("key"), 32, "block key")
-        _hex(b.get("parent"), 32, "block parent", allow_empty=True)
+        need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — need calls it at once
+        check_hex(b.get("key"), 32, "block key")
+        check_hex(b.get("parent"), 32, "block parent", allow_empty=True)
         for f in ("index", "length"):
-            _int(b.get(f), f"block {f}", 0, 1 << 40)
-        _int(b.get("indexer_version"), "block indexer_version", 0, (1 << 31) - 1)
+            check_int(b.get(f), f"block {f}", 0, 1 << 40)
+        check_int(b.get("indexer_version"), "block indexer_version", 0, (1 << 31) - 1)
         t = b.get("tokens")
         if keyed:
-            _hex(t, 64, "block tokens (a keyed digest)")
+            check_hex(t, 64, "block tokens (a keyed digest)")
         else:
-            _need(
+            need(
                 isinstance(t, list) and len(t) <= MAX_TOKENS,
                 lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers",
             )
-            _need(
+            need(
                 all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # not bool
                 "block tokens must be int64 integers",
             )
-        _need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
+        need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
         objs = b.get("objects")
-        _need(
+        need(
             isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
             lambda: f"block objects must be a list of at most {MAX_OBJECTS}",
         )
         names = set()
         for o in objs:
-            _need(
+            need(
                 isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
                 f"object name must be a string of 1 to {MAX_NAME} characters",
             )
-            _need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")  # noqa: B023 — _need calls it at once
+            need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")  # noqa: B023 — need calls it at once
             names.add(o["name"])
             extra = set(o) - _OBJECT
-            _need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — _need calls it at once
-            _need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")  # noqa: B023 — _need calls it at once
+            need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — need calls it at once
+            need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")  # noqa: B023 — need calls it at once
             shape = o.get("shape")
-            _need(
+            need(
                 isinstance(shape, list) and len(shape) <= MAX_DIMS,
-                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",  # noqa: B023 — _need calls it at once
+                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",  # noqa: B023 — need calls it at once
             )
             n = ITEMSIZE[o["dtype"]]
             for d in shape:
-                n *= _int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
-                _need(
+                n *= check_int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
+                need(
                     n <= MAX_DATA_BYTES,
-                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",  # noqa: B023 — _need calls it at once
+                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",  # noqa: B023 — need calls it at once
                 )
-            _int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
-            off = _int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
-            nb = _int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
-            _int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
-            _need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")  # noqa: B023 — _need calls it at once
-            _need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")  # noqa: B023 — _need calls it at once
-            _need(
+            check_int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
+            off = check_int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
+            nb = check_int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
+            check_int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
+            need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")  # noqa: B023 — need calls it at once
+            need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")  # noqa: B023 — need calls it at once
+            need(
                 off + nb <= data_bytes,
-                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",  # noqa: B023 — _need calls it at once
+                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",  # noqa: B023 — need calls it at once
             )
             if keyed:
-                _hex(o.get("sha256"), 64, f"object {o['name']} sha256")
+                check_hex(o.get("sha256"), 64, f"object {o['name']} sha256")
             else:
-                _need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")  # noqa: B023 — _need calls it at once
+                need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")  # noqa: B023 — need calls it at once
             if nb:
                 spans.append((off, off + nb, o["name"], b["index"]))
     spans.sort()
     for (_, end, name, i), (lo, _, name2, j) in itertools.pairwise(spans):
-        _need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")  # noqa: B023 — _need calls it at once
+        need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")  # noqa: B023 — need calls it at once
     return doc
 
 

@@ -262,13 +262,13 @@ def test_foreign_abi_blocks_are_reported_not_restored(model, engine, stored, tmp
 def test_write_behind_marks_residency_only_after_the_manifest_commit(model, engine, tmp_path):
     tier = DiskTier(str(tmp_path / "slow"))
     gate = threading.Event()
-    real = tier._write_segment
+    real = tier._writer.write_segment
 
     def slow(*a, **kw):
         assert gate.wait(60)
         return real(*a, **kw)
 
-    tier._write_segment = slow
+    tier._writer.write_segment = slow
     engine.disk = tier
     forget_device(engine)
     engine.generate([BASE[: CUT + 1]], NEW, return_logits=True)
@@ -305,7 +305,7 @@ def test_eviction_under_pressure_writes_behind_and_restores_from_disk(model, tmp
 
 def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model, tmp_path):
     tier = DiskTier(str(tmp_path / "group"))
-    gate, calls, real_write, real_async = threading.Event(), [], tier._write_segment, tier.write_async
+    gate, calls, real_write, real_async = threading.Event(), [], tier._writer.write_segment, tier.write_async
 
     def slow_first(*a, **kw):
         if not calls:
@@ -319,7 +319,7 @@ def test_offloads_queued_behind_a_slow_write_are_committed_as_one_segment(model,
         offloads.append(1)
         return real_async(*a, **kw)
 
-    tier._write_segment, tier.write_async = slow_first, counted
+    tier._writer.write_segment, tier.write_async = slow_first, counted
     engine = make_engine(model, scale=1, records=24, disk=tier)
     engine.generate(
         [BASE[: CUT + 1], diverge(16, tail=290, seed=11)], NEW, return_logits=True
@@ -595,13 +595,13 @@ def payload_files(engine, tmp_path_factory):
     src = tmp_path_factory.mktemp("payloads")
     tier = DiskTier(str(src / "capture"))
     captured = []
-    real = tier._write_segment
+    real = tier._writer.write_segment
 
     def capture(abi, blocks):
         captured.append((abi, blocks))
         return real(abi, blocks)
 
-    tier._write_segment = capture
+    tier._writer.write_segment = capture
     fill(engine, tier)
     segments = []
     for si, (abi, blocks) in enumerate(captured):

@@ -175,7 +175,7 @@ def test_budget_eviction_leaves_no_folders_and_verify_no_false_orphans(tmp_path,
     for i in range(8):
         tier.write(ABI, _chain(f"e{i}", 1, i))
     assert tier.counters["segments_evicted"] >= 5
-    live = {s.name for s in tier._segments.values()}
+    live = {s.name for s in tier._index.segments.values()}
     assert set(os.listdir(path / "data" / ABI)) == live
     tier.delete_segment(ABI, sorted(live)[0])
     assert set(os.listdir(path / "data" / ABI)) == live - {sorted(live)[0]}

@@ -193,8 +193,8 @@ def test_budget_eviction_on_s3_deletes_leaf_segments_and_their_objects(s3, prefi
     trunk, leaf_a, leaf_b = chain("t", 4), chain("t", 2, start=4), chain("u", 3)
     for blocks in (trunk, leaf_a, leaf_b):
         tier.write(ABI, blocks)
-    sizes = {s.name: s.stored_bytes for s in tier._segments.values()}
-    leaf_a_seg = next(s.name for s in tier._segments.values() if s.doc["blocks"][0]["index"] == 4)
+    sizes = {s.name: s.stored_bytes for s in tier._index.segments.values()}
+    leaf_a_seg = next(s.name for s in tier._index.segments.values() if s.doc["blocks"][0]["index"] == 4)
     assert tier.read(tier.find_chain(ABI, *_keys(leaf_b)).refs).reason is None  # leaf_b hit recently
     tier.budget_bytes = sum(sizes.values()) - 1
     assert tier.enforce_budget() == 1
@@ -361,14 +361,14 @@ def test_a_manifest_that_grows_after_its_size_probe_is_never_read_whole_on_s3(s3
     (key,) = [
         k
         for k in s3.keys(f"{prefix}/manifests")
-        if not any(k.endswith(f"{s.name}.json") for s in tier._segments.values())
+        if not any(k.endswith(f"{s.name}.json") for s in tier._index.segments.values())
     ]
     racing = _Racing(tier.kv, s3, key, b" " * (mf.MAX_MANIFEST_BYTES + (1 << 20)))
     tier.kv = racing
     tier.refresh(force=True)
     assert racing.sizes and max(racing.sizes) <= mf.MAX_MANIFEST_BYTES
-    assert key[len(prefix) + 1 :] in tier._bad  # one bad segment, with its reason
-    assert tier._bad[key[len(prefix) + 1 :]][0] in DISK_REASONS
+    assert key[len(prefix) + 1 :] in tier._index.bad  # one bad segment, with its reason
+    assert tier._index.bad[key[len(prefix) + 1 :]][0] in DISK_REASONS
     tier.kv = racing._kv
     g = chain("g", 2)
     res = tier.read(tier.find_chain(ABI, *_keys(g)).refs)
@@ -400,10 +400,10 @@ def test_a_store_that_does_not_state_sizes_still_indexes_its_manifests_reading_a
     tier = DiskTier(s3.spec(prefix), refresh_seconds=3600)
     sizeless = _Sizeless(tier.kv, s3, "-/never", b"")
     tier.kv = sizeless
-    tier._segments.clear()
-    tier._blocks.clear()
+    tier._index.segments.clear()
+    tier._index.blocks.clear()
     tier.refresh(force=True)
-    assert len(tier._segments) == 2 and not tier._bad
+    assert len(tier._index.segments) == 2 and not tier._index.bad
     assert sizeless.sizes and max(sizeless.sizes) <= mf.MAX_MANIFEST_BYTES
     tier.kv = sizeless._kv  # the manifests were indexed through it; the data is read as usual
     for name, n in (("s", 2), ("z", 3)):

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from hkv.store import manifest as mf
-from hkv.store.tier import BlockPayload, DiskBacklogError, DiskTier, _Layout
+from hkv.store.layout import Layout
+from hkv.store.tier import BlockPayload, DiskBacklogError, DiskTier
 
 ABI = "ab" * 16
 BT = 4
@@ -97,7 +98,7 @@ def test_budget_evicts_leaf_segments_least_recently_hit_first(tmp_path):
     trunk, leaf_a, leaf_b = chain("t", 4), chain("t", 2, start=4), chain("u", 3)
     for blocks in (trunk, leaf_a, leaf_b):
         tier.write(ABI, blocks)
-    sizes = {s.name: s.stored_bytes for s in tier._segments.values()}
+    sizes = {s.name: s.stored_bytes for s in tier._index.segments.values()}
     assert len(sizes) == 3
     # leaf_b was restored recently; the trunk is extended by leaf_a: leaf_a goes first
     ref = tier.find_chain(ABI, [b.key for b in leaf_b], [b.tokens for b in leaf_b]).refs
@@ -174,7 +175,7 @@ def test_manifest_schema_errors_name_the_field():
     # version 1 (no shard_bytes: the array is one shard) is still read
     v1 = {k: v for k, v in doc.items() if k != "shard_bytes"} | {"format": mf.FORMAT, "version": 1}
     v1["checksum"] = mf.zlib.crc32(mf._canonical(v1))
-    assert _Layout.of(mf.parse(json.dumps(v1).encode())).shard == 4096
+    assert Layout.of(mf.parse(json.dumps(v1).encode())).shard == 4096
     with pytest.raises(mf.ManifestError, match="checksum"):
         mf.parse(mf.seal(doc).replace(b'"writer":"w"', b'"writer":"x"'))
     with pytest.raises(mf.ManifestError, match="not JSON"):
@@ -229,7 +230,7 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
     tier = DiskTier(str(tmp_path), chunk_bytes=4096, shard_bytes=8192)
     blocks = chain("s", 6, kib=3, snapshot_every=2)  # 6 KiB rows: objects span chunk and shard boundaries
     tier.write(ABI, blocks)
-    (seg,) = tier._segments.values()
+    (seg,) = tier._index.segments.values()
     doc = mf.parse((tmp_path / "manifests" / ABI / f"{seg.name}.json").read_bytes())
     data = tmp_path / "data" / ABI / seg.name / "c"
     shards = sorted(os.listdir(data), key=int)
@@ -273,8 +274,8 @@ def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
     chains = [chain(f"q{i}", 4, kib=3, snapshot_every=2) for i in range(5)]
     futs = [tier.write_async(ABI, c) for c in chains]
     assert [f.result() for f in futs] == [[b.key for b in c] for c in chains]
-    names = [s.name for s in sorted(tier._segments.values(), key=lambda s: s.created)]
-    assert [tier._blocks[c[0].key.hex()][0].segment for c in chains] == names  # published in write order
+    names = [s.name for s in sorted(tier._index.segments.values(), key=lambda s: s.created)]
+    assert [tier._index.blocks[c[0].key.hex()][0].segment for c in chains] == names  # published in write order
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == len(c)
@@ -286,14 +287,14 @@ def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
 
 def _gated(tier):
     """Hold the writer thread inside its first segment until the returned event is set."""
-    gate, entered, real = threading.Event(), threading.Event(), tier._write_segment
+    gate, entered, real = threading.Event(), threading.Event(), tier._writer.write_segment
 
     def slow(*a, **kw):
         entered.set()
         assert gate.wait(60)
         return real(*a, **kw)
 
-    tier._write_segment = slow
+    tier._writer.write_segment = slow
     return gate, entered
 
 
@@ -313,7 +314,7 @@ def test_requests_queued_while_the_writer_is_busy_are_written_as_one_segment(tmp
         futs[5].result()  # refused on its own; the requests queued with it are written
     tier.flush()
     assert tier.counters["segments_written"] == 2 and tier.counters["write_failures"] == 1
-    assert sorted(len(s.keys) for s in tier._segments.values()) == [2, 8]
+    assert sorted(len(s.keys) for s in tier._index.segments.values()) == [2, 8]
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == 2
@@ -335,7 +336,7 @@ def test_a_write_beyond_the_backlog_limit_fails_at_once_and_host_memory_stays_bo
     assert all(len(f.result()) == 1 for f in futs)
     tier.flush()
     assert tier.stats()["abis"][ABI]["blocks"] == 4 and tier.counters["write_failures"] == 0
-    assert tier._queued_bytes == 0
+    assert tier._writer.queued_bytes == 0
     with pytest.raises(ValueError, match="max_queued_bytes"):
         DiskTier(str(tmp_path), max_queued_bytes=0)
 
@@ -351,7 +352,7 @@ def test_one_segment_may_list_a_block_with_and_without_its_snapshot(tmp_path):
     futs = [tier.write_async(ABI, plain), tier.write_async(ABI, snap)]
     gate.set()
     first.result(), [f.result() for f in futs]
-    (seg,) = [s for s in tier._segments.values() if len(s.keys) == 3]
+    (seg,) = [s for s in tier._index.segments.values() if len(s.keys) == 3]
     assert seg.keys[1] == seg.keys[2] == snap[0].key.hex()
     refs = tier.find_chain(ABI, [b.key for b in plain], [b.tokens for b in plain]).refs
     assert refs[1].snapshot  # the copy with the snapshot is preferred
