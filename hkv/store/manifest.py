@@ -348,20 +348,8 @@ def parse(
     return doc
 
 
-def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) -> dict:
-    """The schema and bounds check of `parse` on a manifest's fields (no JSON, no checksum, no
-    HMAC): what a writer runs before writing a segment's bytes, so a manifest that would be refused
-    is never published. Every size is checked before anything sized by it is built.
-
-    Args:
-        doc: the manifest's fields.
-        keyed: the manifest of a keyed store (keyed token digests and object sha256 instead of token ids).
-        max_data_bytes: the reader's or writer's budget, if any.
-    Returns:
-        `doc`, unchanged.
-    Raises:
-        ManifestError: `disk_malformed`, naming the first bad field and its allowed range.
-    """
+def _check_top(doc: dict, max_data_bytes: int | None) -> int:
+    """`check` of the manifest's top-level fields but `blocks`; returns its `data_bytes`."""
     need(isinstance(doc, dict), "manifest must be a JSON object")
     extra = set(doc) - _TOP
     need(not extra, f"unknown manifest fields {sorted(_short(k) for k in extra)[:5]}")
@@ -401,77 +389,110 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
         shards <= MAX_SHARDS,
         f"data_bytes={data_bytes} in shards of {s} bytes is {shards} shards, more than {MAX_SHARDS}",
     )
+    return data_bytes
+
+
+def _check_block(b: Any, keyed: bool, data_bytes: int) -> list[tuple[int, int, str, int]]:
+    """`check` of one block entry; returns the (start, end, name, block index) byte span of each
+    non-empty object."""
+    need(isinstance(b, dict), "each block must be an object")
+    extra = set(b) - _BLOCK
+    need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")
+    check_hex(b.get("key"), 32, "block key")
+    check_hex(b.get("parent"), 32, "block parent", allow_empty=True)
+    for f in ("index", "length"):
+        check_int(b.get(f), f"block {f}", 0, 1 << 40)
+    check_int(b.get("indexer_version"), "block indexer_version", 0, (1 << 31) - 1)
+    t = b.get("tokens")
+    if keyed:
+        check_hex(t, 64, "block tokens (a keyed digest)")
+    else:
+        need(
+            isinstance(t, list) and len(t) <= MAX_TOKENS,
+            lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers",
+        )
+        need(
+            all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # not bool
+            "block tokens must be int64 integers",
+        )
+    need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
+    objs = b.get("objects")
+    need(
+        isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
+        lambda: f"block objects must be a list of at most {MAX_OBJECTS}",
+    )
+    names: set[str] = set()
+    spans = []
+    for o in objs:
+        span = _check_object(o, b, keyed, data_bytes, names)
+        if span is not None:
+            spans.append(span)
+    return spans
+
+
+def _check_object(o: Any, b: dict, keyed: bool, data_bytes: int, names: set[str]) -> tuple[int, int, str, int] | None:
+    """`check` of one object entry of block `b` (`names`: the names listed before it in the block, to
+    which its own is added); returns its (start, end, name, block index) byte span, None if empty."""
+    need(
+        isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
+        f"object name must be a string of 1 to {MAX_NAME} characters",
+    )
+    need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")
+    names.add(o["name"])
+    extra = set(o) - _OBJECT
+    need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")
+    need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")
+    shape = o.get("shape")
+    need(
+        isinstance(shape, list) and len(shape) <= MAX_DIMS,
+        lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",
+    )
+    n = ITEMSIZE[o["dtype"]]
+    for d in shape:
+        n *= check_int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
+        need(
+            n <= MAX_DATA_BYTES,
+            lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",
+        )
+    check_int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
+    off = check_int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
+    nb = check_int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
+    check_int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
+    need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
+    need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
+    need(
+        off + nb <= data_bytes,
+        lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",
+    )
+    if keyed:
+        check_hex(o.get("sha256"), 64, f"object {o['name']} sha256")
+    else:
+        need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")
+    return (off, off + nb, o["name"], b["index"]) if nb else None
+
+
+def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) -> dict:
+    """The schema and bounds check of `parse` on a manifest's fields (no JSON, no checksum, no
+    HMAC): what a writer runs before writing a segment's bytes, so a manifest that would be refused
+    is never published. Every size is checked before anything sized by it is built.
+
+    Args:
+        doc: the manifest's fields.
+        keyed: the manifest of a keyed store (keyed token digests and object sha256 instead of token ids).
+        max_data_bytes: the reader's or writer's budget, if any.
+    Returns:
+        `doc`, unchanged.
+    Raises:
+        ManifestError: `disk_malformed`, naming the first bad field and its allowed range.
+    """
+    data_bytes = _check_top(doc, max_data_bytes)
     blocks = doc.get("blocks")
     need(
         isinstance(blocks, list) and 0 < len(blocks) <= MAX_BLOCKS, f"blocks must be a list of 1 to {MAX_BLOCKS} blocks"
     )
     spans = []
     for b in blocks:
-        need(isinstance(b, dict), "each block must be an object")
-        extra = set(b) - _BLOCK
-        need(not extra, lambda: f"unknown block fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — need calls it at once
-        check_hex(b.get("key"), 32, "block key")
-        check_hex(b.get("parent"), 32, "block parent", allow_empty=True)
-        for f in ("index", "length"):
-            check_int(b.get(f), f"block {f}", 0, 1 << 40)
-        check_int(b.get("indexer_version"), "block indexer_version", 0, (1 << 31) - 1)
-        t = b.get("tokens")
-        if keyed:
-            check_hex(t, 64, "block tokens (a keyed digest)")
-        else:
-            need(
-                isinstance(t, list) and len(t) <= MAX_TOKENS,
-                lambda: f"block tokens must be a list of at most {MAX_TOKENS} integers",
-            )
-            need(
-                all(type(x) is int and -INT64 - 1 <= x <= INT64 for x in t),  # not bool
-                "block tokens must be int64 integers",
-            )
-        need(isinstance(b.get("snapshot"), bool), "block snapshot must be a boolean")
-        objs = b.get("objects")
-        need(
-            isinstance(objs, list) and len(objs) <= MAX_OBJECTS,
-            lambda: f"block objects must be a list of at most {MAX_OBJECTS}",
-        )
-        names = set()
-        for o in objs:
-            need(
-                isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
-                f"object name must be a string of 1 to {MAX_NAME} characters",
-            )
-            need(o["name"] not in names, lambda: f"object {_short(o['name'])} is listed twice in block {b['index']}")  # noqa: B023 — need calls it at once
-            names.add(o["name"])
-            extra = set(o) - _OBJECT
-            need(not extra, lambda: f"unknown object fields {sorted(_short(k) for k in extra)[:5]}")  # noqa: B023 — need calls it at once
-            need(o.get("dtype") in DTYPES, lambda: f"object dtype={_short(o.get('dtype'))} must be one of {DTYPES}")  # noqa: B023 — need calls it at once
-            shape = o.get("shape")
-            need(
-                isinstance(shape, list) and len(shape) <= MAX_DIMS,
-                lambda: f"object shape={_short(shape)} must be a list of at most {MAX_DIMS} integers",  # noqa: B023 — need calls it at once
-            )
-            n = ITEMSIZE[o["dtype"]]
-            for d in shape:
-                n *= check_int(d, f"object {o['name']} shape dimension", 0, MAX_DATA_BYTES)
-                need(
-                    n <= MAX_DATA_BYTES,
-                    lambda: f"object {o['name']} shape={_short(shape)} holds more than {MAX_DATA_BYTES} bytes",  # noqa: B023 — need calls it at once
-                )
-            check_int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
-            off = check_int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
-            nb = check_int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
-            check_int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
-            need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")  # noqa: B023 — need calls it at once
-            need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")  # noqa: B023 — need calls it at once
-            need(
-                off + nb <= data_bytes,
-                lambda: f"object {o['name']} bytes [{off}, {off + nb}) exceed data_bytes={data_bytes}",  # noqa: B023 — need calls it at once
-            )
-            if keyed:
-                check_hex(o.get("sha256"), 64, f"object {o['name']} sha256")
-            else:
-                need("sha256" not in o, lambda: f"object {o['name']} has a sha256 but the manifest is not keyed")  # noqa: B023 — need calls it at once
-            if nb:
-                spans.append((off, off + nb, o["name"], b["index"]))
+        spans += _check_block(b, keyed, data_bytes)
     spans.sort()
     for (_, end, name, i), (lo, _, name2, j) in itertools.pairwise(spans):
         need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")  # noqa: B023 — need calls it at once
