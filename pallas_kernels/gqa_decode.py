@@ -38,7 +38,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
@@ -204,18 +203,13 @@ def gqa_decode_kernel_tpu(
 ):
     b = pl.program_id(0)
     num_kv_heads, _, head_dim = q_ref.shape
-    page_size = page_buf.shape[1]
     length = lengths_ref[b]
     lo = jnp.maximum(length - span, 0)
     states = tuple(online_softmax.init_state(sinks_ref[g], head_dim) for g in range(num_kv_heads))
 
     def fold_page(j, base, page, states):
         del j
-        row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
-        col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
-        # Rows of the page outside [lo, length) may be unwritten slots: zero them so they cannot be NaN.
-        page = jnp.where((row_pos >= lo) & (row_pos < length), page, jnp.zeros_like(page))
-        valid = (col_pos >= lo) & (col_pos < length)
+        page, valid = paged_folds_tpu.mask_page(page, base, lo, length)
         folded = []
         for g in range(num_kv_heads):
             k = page[:, g * head_dim : (g + 1) * head_dim]  # [page_size, head_dim]

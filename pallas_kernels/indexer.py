@@ -145,18 +145,16 @@ def indexer_scores_kernel_tpu(
     scale: float,
 ):
     b = pl.program_id(0)
-    pages_per_seq, page_size = out_ref.shape
+    pages_per_seq = out_ref.shape[0]
     n_visible = n_visible_ref[b]
     q = q_ref[...]
     weights = weights_ref[...]
     out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
 
     def score_page(j, base, keys, carry):
-        positions = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
-        rows = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
-        keys = jnp.where(rows < n_visible, keys, jnp.zeros_like(keys))  # unwritten slots -> 0
+        keys, valid = paged_folds_tpu.mask_page(keys, base, 0, n_visible)  # unwritten slots -> 0
         scores = _score_block(q, weights, keys, scale)
-        out_ref[pl.ds(j, 1), :] = jnp.where(positions < n_visible, scores, -jnp.inf)
+        out_ref[pl.ds(j, 1), :] = jnp.where(valid, scores, -jnp.inf)
         return carry
 
     paged_folds_tpu.scan_pages(

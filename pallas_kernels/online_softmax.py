@@ -42,7 +42,8 @@ def init_state(sinks: jax.Array, head_dim: int) -> SoftmaxState:
 
 
 def dot_precision(dtype) -> lax.Precision:
-    # f32 pools get true f32 products (not TF32); bf16 uses the native bf16 x bf16 -> f32 path.
+    """The `lax.dot_general` precision for operands of `dtype`: f32 pools get true f32 products (HIGHEST,
+    not TF32); bf16 uses the native bf16 x bf16 -> f32 path (DEFAULT)."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
@@ -53,23 +54,8 @@ def fold_block(
     valid: jax.Array,  # [1, block] bool; False columns are not part of the softmax
     scale: float,
 ) -> SoftmaxState:
-    """Folds one block of K=V rows into the running softmax state."""
-    precision = dot_precision(kv.dtype)
-    logits = (
-        lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-        * scale
-    )  # [heads, block]
-    logits = jnp.where(valid, logits, -jnp.inf)
-    m_next = jnp.maximum(state.m, jnp.max(logits, axis=1, keepdims=True))  # [heads, 1]
-    # All -inf so far (no sink, nothing valid yet): shift by 0 so exp() gives 0, not NaN.
-    m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    alpha = jnp.exp(state.m - m_shift)  # [heads, 1]
-    p = jnp.exp(logits - m_shift)  # [heads, block]
-    l_next = alpha * state.l + jnp.sum(p, axis=1, keepdims=True)
-    pv = lax.dot_general(
-        p.astype(kv.dtype), kv, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-    )  # [heads, D]
-    return SoftmaxState(o=alpha * state.o + pv, m=m_next, l=l_next)
+    """Folds one block of K=V rows into the running softmax state: `fold_block_kv` with k = v = kv."""
+    return fold_block_kv(state, q, kv, kv, valid, scale)
 
 
 def fold_block_kv(

@@ -16,6 +16,24 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import online_softmax
 
 
+def table_page(page_table_ref, table_offset, logical_page, *, pages_per_seq: int):
+    """The physical page of a sequence's logical page (int32 scalar >= 0): entry `logical_page %
+    pages_per_seq` of the sequence's slice of the flattened SMEM table, which starts at `table_offset`
+    (b * pages_per_seq); the modulo makes a short table a ring."""
+    return page_table_ref[table_offset + lax.rem(logical_page, pages_per_seq)]
+
+
+def mask_page(page, base, lo, hi):
+    """(page with its rows outside entries [lo, hi) zeroed, valid bool[1, page_size]) for a page
+    [page_size, D] whose first row is entry `base`. Rows outside the range may be unwritten slots (NaN):
+    zeroed, they contribute exact zeros; `valid` masks their columns of the logits."""
+    page_size = page.shape[0]
+    row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
+    col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
+    page = jnp.where((row_pos >= lo) & (row_pos < hi), page, jnp.zeros_like(page))
+    return page, (col_pos >= lo) & (col_pos < hi)
+
+
 def scan_pages(
     pool_hbm_ref,  # HBM [num_pages, page_size, D]
     page_table_ref,  # SMEM int32[batch * pages_per_seq]
@@ -40,7 +58,7 @@ def scan_pages(
     num_pages = jnp.maximum(pl.cdiv(hi, page_size) - first_page, 0)
 
     def page_copy(j, slot):
-        page = page_table_ref[table_offset + lax.rem(first_page + j, pages_per_seq)]
+        page = table_page(page_table_ref, table_offset, first_page + j, pages_per_seq=pages_per_seq)
         return pltpu.make_async_copy(pool_hbm_ref.at[page], page_buf.at[slot], sems.at[slot])
 
     @pl.when(num_pages > 0)
@@ -75,15 +93,10 @@ def fold_page_range(
     scale: float,
 ) -> online_softmax.SoftmaxState:
     """Folds entries [lo, hi) of one sequence into the softmax state, page by page."""
-    page_size = page_buf.shape[1]
 
     def fold_page(j, base, kv, carry):
         del j
-        row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
-        col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
-        # Rows of the page outside [lo, hi) may be unwritten slots: zero them so they cannot be NaN.
-        kv = jnp.where((row_pos >= lo) & (row_pos < hi), kv, jnp.zeros_like(kv))
-        valid = (col_pos >= lo) & (col_pos < hi)
+        kv, valid = mask_page(kv, base, lo, hi)
         return online_softmax.fold_block(carry, q, kv, valid, scale)
 
     return scan_pages(
@@ -121,7 +134,7 @@ def fold_selected_rows(
     num_chunks = indices_vmem_ref.shape[0]
 
     def row_copy(entry, r):
-        page = page_table_ref[table_offset + lax.rem(lax.div(entry, page_size), pages_per_seq)]
+        page = table_page(page_table_ref, table_offset, lax.div(entry, page_size), pages_per_seq=pages_per_seq)
         return pltpu.make_async_copy(
             pool_hbm_ref.at[page, pl.ds(lax.rem(entry, page_size), 1)], row_buf.at[pl.ds(r, 1)], sem
         )
