@@ -53,7 +53,7 @@ import uuid
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +193,40 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     """
     path = Path(os.fspath(path)).absolute()
     started = time.time()
-    running = sorted(q.slot for q in engine._live())
+    replacing = _check_saveable(engine, path, overwrite)
+    snapshot = _snapshot_cache(engine.cache)
+    token = uuid.uuid4().hex
+    doc = _metadata(engine, snapshot.leaves, token)
+    ocp, ck = _checkpointer()
+    job = _SaveJob(doc=doc, stored=snapshot.stored, token=token, ocp=ocp, checkpointer=ck)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not replacing:
+            _save_new(path, job)
+        else:
+            _save_over(path, job)
+        _clean_stale(path, keep=doc["cache_dir"], before=started)
+    except OSError as err:  # a path under a regular file, a read-only or full filesystem, ...
+        raise EngineCheckpointError(
+            f"cannot save an engine checkpoint at {str(path)!r}: {err.strerror or err} (is its parent a "
+            f"writable directory?)"
+        ) from err
+
+
+def _check_saveable(engine, path: Path, overwrite: bool) -> bool:
+    """Refuse to save unless `engine` is idle and `path` is free, or replaceable and `overwrite` is set.
+
+    Args:
+      engine: the engine to save.
+      path: the checkpoint directory (absolute).
+      overwrite: whether an existing checkpoint (or a directory of a killed save's leftovers) may be replaced.
+    Returns:
+      whether something exists at `path` (the save replaces it) or not (the save creates it).
+    Raises:
+      EngineCheckpointError: sequences are running, requests are submitted and not finished, `path` exists
+        and `overwrite` is False, or `path` is something other than a checkpoint or an empty directory.
+    """
+    running = sorted(q.slot for q in engine.scheduler.live())
     if running:
         raise EngineCheckpointError(
             f"cannot save while {len(running)} sequence(s) are running (slots {running}); "
@@ -214,9 +247,26 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
                 f"{str(path)!r} exists and is not an hkv engine checkpoint or an empty "
                 f"directory; refusing to overwrite it"
             )
+    return replacing
 
-    cfg = engine.layout.config
-    leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(engine.cache)
+
+class _CacheSnapshot(NamedTuple):
+    """A host copy of a cache's leaves, as a checkpoint stores them."""
+
+    leaves: list[dict[str, Any]]  # one metadata entry per leaf, in `jax.tree_util` flatten order
+    stored: dict[str, np.ndarray]  # the non-empty leaves, keyed by `_leaf_key(index)`
+
+
+def _snapshot_cache(cache) -> _CacheSnapshot:
+    """Copy `cache`'s leaves to the host (one device->host copy) and describe each one.
+
+    Args:
+      cache: the engine's `HybridCache`.
+    Returns:
+      each leaf's metadata entry (key path, shape, dtype, crc32, whether it is stored) and the arrays to
+      store: every leaf but the zero-size ones (orbax refuses them; they carry no data).
+    """
+    leaves_with_path, _ = jax.tree_util.tree_flatten_with_path(cache)
     host = [np.asarray(jax.device_get(x)) for _, x in leaves_with_path]  # one device->host copy
     leaf_meta, stored = [], {}
     for i, ((kp, _), a) in enumerate(zip(leaves_with_path, host, strict=True)):
@@ -232,8 +282,20 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
         )
         if keep:
             stored[_leaf_key(i)] = a
-    token = uuid.uuid4().hex
-    ret = engine.retention
+    return _CacheSnapshot(leaf_meta, stored)
+
+
+def _metadata(engine, leaves: list[dict[str, Any]], token: str) -> dict[str, Any]:
+    """The checkpoint's metadata document (format version `FORMAT_VERSION`), sealed by its crc32.
+
+    Args:
+      engine: the engine being saved.
+      leaves: the cache leaves' metadata entries (`_snapshot_cache`).
+      token: this save's 32-hex token: the arrays go to `cache-<token>/`.
+    Returns:
+      the document `hkv_engine.json` holds (module docstring), `metadata_crc32` included.
+    """
+    cfg = engine.layout.config
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -245,80 +307,120 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
             "prefix_records": cfg.prefix_records,
             "tail_snapshots": cfg.tail_snapshots,
         },
-        "engine": {
-            "block_tokens": engine.spec.block_tokens,
-            "prefill_chunk": engine.prefill_chunk,
-            "model_id": engine.spec.model_id,
-            "retention": {f.name: getattr(ret, f.name) for f in dataclasses.fields(ret)},
-            "cache_salt": bytes(engine.cache_salt).hex(),
-            "prefill_batch": engine.prefill_batch,
-            "prefill_buckets": [int(w) for w in engine.prefill_widths[:-1]],
-            "read_buckets": [int(r) for r in engine.read_sizes if r is not None],
-            "decode_steps": engine.decode_steps,
-            "restore_choice": engine.restore_choice,
-            "decode_while_building": bool(engine.decode_while_building),
-            # settings a checkpoint cannot hold (objects, callables): restore warns when they are not given again
-            "not_saved": [name for name, set_ in engine.unsaved_settings().items() if set_],
-        },
+        "engine": _engine_settings(engine),
         "abi_fingerprint": engine.spec.fingerprint(),
         "spec": engine.spec.to_json(),
         "cache_dir": f"cache-{token}",
-        "leaves": leaf_meta,
+        "leaves": leaves,
         "versions": {"jax": jax.__version__, "orbax_checkpoint": _orbax_version()},
     }
     doc["metadata_crc32"] = _seal(doc)
-    ocp, ck = _checkpointer()
+    return doc
 
-    def write_arrays(into: Path) -> None:
-        ck.save(into, args=ocp.args.StandardSave(stored))
+
+def _engine_settings(engine) -> dict[str, Any]:
+    """The metadata's `engine` section: the engine settings a restore passes to `hkv.Engine` again.
+
+    Args:
+      engine: the engine being saved.
+    Returns:
+      block_tokens, prefill_chunk, model_id, retention, cache_salt (hex), the batching and bucket settings,
+      decode_while_building, and the names of the set settings a checkpoint cannot hold (`not_saved`).
+    """
+    ret = engine.retention
+    return {
+        "block_tokens": engine.spec.block_tokens,
+        "prefill_chunk": engine.prefill_chunk,
+        "model_id": engine.spec.model_id,
+        "retention": {f.name: getattr(ret, f.name) for f in dataclasses.fields(ret)},
+        "cache_salt": bytes(engine.cache_salt).hex(),
+        "prefill_batch": engine.prefill_batch,
+        "prefill_buckets": [int(w) for w in engine.prefill_widths[:-1]],
+        "read_buckets": [int(r) for r in engine.read_sizes if r is not None],
+        "decode_steps": engine.decode_steps,
+        "restore_choice": engine.restore_choice,
+        "decode_while_building": bool(engine.decode_while_building),
+        # settings a checkpoint cannot hold (objects, callables): restore warns when they are not given again
+        "not_saved": [name for name, set_ in engine.unsaved_settings().items() if set_],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveJob:
+    """One save's content and its writer: the sealed metadata, the arrays, this save's token, orbax."""
+
+    doc: dict[str, Any]
+    stored: dict[str, np.ndarray]  # `_CacheSnapshot.stored`
+    token: str  # names this save's array directory and temporary entries
+    ocp: Any  # the orbax.checkpoint module
+    checkpointer: Any  # a synchronous orbax Checkpointer (`_checkpointer`)
+
+    def write_arrays(self, into: Path) -> None:
+        """Write the arrays as an orbax checkpoint at `into`, then fsync every file and directory under it."""
+        self.checkpointer.save(into, args=self.ocp.args.StandardSave(self.stored))
         _fsync_tree(into)
 
-    def write_metadata(f: Path) -> None:
+    def write_metadata(self, f: Path) -> None:
+        """Write the metadata JSON to the file `f` and fsync it."""
         with open(f, "w") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=True)
+            json.dump(self.doc, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
 
+
+def _save_new(path: Path, job: _SaveJob) -> None:
+    """Create the checkpoint at `path` (nothing there): build it whole in `.<name>.tmp-<token>/` beside
+    `path`, fsynced, then one `os.rename` to `path`; the temporary directory never outlives the call.
+
+    Args:
+      path: the checkpoint directory (absolute, absent; its parent exists).
+      job: what to write.
+    Raises:
+      EngineCheckpointError: `path` appeared while saving (nothing was replaced).
+      OSError: a write failed.
+    """
+    tmp = path.parent / f".{path.name}.tmp-{job.token}"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not replacing:  # build the whole checkpoint beside `path`, then one rename
-            tmp = path.parent / f".{path.name}.tmp-{token}"
-            try:
-                tmp.mkdir()
-                write_arrays(tmp / doc["cache_dir"])
-                write_metadata(tmp / METADATA_FILE)
-                _fsync_dir(tmp)
-                try:
-                    os.rename(tmp, path)
-                except OSError as err:  # another process created `path` meanwhile
-                    raise EngineCheckpointError(
-                        f"{str(path)!r} appeared while saving ({err}); nothing was replaced"
-                    ) from err
-                _fsync_dir(path.parent)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-        else:  # new arrays beside the old ones; the metadata file is the one atomic switch
-            new_tmp = path / f".{METADATA_FILE}.tmp-{token}"
-            try:
-                write_arrays(path / doc["cache_dir"])
-                write_metadata(new_tmp)
-                _fsync_dir(path)
-                os.replace(new_tmp, path / METADATA_FILE)
-                _fsync_dir(path)
-            except BaseException:
-                # not switched: this save's entries are garbage (the live checkpoint is untouched)
-                if not (path / METADATA_FILE).is_file() or _live_cache_dir(path) != doc["cache_dir"]:
-                    shutil.rmtree(path / doc["cache_dir"], ignore_errors=True)
-                    if new_tmp.exists():
-                        new_tmp.unlink()
-                raise
-        _clean_stale(path, keep=doc["cache_dir"], before=started)
-    except OSError as err:  # a path under a regular file, a read-only or full filesystem, ...
-        raise EngineCheckpointError(
-            f"cannot save an engine checkpoint at {str(path)!r}: {err.strerror or err} (is its parent a "
-            f"writable directory?)"
-        ) from err
+        tmp.mkdir()
+        job.write_arrays(tmp / job.doc["cache_dir"])
+        job.write_metadata(tmp / METADATA_FILE)
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError as err:  # another process created `path` meanwhile
+            raise EngineCheckpointError(f"{str(path)!r} appeared while saving ({err}); nothing was replaced") from err
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_over(path: Path, job: _SaveJob) -> None:
+    """Replace the checkpoint at `path`: the new arrays go to `cache-<token>/` beside the old ones, the
+    new metadata to `.hkv_engine.json.tmp-<token>` (both fsynced), which one `os.replace` makes
+    `hkv_engine.json` (the one atomic switch). If the switch did not happen, this save's entries are
+    deleted and the live checkpoint is untouched; the old arrays are left to `_clean_stale`.
+
+    Args:
+      path: an existing, replaceable checkpoint directory (absolute).
+      job: what to write.
+    Raises:
+      OSError (or whatever interrupted the save): a write failed; `path` is the old checkpoint.
+    """
+    new_tmp = path / f".{METADATA_FILE}.tmp-{job.token}"
+    try:
+        job.write_arrays(path / job.doc["cache_dir"])
+        job.write_metadata(new_tmp)
+        _fsync_dir(path)
+        os.replace(new_tmp, path / METADATA_FILE)
+        _fsync_dir(path)
+    except BaseException:
+        # not switched: this save's entries are garbage (the live checkpoint is untouched)
+        if not (path / METADATA_FILE).is_file() or _live_cache_dir(path) != job.doc["cache_dir"]:
+            shutil.rmtree(path / job.doc["cache_dir"], ignore_errors=True)
+            if new_tmp.exists():
+                new_tmp.unlink()
+        raise
 
 
 def _live_cache_dir(path: Path) -> str | None:
@@ -647,8 +749,6 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     """
     from flax import nnx
 
-    from ..core.weights import weights_digest
-
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"model={type(model).__name__}: Engine.restore needs the flax.nnx model the engine was saved with "
@@ -656,20 +756,62 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
         )
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
-        hint = ""
-        if path.parent.is_dir():  # hkv's version-1 save, killed between its two renames, left only this
-            old = sorted(
-                e.name
-                for e in path.parent.iterdir()
-                if re.fullmatch(rf"\.{re.escape(path.name)}\.old-[0-9a-f]{{12}}", e.name)
-                and (e / METADATA_FILE).is_file()
+        raise _no_checkpoint_error(path)
+    checks = _RestoreChecks(path, _usable_metadata(path, engine_kwargs), engine_kwargs)
+    settings = _saved_settings(checks)
+    engine = _build_engine(checks, engine_cls, model, settings)
+
+    fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
+    checks.refuse_leaves(fresh_with_path)
+    host = _read_verified_leaves(checks, fresh_with_path)
+    # Every check runs on the host copy, before any device memory is touched.
+    host_cache = jax.tree_util.tree_unflatten(treedef, host)
+    _check_host_cache(path, engine.layout, host_cache)
+    _install_cache(engine, treedef, fresh_with_path, host)
+    # a warm restart whose cache holds prefix records is about to be asked for them: build the prefix
+    # lookup's restore step now, in the background (speculative, as after a call that recorded), so
+    # its first hit does not compile it on the request's path
+    engine.prefix_manager.recorded = bool(np.any(np.asarray(host_cache.prefix.state) == RecordState.ALIVE))
+    engine._restore_ahead()
+    return engine
+
+
+def _no_checkpoint_error(path: Path) -> EngineCheckpointError:
+    """The error for a `path` that is not a directory, naming the checkpoint an interrupted version-1
+    save of an older hkv moved aside (`.<name>.old-<12 hex>/` beside `path`), if there is one.
+
+    Args:
+      path: the (absolute) path given to `restore_engine`.
+    Returns:
+      the `EngineCheckpointError` to raise.
+    """
+    hint = ""
+    if path.parent.is_dir():  # hkv's version-1 save, killed between its two renames, left only this
+        old = sorted(
+            e.name
+            for e in path.parent.iterdir()
+            if re.fullmatch(rf"\.{re.escape(path.name)}\.old-[0-9a-f]{{12}}", e.name) and (e / METADATA_FILE).is_file()
+        )
+        if old:
+            hint = (
+                f"; {str(path.parent / old[-1])!r} is the checkpoint an interrupted save of an older hkv "
+                f"moved aside: rename it to {str(path)!r} to use it"
             )
-            if old:
-                hint = (
-                    f"; {str(path.parent / old[-1])!r} is the checkpoint an interrupted save of an older hkv "
-                    f"moved aside: rename it to {str(path)!r} to use it"
-                )
-        raise EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory){hint}")
+    return EngineCheckpointError(f"no engine checkpoint at {str(path)!r} (not a directory){hint}")
+
+
+def _usable_metadata(path: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The schema-checked metadata of the checkpoint at `path`, if this hkv can restore it with `overrides`.
+
+    Args:
+      path: the checkpoint directory.
+      overrides: the caller's engine keyword arguments.
+    Returns:
+      the metadata (`read_metadata`), of version 2 or later.
+    Raises:
+      EngineCheckpointError: as `read_metadata`; a version-1 checkpoint (its fingerprint does not cover
+        the weights); `config` among the overrides (the arrays have the saved config's shapes).
+    """
     doc = read_metadata(path)
     if doc["version"] < 2:
         raise EngineCheckpointError(
@@ -678,60 +820,57 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
             f"it was computed by this model's weights; refusing it (re-create it: run the engine and "
             f"save again; this hkv writes version {FORMAT_VERSION})"
         )
-    if "config" in engine_kwargs:
+    if "config" in overrides:
         raise EngineCheckpointError(
             f"config cannot be overridden when restoring {str(path)!r}: the saved cache's arrays have the shapes "
             f"of the saved CacheConfig (see hkv.engine.checkpoint.read_metadata(path)['config']); to serve "
             f"another config build a new hkv.Engine (its prefix cache starts empty)"
         )
-    c, e = doc["config"], doc["engine"]
-    try:
-        config = CacheConfig(
-            slots=c["slots"],
-            max_context=c["max_context"],
-            page_size=c["page_size"],
-            pool_pages=None if c["pool_pages"] is None else tuple(c["pool_pages"]),
-            prefix_records=c["prefix_records"],
-            tail_snapshots=c["tail_snapshots"],
-        )
-        retention = RetentionPolicy(**e["retention"])
-    except (TypeError, ValueError) as err:
-        raise EngineCheckpointError(f"{str(path)!r}: invalid saved config/retention: {err}") from err
-    kwargs = dict(
-        block_tokens=e["block_tokens"],
-        prefill_chunk=e["prefill_chunk"],
-        model_id=e["model_id"],
-        retention=retention,
-        cache_salt=bytes.fromhex(e["cache_salt"]),
-    )
-    for name in ("prefill_batch", "prefill_buckets", "read_buckets", "decode_steps", "restore_choice"):
-        if name in e:  # (checkpoints of earlier versions did not save them: the defaults apply)
-            kwargs[name] = tuple(e[name]) if isinstance(e[name], list) else e[name]
-    missing = [n for n in e.get("not_saved", ()) if n not in engine_kwargs]
-    if missing:
-        warnings.warn(
-            f"Engine.restore({str(path)!r}): the saved engine had {', '.join(missing)} set, which a checkpoint "
-            f"cannot hold; pass {', '.join(f'{n}=...' for n in missing)} again to restore them",
-            stacklevel=3,
-        )
-    kwargs.update(engine_kwargs)
-    metas = doc["leaves"]
+    return doc
 
-    def refuse_fingerprint(spec) -> None:
-        saved_fp, new_fp = doc["abi_fingerprint"], spec.fingerprint()
+
+@dataclasses.dataclass(frozen=True)
+class _RestoreChecks:
+    """The checks a restore makes against its checkpoint: where it is, its metadata, the caller's overrides."""
+
+    path: Path
+    doc: dict[str, Any]  # the metadata (`_usable_metadata`)
+    overrides: dict[str, Any]  # the caller's engine keyword arguments
+
+    @contextlib.contextmanager
+    def settings_error(self, what: str):
+        """A TypeError/ValueError/OverflowError/MemoryError from the saved settings -> EngineCheckpointError."""
+        try:
+            yield
+        except EngineCheckpointError:
+            raise
+        except (TypeError, ValueError, OverflowError, MemoryError) as err:
+            raise EngineCheckpointError(
+                f"{str(self.path)!r}: {what} (with overrides {sorted(self.overrides)}): "
+                f"{type(err).__name__}: {str(err)[:300]}"
+            ) from err
+
+    def refuse_fingerprint(self, spec) -> None:
+        """Raise `EngineCheckpointError` unless `spec`'s ABI fingerprint is the saved one (the message names
+        both fingerprints and the differing spec fields)."""
+        saved_fp, new_fp = self.doc["abi_fingerprint"], spec.fingerprint()
         if saved_fp != new_fp:
-            saved_spec, now = doc["spec"], spec.to_json()
-            if "block_tokens" in engine_kwargs and saved_spec.get("block_tokens") != now.get("block_tokens"):
+            saved_spec, now = self.doc["spec"], spec.to_json()
+            if "block_tokens" in self.overrides and saved_spec.get("block_tokens") != now.get("block_tokens"):
                 # the caller's own override changed the cache's shape, not the model
                 advice = "restore without overriding block_tokens (the cache was saved with the saved value)"
             else:
                 advice = "restore with the same weights (bit for bit), dtype and dims"
             raise EngineCheckpointError(
-                f"ABI fingerprint mismatch: checkpoint {str(path)!r} was saved with {saved_fp}, this model/engine "
-                f"gives {new_fp} (differs in {_abi_diff(saved_spec, now)}); {advice}"
+                f"ABI fingerprint mismatch: checkpoint {str(self.path)!r} was saved with {saved_fp}, this "
+                f"model/engine gives {new_fp} (differs in {_abi_diff(saved_spec, now)}); {advice}"
             )
 
-    def refuse_leaves(fresh_with_path) -> None:
+    def refuse_leaves(self, fresh_with_path) -> None:
+        """Raise `EngineCheckpointError` unless the saved leaves have the key paths, shapes and dtypes of
+        `fresh_with_path` (a fresh cache's, or its `jax.eval_shape`'s, leaves with their key paths) and
+        exactly the non-empty ones are stored."""
+        metas = self.doc["leaves"]
         if len(metas) != len(fresh_with_path):
             raise EngineCheckpointError(
                 f"checkpoint has {len(metas)} cache leaves; this engine's cache has {len(fresh_with_path)}"
@@ -747,99 +886,217 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
             if m["stored"] != (size > 0):
                 raise EngineCheckpointError(f"leaf {i} cache{name}: stored={m['stored']!r} but its size is {size}")
 
-    # Before anything is allocated: the spec the engine will have, its fingerprint, its cache's shapes.
-    @contextlib.contextmanager
-    def settings_error(what: str):
-        """A TypeError/ValueError/OverflowError/MemoryError from the saved settings -> EngineCheckpointError."""
-        try:
-            yield
-        except EngineCheckpointError:
-            raise
-        except (TypeError, ValueError, OverflowError, MemoryError) as err:
-            raise EngineCheckpointError(
-                f"{str(path)!r}: {what} (with overrides {sorted(engine_kwargs)}): "
-                f"{type(err).__name__}: {str(err)[:300]}"
-            ) from err
 
-    with settings_error("the saved settings do not describe a cache for this model"):
+class _SavedSettings(NamedTuple):
+    """What rebuilds the saved engine: its cache config and the keyword arguments of `hkv.Engine`."""
+
+    config: CacheConfig
+    kwargs: dict[str, Any]  # the saved settings, updated with the caller's overrides
+
+
+def _saved_settings(checks: _RestoreChecks) -> _SavedSettings:
+    """The saved `CacheConfig` and engine settings, with the caller's overrides applied; warns (naming
+    them) when the saved engine had settings a checkpoint cannot hold and the caller does not pass them.
+
+    Args:
+      checks: the restore's checkpoint and overrides.
+    Returns:
+      the config and the keyword arguments to build the engine with.
+    Raises:
+      EngineCheckpointError: the saved config or retention policy is invalid.
+    """
+    c, e = checks.doc["config"], checks.doc["engine"]
+    try:
+        config = CacheConfig(
+            slots=c["slots"],
+            max_context=c["max_context"],
+            page_size=c["page_size"],
+            pool_pages=None if c["pool_pages"] is None else tuple(c["pool_pages"]),
+            prefix_records=c["prefix_records"],
+            tail_snapshots=c["tail_snapshots"],
+        )
+        retention = RetentionPolicy(**e["retention"])
+    except (TypeError, ValueError) as err:
+        raise EngineCheckpointError(f"{str(checks.path)!r}: invalid saved config/retention: {err}") from err
+    kwargs = dict(
+        block_tokens=e["block_tokens"],
+        prefill_chunk=e["prefill_chunk"],
+        model_id=e["model_id"],
+        retention=retention,
+        cache_salt=bytes.fromhex(e["cache_salt"]),
+    )
+    for name in ("prefill_batch", "prefill_buckets", "read_buckets", "decode_steps", "restore_choice"):
+        if name in e:  # (checkpoints of earlier versions did not save them: the defaults apply)
+            kwargs[name] = tuple(e[name]) if isinstance(e[name], list) else e[name]
+    missing = [n for n in e.get("not_saved", ()) if n not in checks.overrides]
+    if missing:
+        warnings.warn(
+            f"Engine.restore({str(checks.path)!r}): the saved engine had {', '.join(missing)} set, which a "
+            f"checkpoint cannot hold; pass {', '.join(f'{n}=...' for n in missing)} again to restore them",
+            stacklevel=4,  # Engine.restore's caller (via restore_engine)
+        )
+    kwargs.update(checks.overrides)
+    return _SavedSettings(config, kwargs)
+
+
+def _build_engine(checks: _RestoreChecks, engine_cls, model, settings: _SavedSettings):
+    """Build the engine the checkpoint describes, refusing a foreign checkpoint before allocating its cache.
+
+    First, without allocating: the spec the engine will have (with `model`'s weights digest) must give
+    the saved ABI fingerprint, and its cache's leaves (`jax.eval_shape`) the saved key paths, shapes
+    and dtypes. Then the engine is built (allocating a fresh cache) and its own spec re-checked.
+
+    Args:
+      checks: the restore's checkpoint and overrides.
+      engine_cls: the engine class.
+      model: the flax.nnx model.
+      settings: the saved config and engine settings (`_saved_settings`).
+    Returns:
+      the engine, holding a fresh cache.
+    Raises:
+      EngineCheckpointError: the settings do not build a cache or an engine for this model, the
+        fingerprint or a leaf differs.
+    """
+    from flax import nnx
+
+    from ..core.weights import weights_digest
+
+    kwargs = settings.kwargs
+    # Before anything is allocated: the spec the engine will have, its fingerprint, its cache's shapes.
+    with checks.settings_error("the saved settings do not describe a cache for this model"):
         bt, mid = kwargs["block_tokens"], kwargs["model_id"]
         spec = dataclasses.replace(
             model.cache_spec(block_tokens=bt, model_id=mid), weights_digest=weights_digest(nnx.split(model)[1])
         )
-        refuse_fingerprint(spec)
-        layout = CacheLayout(spec, config)
+        checks.refuse_fingerprint(spec)
+        layout = CacheLayout(spec, settings.config)
         shapes = jax.eval_shape(lambda: init_cache(layout))
-    refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
+    checks.refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
 
-    with settings_error("cannot build an engine from the saved settings"):
-        engine = engine_cls(model, config, **kwargs)
+    with checks.settings_error("cannot build an engine from the saved settings"):
+        engine = engine_cls(model, settings.config, **kwargs)
+    e = checks.doc["engine"]
     if "decode_while_building" in e:
         engine.decode_while_building = e["decode_while_building"]
-    refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
+    checks.refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
+    return engine
 
-    fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
-    refuse_leaves(fresh_with_path)
+
+def _read_verified_leaves(checks: _RestoreChecks, fresh_with_path) -> list[np.ndarray]:
+    """Read the saved leaves with orbax onto the host and verify each one's shape, dtype and crc32.
+
+    Args:
+      checks: the restore's checkpoint.
+      fresh_with_path: the fresh cache's leaves with their key paths (already matched by `refuse_leaves`).
+    Returns:
+      the leaves as host arrays, in flatten order (the zero-size ones rebuilt, as they are not stored).
+    Raises:
+      EngineCheckpointError: orbax cannot read the arrays, a leaf is missing, or its shape, dtype or
+        crc32 differs from the saved one.
+    """
+    metas = checks.doc["leaves"]
     target = {
         _leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
         for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True))
         if m["stored"]
     }
+    restored = _orbax_restore(checks.path / checks.doc["cache_dir"], target)
+    return [
+        _verified_leaf(i, jax.tree_util.keystr(kp), fresh, m, restored)
+        for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True))
+    ]
 
-    arrays = path / doc["cache_dir"]
+
+def _orbax_restore(arrays: Path, target: dict[str, np.ndarray]) -> Any:
+    """Read the orbax checkpoint at `arrays` into host arrays shaped as `target` ({} if `target` is empty).
+
+    Args:
+      arrays: the checkpoint's array directory.
+      target: {leaf key: a zero array of the leaf's shape and dtype} for the stored leaves.
+    Returns:
+      what orbax restored (a dict of arrays, as the save stored them).
+    Raises:
+      EngineCheckpointError: orbax (or tensorstore) fails to read the data, whatever it raises.
+    """
     ocp, ck = _checkpointer()
     try:
-        restored = ck.restore(arrays, args=ocp.args.StandardRestore(target)) if target else {}
+        return ck.restore(arrays, args=ocp.args.StandardRestore(target)) if target else {}
     except Exception as err:  # orbax/tensorstore raise many types for missing or undecodable data
         raise EngineCheckpointError(
             f"{str(arrays)!r}: orbax could not read the cache arrays: {type(err).__name__}: {str(err)[:500]}"
         ) from err
 
-    host = []
-    for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True)):
-        name = jax.tree_util.keystr(kp)
-        if m["stored"]:
-            a = restored.get(_leaf_key(i)) if isinstance(restored, dict) else None
-            if a is None:
-                raise EngineCheckpointError(f"leaf {i} cache{name}: missing from the orbax checkpoint")
-            a = np.asarray(a)
-        else:
-            a = np.zeros(fresh.shape, fresh.dtype)
-        # orbax casts to the target dtype silently: re-check what came back, then the bytes.
-        if a.shape != tuple(fresh.shape) or a.dtype != fresh.dtype:
-            raise EngineCheckpointError(
-                f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected {fresh.dtype}{list(fresh.shape)}"
-            )
-        crc = _crc32(a)
-        if crc != m["crc32"]:
-            raise EngineCheckpointError(
-                f"leaf {i} cache{name}: crc32 {crc:#010x} != saved {m['crc32']:#010x}: the array data is corrupt"
-            )
-        host.append(a)
-    # Every check runs on the host copy, before any device memory is touched.
-    host_cache = jax.tree_util.tree_unflatten(treedef, host)
+
+def _verified_leaf(i: int, name: str, fresh, meta: dict[str, Any], restored: Any) -> np.ndarray:
+    """Leaf `i` as restored (or, not stored, rebuilt as zeros), checked against the fresh leaf and its crc32.
+
+    Args:
+      i: the leaf's index in flatten order.
+      name: its key path (`jax.tree_util.keystr`), for messages.
+      fresh: the fresh cache's leaf (its shape and dtype are the expected ones).
+      meta: the leaf's metadata entry.
+      restored: what `_orbax_restore` returned.
+    Returns:
+      the leaf as a host array.
+    Raises:
+      EngineCheckpointError: the leaf is missing, or its shape, dtype or crc32 is not the expected one.
+    """
+    if meta["stored"]:
+        a = restored.get(_leaf_key(i)) if isinstance(restored, dict) else None
+        if a is None:
+            raise EngineCheckpointError(f"leaf {i} cache{name}: missing from the orbax checkpoint")
+        a = np.asarray(a)
+    else:
+        a = np.zeros(fresh.shape, fresh.dtype)
+    # orbax casts to the target dtype silently: re-check what came back, then the bytes.
+    if a.shape != tuple(fresh.shape) or a.dtype != fresh.dtype:
+        raise EngineCheckpointError(
+            f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected {fresh.dtype}{list(fresh.shape)}"
+        )
+    crc = _crc32(a)
+    if crc != meta["crc32"]:
+        raise EngineCheckpointError(
+            f"leaf {i} cache{name}: crc32 {crc:#010x} != saved {meta['crc32']:#010x}: the array data is corrupt"
+        )
+    return a
+
+
+def _check_host_cache(path: Path, layout: CacheLayout, host_cache) -> None:
+    """Check the restored host cache against the engine's layout and the cache invariants.
+
+    Args:
+      path: the checkpoint directory, for the message.
+      layout: the engine's `CacheLayout`.
+      host_cache: the restored cache, as host arrays.
+    Raises:
+      EngineCheckpointError: a leaf does not fit the layout (`hkv.core.state.check_layout`).
+      hkv.InvariantError: the cache breaks an invariant (`hkv.check_invariants`).
+    """
     try:
-        check_layout(engine.layout, host_cache)
+        check_layout(layout, host_cache)
     except ValueError as err:
         raise EngineCheckpointError(f"{str(path)!r}: restored cache does not fit the layout: {err}") from err
-    check_invariants(engine.layout, host_cache)  # raises hkv.InvariantError
+    check_invariants(layout, host_cache)  # raises hkv.InvariantError
 
-    # Verified: free the fresh cache first (device memory peaks at one cache, not two), then upload
-    # each leaf to the default device, uncommitted — exactly how init_cache places its arrays.
+
+def _install_cache(engine, treedef, fresh_with_path, host: list[np.ndarray]) -> None:
+    """Replace the engine's fresh cache by the verified host leaves: free the fresh cache first (device
+    memory peaks at one cache, not two), then upload each leaf to the default device, uncommitted —
+    exactly how init_cache places its arrays (or where the fresh leaf was, if that differs).
+
+    Args:
+      engine: the engine; `engine.cache` is its fresh cache, deleted here.
+      treedef: the cache's tree structure.
+      fresh_with_path: the fresh cache's leaves with their key paths.
+      host: the verified leaves (`_read_verified_leaves`), in the same order.
+    """
     shardings = [fresh.sharding for _, fresh in fresh_with_path]
     for _, fresh in fresh_with_path:
         if not fresh.is_deleted():
             fresh.delete()
-    del fresh_with_path
     engine.cache = None
     leaves = []
     for a, sh in zip(host, shardings, strict=True):
         leaf = jnp.asarray(a)
         leaves.append(leaf if leaf.sharding == sh else jax.device_put(leaf, sh))
-    cache = jax.tree_util.tree_unflatten(treedef, leaves)
-    engine.cache = cache
-    # a warm restart whose cache holds prefix records is about to be asked for them: build the prefix
-    # lookup's restore step now, in the background (speculative, as after a call that recorded), so
-    # its first hit does not compile it on the request's path
-    engine._recorded = bool(np.any(np.asarray(host_cache.prefix.state) == RecordState.ALIVE))
-    engine._restore_ahead()
-    return engine
+    engine.cache = jax.tree_util.tree_unflatten(treedef, leaves)
