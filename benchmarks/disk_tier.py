@@ -567,7 +567,7 @@ def engine_benchmark(args, root: str) -> dict:
     every = jnp.ones((records,), bool)
 
     def forget():
-        engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+        engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, every)
 
     rng = np.random.default_rng(7)
     base_prompt = rng.integers(0, cfg.vocab_size, kmax).tolist()

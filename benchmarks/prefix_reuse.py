@@ -252,7 +252,7 @@ def main() -> None:
     wp = rng.integers(0, args.vocab, 2 * args.block_tokens + 3).tolist()
     g = engine.generate([wp], 2)[0]
     every = jax.numpy.ones((config.prefix_records,), bool)
-    engine.cache = engine._evict(engine.layout, engine.cache, every, every, ~every)  # drop the snapshots
+    engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, ~every)  # drop the snapshots
     g2 = engine.generate([wp + g.tokens + [1]], 2)[0]
     if g2.plan.window_recomputed is None:
         _say(f"  (warm-up did not exercise the window recompute: {g2.plan})")
@@ -261,7 +261,7 @@ def main() -> None:
         gd = engine.generate([wd], 2)[0]  # its last boundary keeps a snapshot (request end)
         engine.write_through()
         engine.flush_disk()
-        engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+        engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, every)
         g3 = engine.generate([wd + gd.tokens + [1]], 2)[0]
         if g3.plan.disk_tokens is None:
             _say(f"  (warm-up did not exercise a disk restore: {g3.plan})")

@@ -1,7 +1,10 @@
-"""What a prefix lookup found and what it really restores, stage by stage.
+"""What a prefix lookup found and what it really restores, stage by stage, and by which route.
 
 `DevicePlan` is the result of `hkv.core.prefix.restore` on device (int32 scalars, a pytree that jit
 returns); `RestorePlan` is its host form with the prompt's token counts, what `Generation.plan` holds.
+The routes past the device hit (install blocks from the disk tier, rebuild the sliding window) extend
+a plan through the pure functions here (`extend_with_disk`, `with_window_rebuilt`, `started_cold`),
+and the choice between routes weighs a typed estimate (`RestoreCosts`, from `MeasuredCosts`).
 """
 
 from __future__ import annotations
@@ -139,4 +142,210 @@ class RestorePlan:
         )
 
 
-__all__ = ["DevicePlan", "RestorePlan"]
+ROUTES = ("shrink", "window", "disk")  # recompute from the device hit; rebuild the window; read the disk
+
+
+@dataclasses.dataclass
+class MeasuredCosts:
+    """Seconds measured as an engine runs (exponential moving averages, weight 0.2 on each new sample).
+
+    Attributes:
+      chunk: one prefill step of the full chunk width (None until measured).
+      narrow: one prefill step of each narrower width (prefill buckets), by width.
+      disk_token: installing one token from the disk tier (read, verify, swap in).
+      via_prefill: one token decoded through the prefill step while the decode step builds.
+    """
+
+    chunk: float | None = None
+    narrow: dict[int, float] = dataclasses.field(default_factory=dict)
+    disk_token: float | None = None
+    via_prefill: float | None = None
+
+    def measure(self, what: str, seconds: float, width: int | None = None) -> None:
+        """Fold one sample in. what: "chunk" (with `width` for a narrower step), "disk_token" or
+        "via_prefill"."""
+        if what not in ("chunk", "disk_token", "via_prefill"):
+            raise ValueError(f"what={what!r} must be 'chunk', 'disk_token' or 'via_prefill'")
+
+        def mix(old: float | None) -> float:
+            return seconds if old is None else 0.8 * old + 0.2 * seconds
+
+        if what == "chunk" and width is not None:
+            self.narrow[width] = mix(self.narrow.get(width))
+        else:
+            setattr(self, what, mix(getattr(self, what)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteReach:
+    """Where each route to a prompt's end restores up to (tokens): recompute from the device hit
+    ("shrink"), rebuild the window at the ABI-stage boundary ("window"), install from disk ("disk")."""
+
+    shrink: int
+    window: int
+    disk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreCosts:
+    """Estimated seconds to reach a prompt's end by each route; None where the route is not offered."""
+
+    shrink: float
+    window: float | None = None
+    disk: float | None = None
+
+    def offered(self) -> dict[str, float]:
+        """{route: seconds} of the routes offered, in `ROUTES` order."""
+        return {r: getattr(self, r) for r in ROUTES if getattr(self, r) is not None}
+
+    def choose(self, rule: str, reach: RouteReach) -> str:
+        """The route to take. rule "cheapest": the least estimated time; "longest": the route that
+        restores the most tokens (ties: the cheaper), whatever the timings."""
+        offered = self.offered()
+        if rule == "longest":
+            return max(offered, key=lambda k: (getattr(reach, k), -offered[k]))
+        if rule == "cheapest":
+            return min(offered, key=offered.get)
+        raise ValueError(f"rule={rule!r} must be 'cheapest' or 'longest'")
+
+
+def estimate_restore_costs(
+    measured: MeasuredCosts,
+    *,
+    chunk: int,
+    widths: tuple[int, ...],
+    window_tokens: int,
+    prompt: int,
+    l0: int,
+    window_at: int | None,
+    disk_at: int,
+) -> RestoreCosts:
+    """Estimated seconds to reach the prompt's end from each route: recompute from `l0` ("shrink"),
+    rebuild the window at `window_at` ("window", offered when not None), or install [l0, disk_at) from
+    disk ("disk", offered when disk_at > l0). Until measured, a chunk costs 1 s, a narrower step its
+    share of one, and a disk token a tenth of a prefilled token (the case for any real model: reading
+    a block moves bytes, recomputing it runs every layer).
+
+    Args:
+      measured: the engine's measured costs.
+      chunk: the prefill chunk width; widths: every prefill width, ascending, the last `chunk`.
+      window_tokens: tokens one window rebuild runs (`hkv.core.policy.window_rebuild_tokens`).
+      prompt: the prompt's tokens; l0: tokens the device restored.
+    Returns:
+      a `RestoreCosts`.
+    """
+    per_chunk = measured.chunk or 1.0
+    disk_tok = measured.disk_token if measured.disk_token is not None else 0.1 * per_chunk / chunk
+
+    def compute(n: int) -> float:
+        """Full chunks, then the narrowest width holding the rest (measured, else pro rata)."""
+        full, rest = divmod(max(n, 0), chunk)
+        if not rest:
+            return full * per_chunk
+        w = next(w for w in widths if w >= rest)
+        last = measured.narrow.get(w) if w < chunk else per_chunk
+        return full * per_chunk + (last if last is not None else per_chunk * w / chunk)
+
+    return RestoreCosts(
+        shrink=compute(prompt - l0),
+        # one step over exactly R tokens (not padded to a chunk), then the chunks after window_at
+        window=None if window_at is None else window_tokens / chunk * per_chunk + compute(prompt - window_at),
+        disk=(disk_at - l0) * disk_tok + compute(prompt - disk_at) if disk_at > l0 else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskStage:
+    """What the disk tier offers past the device-restored prefix, and what was installed from it.
+
+    Attributes:
+      found: tokens up to the end of the stored chain (blocks the tier's index lists, not yet read).
+      snapshot_end: tokens up to the last stored block ending in an SWA + TAIL snapshot (l0 if none).
+      installed: tokens restored once the disk blocks were read, verified and installed (l0 if none).
+      reason: why the disk route stopped short (a `Reason` value such as "disk_checksum"), or None.
+    """
+
+    found: int
+    snapshot_end: int
+    installed: int
+    reason: str | None = None
+
+
+def extend_with_disk(
+    plan: RestorePlan, vec: DevicePlan, stage: DiskStage, block_tokens: int
+) -> tuple[RestorePlan, DevicePlan]:
+    """The plan after the disk stage: the device-restored prefix [0, L0) extended to
+    `stage.installed`; the hash hit and per-stage tokens at least what the disk's index found; the
+    failed stage and reason those of the disk when it stopped short. `vec` (the host `DevicePlan`)
+    is updated to match, for the device counters (`count_plan`). Unchanged when nothing was
+    installed and nothing went wrong.
+
+    Args:
+      plan, vec: the device lookup's plan (host form and `DevicePlan.host()`).
+      stage: the disk stage's outcome.
+      block_tokens: tokens per block.
+    Returns:
+      (plan, vec).
+    """
+    bt, l0, l1 = block_tokens, plan.restored_tokens, stage.installed
+    if l1 == l0 and stage.reason is None:
+        return plan, vec
+    floor = {"lifecycle": stage.found, "abi": stage.found, "intersection": stage.snapshot_end, "byte": l1}
+    after = {k: max(v, floor[k]) for k, v in plan.tokens_after_stage.items()}
+    hash_hit = max(plan.hash_hit_tokens, stage.found)
+    if l1 >= hash_hit:
+        failed, why = None, None
+    elif stage.reason is not None:
+        why = Reason(stage.reason)
+        failed = why.stage
+    else:
+        failed, why = plan.first_failed_stage, plan.reason
+    vec = vec.replace(
+        hash_blocks=hash_hit // bt,
+        byte_blocks=l1 // bt,
+        disk_blocks=(l1 - l0) // bt,
+        reason=Reason(why).code if why else 0,
+        first_failed_stage=STAGES.index(failed) if failed else -1,
+    )
+    plan = dataclasses.replace(
+        plan,
+        hash_hit_tokens=hash_hit,
+        tokens_after_stage=after,
+        restored_tokens=l1,
+        first_failed_stage=failed,
+        reason=why,
+        recompute=(l1, plan.prompt_tokens),
+        disk_tokens=(l0, l1) if l1 > l0 else None,
+    )
+    return plan, vec
+
+
+def with_window_rebuilt(plan: RestorePlan, window_tokens: int) -> RestorePlan:
+    """A window-rebuild restore's plan: its last `window_tokens` restored tokens were re-run to rebuild
+    the sliding window and TAIL (`RestorePlan.window_recomputed`)."""
+    end = plan.restored_tokens
+    return dataclasses.replace(plan, window_recomputed=(end - window_tokens, end))
+
+
+def started_cold(plan: RestorePlan, vec: DevicePlan) -> tuple[RestorePlan, DevicePlan]:
+    """The plan of a request restarted cold after a route failed to map its pages: nothing restored,
+    everything computed; `vec` counts no restored block."""
+    return (
+        dataclasses.replace(plan, restored_tokens=0, recompute=(0, plan.prompt_tokens)),
+        vec.replace(byte_blocks=0),
+    )
+
+
+__all__ = [
+    "ROUTES",
+    "DevicePlan",
+    "DiskStage",
+    "MeasuredCosts",
+    "RestoreCosts",
+    "RestorePlan",
+    "RouteReach",
+    "estimate_restore_costs",
+    "extend_with_disk",
+    "started_cold",
+    "with_window_rebuilt",
+]

@@ -11,7 +11,7 @@ hashes the weights into the ABI fingerprint) that implements:
 
 Optional: a `cached_step` that also takes `read_tokens=None` and passes it to `hkv.run_step` lets the
 engine run prefill steps in read-size buckets (a chunk reads compressed entries and full-attention
-rows for the tokens held, not for `max_context`); `hkv.engine.engine.accepts_read_tokens(model)`
+rows for the tokens held, not for `max_context`); `hkv.engine.options.accepts_read_tokens(model)`
 tells which.
 
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see

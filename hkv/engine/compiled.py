@@ -420,7 +420,7 @@ class _Step:
         tracing). Built ahead, the decode step compiles beside the prefill step, and a new process
         with the step store loads the decode step while the prefill step loads. (That is `Engine`'s path with
         `decode_while_building` off; with it on, the engine decodes through the prefill step and
-        builds the decode step later, once that has cost about a compile: `Engine._decode_via_prefill`.)
+        builds the decode step later, once that has cost about a compile: `Scheduler._decode_via_prefill`.)
 
         `speculative=True` is for a step that a later call may or may not run (the prefix lookup
         after a first call, a disk install after an offload): the job waits `delay` seconds first

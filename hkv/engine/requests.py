@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+
+from ..core.plan import RestorePlan
+from ..core.sampling import GREEDY, Sampling
 
 
 class EngineBusyError(RuntimeError):
@@ -162,3 +167,155 @@ class RequestHandle:
     def __repr__(self) -> str:
         state = "done" if self.done else "cancelled" if self._cancelled else "running"
         return f"RequestHandle(id={self.request_id}, {state}, tokens={len(self._tokens)})"
+
+
+@dataclasses.dataclass
+class LiveRequest:
+    """A request as the engine schedules it: what it asked for, what it has produced, and where it
+    stands in the cache (its slot, the tokens written, its block keys and prefix record, its plan).
+    The scheduler, the prefix manager (`hkv.engine.prefix_manager`) and a mesh's router share it;
+    users see its `Generation` and its `RequestHandle`."""
+
+    index: int  # position in a generate call, or the request id of a submitted request
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling = GREEDY
+    seed: int = 0  # resolved seed (the request's own, or drawn by the engine)
+    stop_ids: tuple[int, ...] = ()
+    keep_logits: bool = False
+    handle: RequestHandle | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    slot: int = -1
+    admitted_at: int = 0
+    t_admit: float = 0.0
+    ids: list[int] = dataclasses.field(default_factory=list)  # prompt + tokens at admission (what prefill runs)
+    fed: int = 0  # tokens written into the cache
+    start: int = 0  # tokens this admission restored (its prefill runs ids[start:])
+    keys: list = dataclasses.field(default_factory=list)  # block keys of the fed tokens
+    parent_record: int = -1  # prefix record of the last recorded block
+    plan: RestorePlan | None = None
+    # admission control for record slots (hkv.core.policy): fixed at the request's first recorded step — the
+    # prefix clock of its own previous use and the length it restored (None: it restored nothing)
+    admission_set: bool = False
+    prev_use: int | None = None
+    prev_len: int | None = None
+    record_stopped: bool = False  # refused a record slot: this request caches no more blocks
+    shard: int | None = None  # data shard of an `hkv.MeshEngine` (None: a single-device engine)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or len(self.tokens) >= self.max_new
+
+    @property
+    def over(self) -> bool:
+        """Finished, failed or cancelled: nothing more will happen to it."""
+        return self.done or self.error is not None or self.cancelled
+
+    def generation(self, vocab: int) -> Generation:
+        logits = None
+        if self.keep_logits:
+            logits = np.stack(self.logits) if self.logits else np.zeros((0, vocab), np.float32)
+        return Generation(
+            tokens=list(self.tokens),
+            logprobs=np.asarray(self.logprobs, np.float32),
+            finish_reason=self.finish_reason or "length",
+            plan=dataclasses.replace(self.plan or RestorePlan.cold(len(self.prompt)), shard=self.shard),
+            logits=logits,
+            seed=None if self.sampling.greedy else self.seed,
+        )
+
+
+def check_prompts(prompts, max_new_tokens, *, max_context: int, vocab_size: int) -> tuple[list[list[int]], int]:
+    """Check a batch of prompts for an engine (`Engine.generate`'s rules).
+
+    Args:
+      prompts: a non-empty list of token-id sequences or a 2-D integer array [batch, tokens].
+      max_new_tokens: an integer >= 0 (Python or numpy; not a bool).
+      max_context: the longest sequence the cache holds; vocab_size: the model's vocabulary.
+    Returns:
+      (prompts as lists of Python ints, max_new_tokens as an int).
+    Raises:
+      ValueError: naming the bad value and the allowed range.
+    """
+    if (
+        isinstance(max_new_tokens, (bool, np.bool_))
+        or not isinstance(max_new_tokens, (int, np.integer))
+        or max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0 (Python or numpy, not a bool)")
+    max_new = int(max_new_tokens)
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts given as an array must be 2-D [batch, tokens]; got shape {prompts.shape}")
+        prompts = list(np.asarray(prompts))
+    elif not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            f"prompts must be a non-empty list of token-id sequences or a 2-D integer array; got "
+            f"{type(prompts).__name__}"
+        )
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id sequences")
+    cap, vocab = max_context, vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if p is None or isinstance(p, (str, bytes, dict)):
+            raise ValueError(f"prompt {i} is a {type(p).__name__}; it must be a sequence of integer token ids")
+        try:
+            arr = np.asarray(p)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"prompt {i} must be a flat sequence of integer token ids (ragged: {e})") from None
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
+        if arr.ndim != 1 or arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+            hint = (
+                f" (prompts is a batch: one prompt is [[{int(arr)}, ...]], not [{int(arr)}, ...])"
+                if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer)
+                else ""
+            )
+            raise ValueError(
+                f"prompt {i} must be a flat sequence of integer token ids; got shape {arr.shape}, "
+                f"dtype {arr.dtype}{hint}"
+            )
+        if arr.size + max_new > cap:
+            raise ValueError(
+                f"prompt {i}: {arr.size} tokens + max_new_tokens={max_new} = {arr.size + max_new} "
+                f"exceeds max_context={cap}"
+            )
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(
+                f"prompt {i}: token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={vocab})"
+            )
+        out.append(arr.tolist())
+    return out, max_new
+
+
+def check_request_options(
+    sampling, stop_token_ids, return_logits, *, vocab_size: int
+) -> tuple[Sampling, tuple[int, ...]]:
+    """Check a request's options (`Engine.generate`'s rules).
+
+    Returns:
+      (sampling, GREEDY for None; the stop ids as a tuple of distinct ints).
+    Raises:
+      ValueError: naming the bad value.
+    """
+    if sampling is None:
+        sampling = GREEDY
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling={sampling!r} must be an hkv.Sampling or None")
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray, set)):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
+    vocab = vocab_size
+    stops = []
+    for t in stop_token_ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise ValueError(f"stop token id {t!r} must be an integer in [0, vocab_size={vocab})")
+        stops.append(int(t))
+    if not isinstance(return_logits, (bool, np.bool_)):
+        raise ValueError(f"return_logits={return_logits!r} must be a bool")
+    return sampling, tuple(dict.fromkeys(stops))

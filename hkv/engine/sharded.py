@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -56,9 +56,11 @@ from .compiled import (
     step_name,
     unpack_decode,
 )
-from .engine import Engine, _DeferredInterrupt, _Seq
+from .engine import Engine
+from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
-from .requests import EngineBusyError, Generation, RequestHandle
+from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts, check_request_options
+from .text import StopWatch, encode_texts
 
 # the CompiledSteps transitions that run on one shard (under lax.cond); prefill and decode run on all
 ONE_SHARD = (
@@ -349,11 +351,6 @@ class _ShardEngine(Engine):
     def _reset_cache(self) -> None:
         self._group._reset_cache()
 
-    def _new_seq(self, index, prompt, max_new, sampling, stops, keep_logits, handle=None) -> _Seq:
-        seq = super()._new_seq(index, prompt, max_new, sampling, stops, keep_logits, handle)
-        seq.shard = self.shard
-        return seq
-
     def save(self, path, *, overwrite: bool = False) -> None:
         raise ValueError(
             "a MeshEngine's shards cannot be saved one by one (their cache is one stacked value); "
@@ -457,7 +454,7 @@ class MeshEngine:
         cache, and every shard's running requests are re-queued."""
         self.cache = self._fresh(self.layout)
         for e in self.shards:
-            e._record_stamps = {}
+            e.prefix_manager.forget()
 
     def cache_shardings(self) -> dict[str, NamedSharding]:
         """{leaf path: its sharding} for every leaf of `cache` (all `PartitionSpec(data_axis)`)."""
@@ -519,18 +516,51 @@ class MeshEngine:
     ) -> list[Generation]:
         """As `hkv.Engine.generate`; each prompt runs on the shard `route` picks (in order, so
         prompts of one call spread over the shards), and its `plan.shard` says which."""
-        e0 = self.shards[0]
-        prompts, max_new_tokens = e0._validate(prompts, max_new_tokens)
-        sampling, stops = e0._validate_options(sampling, stop_token_ids, return_logits)
+        cap, vocab = self.layout.config.max_context, self.model.vocab_size
+        prompts, max_new_tokens = check_prompts(prompts, max_new_tokens, max_context=cap, vocab_size=vocab)
+        sampling, stops = check_request_options(sampling, stop_token_ids, return_logits, vocab_size=vocab)
         with self._drive():
-            seqs = []
-            for i, p in enumerate(prompts):
-                e = self.shards[self.route(p)]
-                seq = e._new_seq(i, p, max_new_tokens, self._seeded(sampling), stops, return_logits)
-                e._queue.append(seq)
-                seqs.append(seq)
+            seqs = self._enqueue(prompts, max_new_tokens, sampling, stops, return_logits)
             self._run(seqs)
         return [s.generation(self.model.vocab_size) for s in seqs]
+
+    def generate_text(
+        self,
+        texts: Sequence[str],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        stop: Iterable[str] | None = (),
+        stop_token_ids: Sequence[int] | None = None,
+        include_stop: bool = False,
+    ) -> list[Generation]:
+        """As `hkv.Engine.generate_text` (needs `tokenizer=`); each text runs on the shard `route`
+        picks."""
+        tok = self.shards[0].tokenizer
+        if tok is None:
+            raise ValueError("generate_text needs a tokenizer: hkv.MeshEngine(..., tokenizer=<checkpoint folder>)")
+        encoded, stop = encode_texts(tok, texts, stop)
+        cap, vocab = self.layout.config.max_context, self.model.vocab_size
+        prompts, max_new = check_prompts(encoded, max_new_tokens, max_context=cap, vocab_size=vocab)
+        ids = tok.eos_token_ids if stop_token_ids is None else stop_token_ids
+        sampling, stops = check_request_options(sampling, ids, False, vocab_size=vocab)
+        with self._drive():
+            seqs = self._enqueue(prompts, max_new, sampling, stops, False)
+            watch = StopWatch(tok, prompts, stop, include_stop, vocab)
+            self._run(seqs, lambda: watch.read(seqs))
+        return watch.results(seqs, vocab)
+
+    def _enqueue(self, prompts, max_new: int, sampling: Sampling, stops, keep: bool) -> list[LiveRequest]:
+        """Queue one request per prompt on the shard `route` picks for it, in order."""
+        seqs = []
+        for i, p in enumerate(prompts):
+            e = self.shards[self.route(p)]
+            sampled = self._seeded(sampling)
+            seed = sampled.seed if sampled.seed is not None else 0  # (greedy: no draw)
+            seq = LiveRequest(i, p, max_new, sampled, seed, stops, keep, shard=e.shard)
+            e.scheduler.queue.append(seq)
+            seqs.append(seq)
+        return seqs
 
     def submit(
         self,
@@ -542,8 +572,8 @@ class MeshEngine:
         return_logits: bool = False,
     ) -> RequestHandle:
         """As `hkv.Engine.submit` (thread-safe): routed now, run by `step` / `run_until_idle`."""
-        e0 = self.shards[0]
-        (prompt,), _ = e0._validate([prompt], max_new_tokens)
+        cap, vocab = self.layout.config.max_context, self.model.vocab_size
+        (prompt,), _ = check_prompts([prompt], max_new_tokens, max_context=cap, vocab_size=vocab)
         e = self.shards[self.route(prompt)]
         return e.submit(
             prompt, max_new_tokens, sampling=self._seeded(sampling), stop_token_ids=stop_token_ids,
@@ -574,15 +604,17 @@ class MeshEngine:
             return sampling
         return dataclasses.replace(sampling, seed=int(self._seeds.integers(0, SEED_RANGE)))
 
-    def _run(self, seqs: list[_Seq]) -> None:
+    def _run(self, seqs: list[LiveRequest], after_step: Callable[[], None] | None = None) -> None:
         try:
             while not all(s.over for s in seqs):
                 self._step()
                 for s in seqs:
                     if s.error is not None:
                         raise s.error
+                if after_step is not None:
+                    after_step()
             for e in self.shards:
-                e._reap()
+                e.scheduler.reap()
         except BaseException:
             for s in seqs:
                 s.cancelled = True
@@ -590,19 +622,17 @@ class MeshEngine:
 
     def _step(self) -> bool:
         for e in self.shards:
-            e._poll_disk()
-            with e._inbox_lock:
-                e._queue.extend(e._inbox)
-                e._inbox.clear()
-            e._step_admit_prefill()
+            e.prefix_manager.poll_disk()
+            e.scheduler.take_inbox()
+            e.scheduler.admit_and_prefill()
         self._decode_all()
         for e in self.shards:
-            e._reap()
-        return any(e._queue or e._prefilling or e._running for e in self.shards)
+            e.scheduler.reap()
+        return any(e.scheduler.busy() for e in self.shards)
 
     def _decode_all(self) -> None:
         """One decode dispatch for every shard with decoding requests (the others run idle rows)."""
-        todo = {e.shard: (e, *e._decode_inputs()) for e in self.shards if e._running}
+        todo = {e.shard: (e, *e.scheduler.decode_inputs()) for e in self.shards if e.scheduler.running}
         if not todo:
             return
         n = len(self.shards)
@@ -629,7 +659,7 @@ class MeshEngine:
         steps = self._sharded(self.layout)
         fresh = steps.traces[name] == 0
         for e, _, _, _ in todo.values():
-            e._names.add(name)
+            e.compile_plan.names.add(name)
         t0 = time.perf_counter()
         out = steps.decode_all(self.layout, self.cache, self._weights, tokens, slots, params, budget, stop_ids, k, keep)
         self.cache = out[0]
@@ -637,9 +667,9 @@ class MeshEngine:
         dt = time.perf_counter() - t0
         for d, (e, rows, _, _) in todo.items():
             if fresh:
-                e._stats["compile_seconds"] += dt
+                e.compile_plan.compile_seconds += dt
             lg = local_shard(out[2], d) if keep else None
-            e._decode_outputs(rows, unpack_decode(host[d], k), lg, dt, fresh)
+            e.scheduler.decode_outputs(rows, unpack_decode(host[d], k), lg, dt, fresh)
         for e in self.shards:
             if e._interrupt is not None:
                 e._interrupt.deliver()
@@ -658,7 +688,7 @@ class MeshEngine:
                 if not e._drive_lock.acquire(blocking=False):
                     raise EngineBusyError(f"shard {e.shard} is being driven directly by another thread")
                 acquired.append(e)
-            deferred = _DeferredInterrupt()
+            deferred = DeferredInterrupt()
             for e in self.shards:
                 e._interrupt = deferred
             try:
@@ -688,14 +718,14 @@ class MeshEngine:
         finally:
             self._drive_lock.release()
         for e in self.shards[1:]:
-            e._names.update(self.shards[0]._names)
+            e.compile_plan.names.update(self.shards[0].compile_plan.names)
         return times
 
     @property
     def compilations(self) -> dict[str, int]:
         """Compilations per step name over every shard (one per bucket: the shards share programs)."""
-        names = set().union(*(e._names for e in self.shards))
-        traces = self.shards[0]._steps.traces
+        names = set().union(*(e.compile_plan.names for e in self.shards))
+        traces = self.shards[0].steps.traces
         return {n: traces[n] for n in sorted(names)}
 
     def stats(self) -> dict[str, Any]:
@@ -741,3 +771,6 @@ class MeshEngine:
         raise NotImplementedError(
             "MeshEngine.restore: warm restart of a mesh engine is not supported yet (see MeshEngine.save)"
         )
+
+
+Engine.mesh_class = MeshEngine  # `hkv.Engine(model, config, mesh=...)` builds one

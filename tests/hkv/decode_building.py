@@ -10,8 +10,8 @@ class DecodeStillBuilding:
     `asked` holds, for each `build_ahead` call, the prefill variants the engine had run by then."""
 
     def __init__(self, engine):
-        self.real, self.engine, self.asked = engine._decode, engine, []
-        engine._decode = self
+        self.real, self.engine, self.asked = engine.steps.decode, engine, []
+        engine.steps.decode = self
 
     def __call__(self, *args):
         raise AssertionError("the decode step ran while it was building")
@@ -20,5 +20,5 @@ class DecodeStillBuilding:
         return True
 
     def build_ahead(self, layout, cache, *args, **kw) -> bool:
-        self.asked.append(set(self.engine._prefill_variants))
+        self.asked.append(set(self.engine.compile_plan.prefill_variants))
         return False

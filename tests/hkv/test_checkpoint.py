@@ -261,7 +261,7 @@ def test_save_refuses_while_running_and_overwrite_needs_consent(model, saved, re
     errors = []
 
     def try_save(msg):
-        if restored._running:
+        if restored.scheduler.running:
             with pytest.raises(hc.EngineCheckpointError, match="running") as e:
                 hc.save_engine(restored, tmp_path / "mid")
             errors.append(str(e.value))

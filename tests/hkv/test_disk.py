@@ -53,7 +53,7 @@ def engine(model):
 def forget_device(engine, check=False):
     """Evict every cached record from device memory (tombstones remain, with their on_disk bits)."""
     every = jnp.ones((engine.layout.config.prefix_records,), bool)
-    engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+    engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, every)
     if check:
         hkv.check_invariants(engine.layout, engine.cache)
 
@@ -464,7 +464,7 @@ def test_a_build_on_another_thread_during_a_disk_read_keeps_its_cost_sample(mode
     step building in the background) is none of its business: comparing the process's total build
     count dropped the sample whenever one happened."""
     engine.disk = DiskTier(str(stored))
-    real = engine._disk_read
+    real = engine.prefix_manager.disk_read
 
     def read_while_another_thread_builds(*args):
         other = threading.Thread(target=engine._steps.count, args=("built elsewhere",))
@@ -475,12 +475,12 @@ def test_a_build_on_another_thread_during_a_disk_read_keeps_its_cost_sample(mode
     for i in range(2):  # the first restore from disk builds its install step: no sample
         forget_device(engine)
         if i:
-            engine._cost["disk_token"] = None
-            engine._disk_read = read_while_another_thread_builds
+            engine.prefix_manager.costs.disk_token = None
+            engine.prefix_manager.disk_read = read_while_another_thread_builds
         (g,) = engine.generate([diverge(CUT, tail=3, seed=40 + i)], NEW)
         assert g.plan.disk_tokens == (0, CUT)
     assert engine._steps.traces["built elsewhere"] == 1
-    assert engine._cost["disk_token"] is not None
+    assert engine.prefix_manager.costs.disk_token is not None
 
 
 def test_evict_prefixes_moves_the_device_prefix_cache_to_disk(model, engine, tmp_path):
@@ -507,7 +507,7 @@ def test_restore_choice_longest_reads_a_disk_that_cheapest_finds_too_slow(model,
         root = tmp_path / choice
         shutil.copytree(stored, root)
         engine = _make_engine(model, disk=DiskTier(str(root)), restore_choice=choice)
-        engine._cost["disk_token"] = 1.0  # as if this engine had timed a disk read at 1 s per token
+        engine.prefix_manager.costs.disk_token = 1.0  # as if this engine had timed a disk read at 1 s per token
         (g,) = engine.generate([prompt], NEW, return_logits=True)
         assert_same([g], ref)
         plans[choice] = g.plan

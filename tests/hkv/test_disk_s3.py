@@ -259,7 +259,7 @@ def forget(eng) -> None:
     restore: `freed`). These tests check what a restore from S3 yields, so each starts as an engine
     that has not timed one (disk assumed 10x cheaper per token than prefill)."""
     forget_device(eng)
-    eng._cost["disk_token"] = None
+    eng.prefix_manager.costs.disk_token = None
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def _idle_ok(engine):
     """The engine is idle and consistent: no active slot, no page held by a slot, invariants hold."""
     hkv.check_invariants(engine.layout, engine.cache)
     assert int(np.asarray(engine.cache.active).sum()) == 0
-    assert not engine._running
+    assert not engine.scheduler.running
     for leaf in jax.tree.leaves(engine.cache):
         assert not leaf.is_deleted()
 

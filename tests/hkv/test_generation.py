@@ -56,7 +56,7 @@ def _engine(model, **kw):
 def _idle_ok(engine):
     hkv.check_invariants(engine.layout, engine.cache)
     assert int(np.asarray(engine.cache.active).sum()) == 0
-    assert not engine._running and not engine._prefilling and engine.pending == 0
+    assert not engine.scheduler.running and not engine.scheduler.prefilling and engine.pending == 0
 
 
 # ------------------------------------------------------------------------- greedy, logprobs, stop
@@ -199,7 +199,7 @@ def test_a_long_prompt_does_not_stall_decoding(model, truth):
         engine.step()
     long = engine.submit(C, 8)  # 100 tokens: 7 chunks of 16
     engine.step()  # admits it and runs its first chunk; the short request decodes in the same step
-    assert len(engine._prefilling) == 1 and len(short.tokens) > 1
+    assert len(engine.scheduler.prefilling) == 1 and len(short.tokens) > 1
     engine.run_until_idle()
     assert short.result().tokens == truth[tuple(B)][0] and long.result().tokens == truth[tuple(C)][0]
     _idle_ok(engine)
@@ -209,7 +209,7 @@ def _ahead_scenario(model, truth, pipeline: bool):
     """Requests that stop on a stop id, sample, arrive while others decode and get cancelled, one
     engine; returns what a user sees and what the cache keeps."""
     engine = _engine(model)
-    engine._PIPELINE = pipeline
+    engine.scheduler.pipeline = pipeline
     a = truth[tuple(A)][0]
     stop = next(t for i, t in enumerate(a) if i >= 3 and t not in a[:i])  # A's first new id from its 4th token on
     h1 = engine.submit(A, 12, stop_token_ids=(stop,))
@@ -242,7 +242,7 @@ def _ahead_scenario(model, truth, pipeline: bool):
 
 def test_a_decode_dispatched_ahead_changes_nothing_a_user_sees(model, truth):
     """While only decoding happens the engine sends the next decode before handing the last one's
-    tokens over (`Engine._dispatch_ahead`): tokens, logprobs, finish reasons, a cancelled request's
+    tokens over (`Scheduler._dispatch_ahead`): tokens, logprobs, finish reasons, a cancelled request's
     streamed tokens, the cached prefixes and the compiled programs equal one dispatch at a time."""
     seen, records, compiled, ahead = _ahead_scenario(model, truth, pipeline=True)
     seen1, records1, compiled1, ahead1 = _ahead_scenario(model, truth, pipeline=False)
@@ -254,7 +254,7 @@ def test_a_decode_dispatched_ahead_changes_nothing_a_user_sees(model, truth):
     caches = []
     for pipeline in (True, False):
         engine = _engine(model)
-        engine._PIPELINE = pipeline
+        engine.scheduler.pipeline = pipeline
         engine.submit(A, 13)  # ends first: its slot is released before the next decode
         engine.submit(C, 24)
         engine.run_until_idle()
@@ -266,7 +266,7 @@ def test_a_decode_dispatched_ahead_changes_nothing_a_user_sees(model, truth):
 
 def test_a_stop_string_hit_while_a_decode_is_dispatched_ahead_caches_only_what_its_slot_computed(model, tmp_path):
     """`generate_text`'s stop string cancels a request between two steps while the decode dispatched
-    ahead (`Engine._dispatch_ahead`) still runs it. Its results are dropped as a cancelled handle's
+    ahead (`Scheduler._dispatch_ahead`) still runs it. Its results are dropped as a cancelled handle's
     are. They once reached the request after its slot was released: its tokens were counted twice
     and its next block was recorded from slot -1, another request's rows, so a later prompt that
     restored that chain got wrong tokens."""
@@ -278,7 +278,7 @@ def test_a_stop_string_hit_while_a_decode_is_dispatched_ahead_caches_only_what_i
 
     def run(pipeline):
         engine = _engine(model, tokenizer=tmp_path)
-        engine._PIPELINE = pipeline
+        engine.scheduler.pipeline = pipeline
         full = engine.generate(codec.encode(texts), 50)
         stop = codec.decode(full[0].tokens)[4:6]  # the first text stops early, the second runs on
         out = engine.generate_text(texts, 50, stop=[stop], stop_token_ids=[])
@@ -478,7 +478,7 @@ def _interrupt_around_ahead(engine, where: str):
         if where == "before_finish":
             raise KeyboardInterrupt
         out = real(*args, **kw)
-        if where == "after_finish" or engine._ahead is not None:
+        if where == "after_finish" or engine.scheduler.ahead is not None:
             raise KeyboardInterrupt
         return out
 
@@ -499,7 +499,7 @@ def test_an_interrupt_around_a_decode_dispatched_ahead_requeues_and_stays_exact(
             engine.run_until_idle()
     finally:
         undo()
-    assert engine.stats()["decode_dispatched_ahead"] >= 1 and engine._ahead is None
+    assert engine.stats()["decode_dispatched_ahead"] >= 1 and engine.scheduler.ahead is None
     assert int(np.asarray(engine.cache.active).sum()) == 0 and engine.pending == 2
     engine.run_until_idle()
     fresh = _engine(model)
@@ -772,7 +772,7 @@ def _watched_builds(monkeypatch):
 def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_build(model, truth, monkeypatch):
     """With `decode_while_building` on, the decode step builds on a background thread only once
     decoding through the prefill step has cost, or would cost for the rows' remaining tokens, what
-    a step's compile cost (`_build_seconds`): a short request under a long compile never builds it;
+    a step's compile cost (`CompilePlan.build_seconds`): a short request under a long compile never builds it;
     with nothing costly to build it starts at the first decode. Decoding goes through the prefill
     step meanwhile and through the decode step once built, compiled once (the background build is
     the program the calls run). Tokens stay exact throughout."""
@@ -783,12 +783,12 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
     said = []
     engine.progress = said.append
     with _watched_builds(monkeypatch) as (threads, xla):
-        engine._build_seconds = 1e9  # as if a compile took forever: 7 tokens through prefill cost less
+        engine.compile_plan.build_seconds = 1e9  # as if a compile took forever: 7 tokens through prefill cost less
         (g,) = engine.generate([A], 8)
         assert g.tokens == truth[tuple(A)][0]
         first = engine.stats()
         assert first["decode_via_prefill"] == 7 and first["decode_dispatches"] == 0
-        assert not any(v[0] == "decode" for v in engine._asked_ahead) and xla["jit(decode)"] == 0
+        assert not any(v[0] == "decode" for v in engine.compile_plan.asked) and xla["jit(decode)"] == 0
         # one message says why these tokens are slow and how to avoid it (once per engine)
         hint = [m for m in said if "through the prefill step" in m]
         assert hint == [
@@ -798,10 +798,10 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
                 "decode_while_building=False build it first)"
             )
         ]
-        engine._build_seconds = 0.0  # nothing costly to build: the first decode starts the build
+        engine.compile_plan.build_seconds = 0.0  # nothing costly to build: the first decode starts the build
         (g,) = engine.generate([C], 8)
         assert g.tokens == truth[tuple(C)][0]
-        assert ("decode", 1, False) in engine._asked_ahead
+        assert ("decode", 1, False) in engine.compile_plan.asked
         compiled.wait_for_ahead()  # the decode build ends; the next call decodes with it
         via = engine.stats()["decode_via_prefill"]
         (g,) = engine.generate([B], 8)
@@ -853,8 +853,8 @@ def test_warmup_compiles_every_step_and_changes_nothing(model, truth):
     np.testing.assert_array_equal(before.prefix.state, after.prefix.state)
     for a, b in zip(jax.tree.leaves(before.counters), jax.tree.leaves(after.counters), strict=True):
         np.testing.assert_array_equal(a, b)
-    jits = [engine._prefill, engine._decode, engine._claim, engine._release, engine._restore, engine._record_many]
-    jits.append(engine._count_plan)
+    t = engine.steps
+    jits = [t.prefill, t.decode, t.claim, t.release, t.restore, t.record_many, t.count_plan]
     sizes = [f._cache_size() for f in jits]
     traces = sum(engine._steps.traces.values())
     assert [g.tokens for g in engine.generate([A, C], 8)] == [truth[tuple(A)][0], truth[tuple(C)][0]]

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 import hkv
 from hkv.core.sampling import GREEDY, SamplingParams
 from hkv.engine.sharded import shard_config, weight_shardings
+from hkv.engine.text import tiny_tokenizer
 from hkv.store.tier import DiskTier
 from models.deepseek_v4 import init, tensor_parallel_dim, tiny_config
 
@@ -76,7 +77,10 @@ def run_and_check(engine: hkv.MeshEngine, reference) -> None:
 
 @pytest.fixture(scope="module")
 def mesh_engine(model):
-    return hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), **OPTS)
+    """The one entry point: `hkv.Engine(..., mesh=)` builds the mesh engine."""
+    engine = hkv.Engine(model, CONF, mesh=mesh_of(4, 2), tokenizer=tiny_tokenizer(CFG.vocab_size), **OPTS)
+    assert isinstance(engine, hkv.MeshEngine) and len(engine.shards) == 4
+    return engine
 
 
 def test_shard_config_divides_every_capacity_and_names_what_does_not():
@@ -175,7 +179,7 @@ def test_a_decode_step_moves_no_cache_bytes_between_devices(mesh_engine):
     z = np.zeros((s,), np.int32)
     args = (mesh_engine._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
             np.full((s, 1), -1, np.int32), e.decode_steps, False)  # fmt: skip
-    hlo = e._decode.lower(e.layout, mesh_engine.cache, *args).compile().as_text()
+    hlo = e.steps.decode.lower(e.layout, mesh_engine.cache, *args).compile().as_text()
     ops = re.findall(
         r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(.*?"
         r"replica_groups=(\[[\d,]*\]<=\[\d+\]|\{[\d,{}]*\})",
@@ -261,6 +265,19 @@ def test_mesh_submit_streams_and_an_interrupt_leaves_every_shard_usable(mesh_eng
     for d in range(4):
         hkv.check_invariants(mesh_engine.layout, mesh_engine.shard_cache(d))
     assert [g.tokens for g in mesh_engine.generate(PROMPTS, NEW)] == reference["greedy"]
+
+
+def test_mesh_generate_text_equals_the_single_device_engine(model, mesh_engine):
+    """`generate_text` on a mesh: texts routed to shards, stop strings cut each text as on one device."""
+    one = hkv.Engine(model, CONF, tokenizer=tiny_tokenizer(CFG.vocab_size), **OPTS)
+    texts = ["the quick brown fox", "jumps over", "a lazy dog and then some more words to read"]
+    kw = dict(stop_token_ids=(), stop=["e"])
+    want = one.generate_text(texts, NEW, **kw)
+    got = mesh_engine.generate_text(texts, NEW, **kw)
+    assert [(g.tokens, g.text, g.finish_reason) for g in got] == [(g.tokens, g.text, g.finish_reason) for g in want]
+    assert {g.plan.shard for g in got} <= set(range(4)) and None not in {g.plan.shard for g in got}
+    with pytest.raises(ValueError, match="generate_text needs a tokenizer"):
+        hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), **OPTS).generate_text(texts, 1)
 
 
 def test_a_second_driving_thread_gets_engine_busy(mesh_engine):

@@ -131,7 +131,7 @@ def _forget_device(engine) -> None:
     import jax.numpy as jnp
 
     every = jnp.ones((engine.layout.config.prefix_records,), bool)
-    engine.cache = engine._evict(engine.layout, engine.cache, every, every, every)
+    engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, every)
 
 
 def _serve(engine, names: list[str], phase: str, out: dict) -> None:
@@ -142,7 +142,7 @@ def _serve(engine, names: list[str], phase: str, out: dict) -> None:
     # The restore cost model times disk reads; on this tiny model a read can cost more than
     # recomputing, after which the engine would recompute instead of restoring. Forget the measured
     # disk cost (a private attribute) so every plan takes the disk route the test is about.
-    engine._cost["disk_token"] = None
+    engine.prefix_manager.costs.disk_token = None
     t = time.monotonic()
     gens = engine.generate([q[n] for n in names], NEW, return_logits=True)
     out["notes"].setdefault("serve_seconds", []).append([phase, names, round(time.monotonic() - t, 2)])

@@ -139,8 +139,8 @@ def test_a_prompt_no_cached_chain_starts_with_is_not_looked_up_on_device(model):
         DevicePlan.miss(-1)
 
     calls = []
-    device_lookup = engine._restore
-    engine._restore = lambda *a: calls.append(1) or device_lookup(*a)
+    device_lookup = engine.prefix_manager.steps.restore
+    engine.prefix_manager.steps.restore = lambda *a: calls.append(1) or device_lookup(*a)
     prompt, other = BASE[: 3 * BT + 5], diverge(0, tail=2 * BT + 3, seed=5)
     (g,) = engine.generate([prompt], NEW, return_logits=True)  # an empty index
     assert calls == []
@@ -379,7 +379,7 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
     prompts = [a, b, b[: 7 * BT + 3], a[: 3 * BT] + b[:40]]
 
     def run(batch: int):
-        monkeypatch.setattr(hkv.engine.engine, "RECORD_BATCH", batch)
+        monkeypatch.setattr(hkv.engine.prefix_manager, "RECORD_BATCH", batch)
         engine = hkv.Engine(
             model,
             hkv.CacheConfig(slots=1, max_context=256, page_size=8, pool_pages=pages, prefix_records=6),
@@ -387,14 +387,14 @@ def test_batched_recording_equals_one_record_per_boundary(model, monkeypatch):
             prefill_chunk=4 * BT,
         )
         evictions = []
-        step = engine._evict
-        engine._evict = lambda *a: evictions.append(1) or step(*a)
+        step = engine.prefix_manager.steps.evict
+        engine.prefix_manager.steps.evict = lambda *a: evictions.append(1) or step(*a)
         gens = [engine.generate([p], NEW, return_logits=True)[0] for p in prompts]
         hkv.check_invariants(engine.layout, engine.cache)
         engine.eviction_steps = len(evictions)
         return engine, gens
 
-    batched, gb = run(hkv.engine.engine.RECORD_BATCH)
+    batched, gb = run(hkv.engine.prefix_manager.RECORD_BATCH)
     single, gs = run(1)
     # a batch that met a full index evicted what its remaining boundaries need in ONE step
     assert batched.eviction_steps < single.eviction_steps
@@ -439,14 +439,14 @@ def test_a_refused_record_leaves_the_cache_unchanged(model):
     engine.generate(
         [rng.integers(0, CFG.vocab_size, 4 * BT + 1).tolist()], 1, return_logits=True
     )  # 4 records: index full
-    captured, real = {}, engine._record_many
+    captured, real = {}, engine.prefix_manager.steps.record_many
 
     def spy(layout, cache, slot, *args):
         if not captured:  # the slot is active and prefilled to 2 blocks; nothing recorded yet
             captured.update(cache=jax.tree.map(jnp.copy, cache), slot=slot)
         return real(layout, cache, slot, *args)
 
-    engine._record_many = spy
+    engine.prefix_manager.steps.record_many = spy
     engine.generate([rng.integers(0, CFG.vocab_size, 3 * BT).tolist()], 1, return_logits=True)
     cache, slot = captured["cache"], captured["slot"]
     assert bool(np.all(np.asarray(cache.prefix.state) == px.RecordState.ALIVE))
@@ -472,14 +472,14 @@ def test_record_and_restore_refuse_a_slot_outside_the_layout(model):
         model, hkv.CacheConfig(slots=1, max_context=256, page_size=8, prefix_records=16), block_tokens=BT,
         prefill_chunk=2 * BT,
     )  # fmt: skip
-    captured, real = {}, engine._record_many
+    captured, real = {}, engine.prefix_manager.steps.record_many
 
     def spy(layout, cache, slot, *args):
         if not captured:  # slot 0 (the last slot) is active and prefilled to 2 blocks
             captured.update(cache=jax.tree.map(jnp.copy, cache), slot=int(slot))
         return real(layout, cache, slot, *args)
 
-    engine._record_many = spy
+    engine.prefix_manager.steps.record_many = spy
     prompt = np.random.default_rng(8).integers(0, CFG.vocab_size, 3 * BT).tolist()
     engine.generate([prompt], 1)
     cache, layout = captured["cache"], engine.layout

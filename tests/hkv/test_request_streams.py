@@ -115,8 +115,8 @@ class _Interrupt:
 def _check(engine, handles, expected):
     hkv.check_invariants(engine.layout, engine.cache)
     active = set(np.nonzero(np.asarray(engine.cache.active))[0].tolist())
-    live = {**engine._prefilling, **engine._running}
-    assert not set(engine._prefilling) & set(engine._running)
+    live = {**engine.scheduler.prefilling, **engine.scheduler.running}
+    assert not set(engine.scheduler.prefilling) & set(engine.scheduler.running)
     assert active == set(live), f"active slots {active} vs live requests' slots {set(live)}"
     assert all(q.slot == s for s, q in live.items())
     if not engine.pending:
@@ -209,7 +209,7 @@ def _scenario(model, expected, data, n_ops, config=CONFIG):
             irq.disarm()
         engine.run_until_idle()
     _check(engine, handles, expected)
-    assert engine.pending == 0 and not engine._prefilling and not engine._running
+    assert engine.pending == 0 and not engine.scheduler.prefilling and not engine.scheduler.running
     for h, key in handles:
         assert h.done
         if h.cancelled:

@@ -1,0 +1,366 @@
+"""`CompilePlan`: every compiled step an engine runs, in one home — its buckets, the steps built
+ahead on background threads, `warmup`'s list, and when decoding goes through the prefill step while
+the decode step builds.
+
+The steps themselves are shared by every engine on the same model structure, layout and kernel
+options (`hkv.engine.compiled.compiled_steps`), loaded from the step store or JAX's persistent
+compilation cache when a previous process built them. This object is one engine's view of them:
+which names it used (`Engine.compilations`), which variants it asked to build ahead, which prefill
+variants it ran (decoding through prefill reuses one), and what compiling cost it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.layers import read_size
+from ..core.layout import CacheLayout
+from ..core.plan import DevicePlan
+from ..core.sampling import GREEDY, SamplingParams
+from . import offload as swap
+from .compiled import step_name
+from .hooks import EngineHooks
+from .options import EngineOptions
+from .prefix_tools import RECORD_BATCH
+from .progress import Bars
+from .requests import LiveRequest
+
+__all__ = ["CompilePlan", "EngineSteps", "pow2", "stop_width"]
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): batch rows and stop widths are bucketed so."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def stop_width(rows: list[LiveRequest]) -> int:
+    """Columns of a decode step's stop-id table for these requests: their most stop ids, padded to
+    a power of two (one compiled variant per width)."""
+    return pow2(max([len(q.stop_ids) for q in rows] + [1]))
+
+
+def _device_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    """Zeros on the default device (uncommitted, as a step's inputs are) without running a program:
+    `jnp.zeros` compiles a broadcast per new shape on a first call in a process, which a
+    first request waited for when the placeholders of the steps built ahead were made that way."""
+    return jax.device_put(np.zeros(shape, dtype))
+
+
+@dataclasses.dataclass
+class EngineSteps:
+    """One engine's compiled transitions (`hkv.engine.compiled.CompiledSteps`' names, or a mesh
+    shard's view of them), shared by its scheduler, prefix manager and compile plan; a test may
+    replace one with a spy (`engine.steps.decode = ...`) without touching other engines.
+
+    Attributes:
+      traces: step name -> builds so far (the shared programs' counter).
+      prefill, decode: the model steps. claim, release: slots. restore, restore_window, count_plan,
+      record_many, evict: the prefix cache. swap_in, mark_on_disk: the disk tier.
+    """
+
+    traces: Any
+    prefill: Any
+    decode: Any
+    claim: Any
+    release: Any
+    restore: Any
+    restore_window: Any
+    count_plan: Any
+    record_many: Any
+    evict: Any
+    swap_in: Any
+    mark_on_disk: Any
+
+    @classmethod
+    def of(cls, steps) -> EngineSteps:
+        """The transitions of a `CompiledSteps` (or anything with the same attributes)."""
+        return cls(**{f.name: getattr(steps, f.name) for f in dataclasses.fields(cls)})
+
+
+class CompilePlan:
+    """One engine's compiled steps: names used, builds ahead, warm-up, decoding through prefill.
+
+    Args:
+      steps: the engine's compiled transitions (`EngineSteps`).
+      layout: the cache layout. opts: the engine's options (block size, prefill and decode buckets).
+      read_sizes: the prefill read sizes (`EngineOptions.read_sizes`).
+      bars: progress bars for compilations. hooks: what it uses of the engine (`EngineHooks`).
+    """
+
+    def __init__(
+        self,
+        steps: EngineSteps,
+        layout: CacheLayout,
+        opts: EngineOptions,
+        read_sizes: tuple[int | None, ...],
+        bars: Bars,
+        hooks: EngineHooks,
+    ):
+        self.steps, self.layout, self.block_tokens = steps, layout, opts.block_tokens
+        self.prefill_batch, self.prefill_widths = opts.prefill_batch, opts.prefill_widths
+        self.read_sizes, self.decode_steps = read_sizes, opts.decode_steps
+        self.bars, self.say, self.tx, self.cache, self.weights = bars, hooks.say, hooks.tx, hooks.cache, hooks.weights
+        self.names: set[str] = set()  # compiled step names this engine used (for `compilations`)
+        self.asked: set[tuple] = set()  # the step variants asked to build ahead
+        self.prefill_variants: set[tuple] = set()  # (rows, width, read bound, logits) of prefill steps run
+        self.build_seconds = 0.0  # the longest prefill step that compiled (`via_prefill`)
+        self.via_prefill_seconds = 0.0  # time spent decoding through the prefill step
+        self.compile_seconds = 0.0  # time spent compiling (or loading) steps, `Engine.stats()`
+
+    def compilations(self) -> dict[str, int]:
+        """Compilations of each step name this engine used (one per bucket when shared)."""
+        return {n: self.steps.traces[n] for n in sorted(self.names)}
+
+    # ----------------------------------------------------------------------------- buckets
+    def read_bound(self, tokens: int) -> int | None:
+        """The `read_tokens` of a prefill step whose rows hold at most `tokens` after it: the smallest
+        of `read_sizes` holding them, None at max_context (the unbounded program, named without @)."""
+        read = read_size(self.read_sizes, tokens)
+        return None if read is None or read >= self.layout.config.max_context else read
+
+    def idle_decode_args(self, n_stop: int, keep: bool) -> tuple:
+        """Arguments (after layout, cache) of a decode step with every row idle (zero budgets): the
+        shapes and types a decode dispatch gives for stop width `n_stop` and logits `keep`."""
+        s = self.layout.slots
+        z = np.zeros((s,), np.int32)
+        return (self.weights(), z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+                np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
+
+    def record_args(self, slot: jax.Array) -> tuple:
+        """Arguments (after layout, cache) of a record step for `slot` that records nothing: the
+        shapes and types the prefix manager gives (`pack_records` pads every batch to RECORD_BATCH rows)."""
+        k, bt = RECORD_BATCH, self.block_tokens
+        zeros = _device_zeros
+        return (slot, zeros((k, 4), np.uint32), jnp.int32(-1), zeros((k, bt), np.int32), zeros((k,), bool),
+                zeros((k,), np.int32), zeros((k,), bool))  # fmt: skip
+
+    def lookup_placeholders(self) -> tuple[jax.Array, jax.Array]:
+        """Zero (keys uint32[NB, 4], tokens int32[NB, block_tokens]) shaped as every `PrefixQuery`'s
+        (NB = max_context // block_tokens): the restore step's inputs for a build without a prompt."""
+        bt = self.block_tokens
+        nb = self.layout.config.max_context // bt
+        return _device_zeros((nb, 4), np.uint32), _device_zeros((nb, bt), np.int32)
+
+    # -------------------------------------------------------------------- built, or building
+    def timed(self, fn, *args, name: str) -> tuple[tuple, float, bool]:
+        """Run transition `fn`; returns (outputs, seconds, whether it compiled). Compile time goes to
+        `compile_seconds`, with a progress message on the first use of a bucket."""
+        self.names.add(name)
+        fresh = not self.built(fn, name, args)
+        if fresh:
+            self.say(f"compiling {name} (once per process; cached on disk)")
+        t0 = time.perf_counter()
+        with self.bars.compiling(name) if fresh else contextlib.nullcontext():
+            out = self.tx(fn, *args)
+            jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+        if fresh:
+            self.compile_seconds += dt
+        return out, dt, fresh
+
+    def built(self, fn, name: str, args: tuple) -> bool:
+        """Whether step `fn` (named `name`) is built for a call with `args` (after layout, cache):
+        traced or loaded in this process and not still building ahead on another thread (a call
+        would wait for that build)."""
+        return self.steps.traces[name] > 0 and not self.building_ahead(fn, args)
+
+    def building_ahead(self, fn, args: tuple) -> bool:
+        """Whether step `fn` is still building ahead on another thread (`_Step.build_ahead`) for a
+        call with `args` (after layout, cache): such a call waits for that build."""
+        building = getattr(fn, "building", None)
+        return building is not None and building(self.layout, *args)
+
+    def ask_once(self, variant: tuple) -> bool:
+        """True the first time this engine asks for step `variant` to be built ahead (recorded)."""
+        if variant in self.asked:
+            return False
+        self.asked.add(variant)
+        return True
+
+    def ask_ahead(self, ahead: dict) -> None:
+        """`build_ahead` each {variant: (step, () -> its arguments after (layout, cache))} not asked
+        for before by this engine."""
+        for variant in sorted(ahead.keys() - self.asked):
+            fn, args = ahead[variant]
+            self.asked.add(variant)
+            build = getattr(fn, "build_ahead", None)
+            if build is not None:
+                build(self.layout, self.cache(), *args())
+
+    # --------------------------------------------------------------------------- build ahead
+    def build_ahead(self, rows: list[LiveRequest], *, decode: bool, prefix: bool) -> None:
+        """Before their prefill, start building the steps these requests run next on background
+        threads (`_Step.build_ahead`): once per engine, the prefix cache's record step (`prefix`)
+        and the slot release, so that they compile while the prefill step compiles and runs (or,
+        in a new process, load from the step store while it loads). Each variant is asked for once
+        per engine; one already built is not built again. The decode step too when `decode` (an
+        engine that does not decode while building; otherwise `via_prefill` decides when)."""
+        if decode:
+            self.build_decode_ahead(rows)  # first: the longest build (two threads build ahead)
+        ahead = {("release",): (self.steps.release, lambda: (jnp.int32(0),))}  # the slot as requests pass it
+        if prefix:
+            ahead[("record_many",)] = (self.steps.record_many, lambda: self.record_args(jnp.int32(0)))
+        self.ask_ahead(ahead)
+
+    def build_decode_ahead(self, rows: list[LiveRequest]) -> None:
+        """Start building (`_Step.build_ahead`) the decode step these requests need (their stop
+        width and logits choice), unless none of them decodes."""
+        if not any(q.max_new > 1 for q in rows):
+            return
+        keep, n_stop = any(q.keep_logits for q in rows), stop_width(rows)
+        self.ask_ahead({("decode", n_stop, keep): (self.steps.decode, lambda: self.idle_decode_args(n_stop, keep))})
+
+    def restore_ahead(self) -> None:
+        """Start building the prefix lookup's restore step on a background thread (`_Step.build_ahead`,
+        speculative: it starts after a short delay and not at all when the process exits first).
+        The engine asks at the end of a call that recorded prefix blocks with nothing left to run:
+        a first call never needs the step (its prompts start no cached chain), the next one that
+        shares a prefix does, and compiling it then was most of that call in a fresh process. Once
+        per engine; nothing when the step is built already. A failure here is left to the call that
+        needs the step (which builds it and raises what is wrong): the call that just ended has
+        succeeded."""
+        if not self.ask_once(("restore",)):
+            return
+        build = getattr(self.steps.restore, "build_ahead", None)
+        if build is None:
+            return
+        with contextlib.suppress(Exception):  # see the docstring
+            zero = jnp.int32(0)
+            build(self.layout, self.cache(), zero, *self.lookup_placeholders(), zero, speculative=True)
+
+    # ------------------------------------------------------------------ decode through prefill
+    def via_prefill(self, rows: list[LiveRequest], args: tuple, name: str, per_token: float) -> tuple | None:
+        """The prefill variant (rows b, width c, read bound, logits) to decode these rows through,
+        one token per step, while their decode step (`name`, called with `args`) is not built; None
+        when it is built, or when no prefill variant run so far holds these rows. Starts building
+        the decode step ahead once the time spent decoding through prefill, plus what these rows'
+        remaining tokens would take at `per_token` seconds each, reaches the longest prefill compile
+        this engine has seen (ski rental: never more than twice the better choice in hindsight; at
+        once where nothing compiled, e.g. a process whose steps come from the caches). A first short
+        `generate` returns without compiling it; a long one starts it at once."""
+        if self.built(self.steps.decode, name, args):
+            return None
+        keep = any(q.keep_logits for q in rows)
+        read_needed = self.read_bound(max(q.fed + 1 for q in rows))
+        fits = [
+            (b, c, read, k)
+            for b, c, read, k in self.prefill_variants
+            if (k or not keep) and (read is None or (read_needed is not None and read >= read_needed))
+        ]
+        if not fits:
+            return None
+        left = max(q.max_new - len(q.tokens) for q in rows)
+        if self.via_prefill_seconds + left * per_token >= self.build_seconds:
+            self.build_decode_ahead(rows)
+        return max(fits, key=lambda v: (v[0], -v[1], v[2] is not None, -(v[2] or 0), not v[3]))
+
+    # -------------------------------------------------------------------------------- warmup
+    def model_steps(self, *, logits: bool, stop_ids: int) -> list[tuple]:
+        """[(step, arguments after (layout, cache), name)] of every prefill and decode bucket, run
+        with inputs that change nothing (idle rows, zero budgets)."""
+        out = []
+        rows = sorted({pow2(n) for n in range(1, self.prefill_batch + 1)})
+        for keep in (False, True) if logits else (False,):
+            bounds = [self.read_bound(r or 1) for r in self.read_sizes]
+            for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
+                z = np.zeros((b,), np.int32)
+                args = (self.weights(), np.zeros((b, w), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep, r)
+                out.append((self.steps.prefill, args, step_name("prefill", f"{b}x{w}", logits=keep, read=r)))
+            for n_stop in sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
+                name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)
+                out.append((self.steps.decode, self.idle_decode_args(n_stop, keep), name))
+        return out
+
+    def slot_steps(self, slot: jax.Array, *, prefix: bool, window: bool, disk: bool) -> list[tuple]:
+        """[(step, arguments after (layout, cache), name)] of the transitions run on a claimed slot
+        with inputs that change nothing (device arrays, as requests pass them: numpy inputs would be
+        another jit key): the prefix cache's (`prefix`), its window rebuild (`window`) and the disk
+        tier's install and marks (`disk`)."""
+        if not prefix:
+            return []
+        t, zero = self.steps, jnp.int32(0)
+        keys, toks = self.lookup_placeholders()
+        # the per-request metrics update: compiling it is part of a first request's TTFT otherwise
+        # (it counts into the cache's counters: `Engine.warmup` restores them)
+        out = [
+            (t.restore, (slot, keys, toks, zero), "restore"),
+            (t.count_plan, (jax.tree.map(jnp.int32, DevicePlan.make().host()),), "count_plan"),
+        ]
+        if window:
+            ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
+            out.append((t.restore_window, (self.weights(), slot, keys, toks, zero, ids), "restore_window"))
+        out.append((t.record_many, self.record_args(slot), "record_many"))
+        none = jnp.zeros((self.layout.config.prefix_records,), bool)
+        out.append((t.evict, (none, none, none), "evict"))
+        if disk:
+            for k in (1, 2, 4, 8):
+                out.append((t.mark_on_disk, (jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0), "mark_on_disk"))
+            for rows, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
+                out.append((t.swap_in, (slot, zero, zero, rows, tails), step_name("swap_in", swap.swap_in_size(rows))))
+        return out
+
+    def precompile(self, calls: list, times: dict[str, float]) -> None:
+        """Compile `calls` [(jitted step, arguments after (layout, cache), name)] in parallel threads
+        (one XLA compile does not keep every core busy; JAX keeps each for the step's next call with the same
+        argument types, so `warmup` then only runs them). An optimization only: a step that fails
+        to compile here compiles at its call."""
+        workers = min(len(calls), os.cpu_count() or 1)
+        if workers < 2:
+            return
+
+        def one(call):
+            fn, args, name = call
+            t0 = time.perf_counter()
+            with self.bars.compiling(name):
+                try:
+                    if hasattr(fn, "prepare"):  # a CompiledSteps step: from the step store, else built and stored
+                        fn.prepare(self.layout, self.cache(), *args)
+                    else:
+                        fn.lower(self.layout, self.cache(), *args).compile()
+                except Exception:  # the call itself compiles it and raises what is wrong
+                    return name, 0.0
+            return name, time.perf_counter() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hkv-compile") as pool:
+            for name, seconds in pool.map(one, calls):
+                times[name] = times.get(name, 0.0) + seconds
+
+    def warmup(self, *, logits: bool, stop_ids: int, prefix: bool, window: bool, disk: bool) -> dict[str, float]:
+        """Compile every step a request can use (or load it) and run each once with inputs that
+        change nothing, a slot claimed and released (`Engine.warmup`, which checks the engine is
+        idle and restores its counters). Returns seconds per compiled step name."""
+        times: dict[str, float] = {}
+
+        def run(fn, *args, name):
+            t0 = time.perf_counter()
+            out = self.tx(fn, *args)
+            jax.block_until_ready(out)
+            times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        model_steps = self.model_steps(logits=logits, stop_ids=stop_ids)
+        placeholder, t = jnp.int32(0), self.steps
+        on_slot = dict(prefix=prefix, window=window, disk=disk)
+        every = [*model_steps, (t.claim, (), "claim"), *self.slot_steps(placeholder, **on_slot)]
+        every.append((t.release, (placeholder,), "release"))
+        self.names.update(n for _, _, n in every if n.startswith(("prefill[", "decode[", "swap_in[")))
+        self.precompile(every, times)
+        for fn, args, name in model_steps:
+            run(fn, *args, name=name)
+        slot, _ = run(t.claim, name="claim")
+        slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
+        for fn, args, name in self.slot_steps(slot, **on_slot):
+            run(fn, *args, name=name)
+        run(t.release, slot, name="release")
+        self.compile_seconds += sum(times.values())
+        return times
