@@ -40,23 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import (
-    dispatch,
-    numerics,
-    online_softmax,
-    paged_folds_gpu,
-    paged_folds_tpu,
-    stacked_pools,
-    swa_decode,
-)
+from pallas_kernels import common, dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
 from pallas_kernels import input_checks as checks
-
-# GPU tiles: query heads of one KV head per program (Triton dot tiles need >= 16) and rows folded per
-# step. Untuned defaults; the private `_gqa_decode_gpu` wrapper takes others.
-GPU_BLOCK_H = 16
-GPU_BLOCK_K = 32
 
 
 def attended_span(window: int | None, page_table, page_size: int) -> int:
@@ -140,43 +126,35 @@ def _gqa_decode_gpu(
     scale,
     softcap,
     interpret,
-    block_h=GPU_BLOCK_H,
-    block_k=GPU_BLOCK_K,
+    block_h=common.GPU_BLOCK_H,  # query heads of one KV head per program
+    block_k=common.GPU_BLOCK_K,
     num_warps=4,
     num_stages=2,
 ):
     batch, num_heads, head_dim = q.shape
-    num_pages, page_size, row = kv_pool.shape
     group = num_heads // num_kv_heads
     padded_group = pl.cdiv(group, block_h) * block_h
-    q_grouped = group_heads(q, num_kv_heads, padded_group)  # [batch, Hkv, padded_group, D]
-    sinks_grouped = grouped_sinks(sinks, num_heads, num_kv_heads, padded_group)  # [Hkv, padded_group, 1]
-    whole = lambda shape: pl.BlockSpec(shape, lambda b, g, h: (0,) * len(shape))
-    out = pl.pallas_call(
-        functools.partial(
-            gqa_decode_kernel_gpu,
-            span=span,
-            num_kv_heads=num_kv_heads,
-            shared_kv=shared_kv,
-            page_size=page_size,
-            block_k=block_k,
-            scale=scale,
-            softcap=softcap,
-        ),
-        grid=(batch, num_kv_heads, padded_group // block_h),
-        in_specs=[
-            whole(lengths.shape),
-            whole(page_table.shape),
-            whole((num_pages * page_size, row)),
-            pl.BlockSpec((None, None, block_h, head_dim), lambda b, g, h: (b, g, h, 0)),
-            pl.BlockSpec((None, block_h, 1), lambda b, g, h: (g, h, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, block_h, head_dim), lambda b, g, h: (b, g, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
+    kernel = functools.partial(
+        gqa_decode_kernel_gpu,
+        span=span,
+        num_kv_heads=num_kv_heads,
+        shared_kv=shared_kv,
+        page_size=kv_pool.shape[1],
+        block_k=block_k,
+        scale=scale,
+        softcap=softcap,
+    )
+    out = common.decode_call_gpu(
+        kernel,
+        group_heads(q, num_kv_heads, padded_group),  # [batch, Hkv, padded_group, D]
+        grouped_sinks(sinks, num_heads, num_kv_heads, padded_group),  # [Hkv, padded_group, 1]
+        [lengths, page_table, common.pool_rows(kv_pool)],
+        block_h=block_h,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="gqa_decode_attention",
-    )(lengths, page_table, kv_pool.reshape(num_pages * page_size, row), q_grouped, sinks_grouped)
+    )
     return out[:, :, :group].reshape(batch, num_heads, head_dim)
 
 
@@ -237,38 +215,26 @@ def _gqa_decode_tpu(
     q, kv_pool, page_table, lengths, sinks, *, num_kv_heads, span, shared_kv, scale, softcap, interpret
 ):
     batch, num_heads, head_dim = q.shape
-    _, page_size, row = kv_pool.shape
     pages_per_seq = page_table.shape[1]
     group = num_heads // num_kv_heads
-    q_grouped = group_heads(q, num_kv_heads, group)  # [batch, Hkv, group, D]
-    out = pl.pallas_call(
-        functools.partial(
-            gqa_decode_kernel_tpu,
-            span=span,
-            pages_per_seq=pages_per_seq,
-            shared_kv=shared_kv,
-            scale=scale,
-            softcap=softcap,
-        ),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch,),
-            in_specs=[
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec((None, num_kv_heads, group, head_dim), lambda b, *_: (b, 0, 0, 0)),
-                pl.BlockSpec((num_kv_heads, group, 1), lambda b, *_: (0, 0, 0)),
-            ],
-            out_specs=pl.BlockSpec((None, num_kv_heads, group, head_dim), lambda b, *_: (b, 0, 0, 0)),
-            scratch_shapes=[
-                pltpu.VMEM((2, page_size, row), kv_pool.dtype),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
-        ),
-        out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+    kernel = functools.partial(
+        gqa_decode_kernel_tpu,
+        span=span,
+        pages_per_seq=pages_per_seq,
+        shared_kv=shared_kv,
+        scale=scale,
+        softcap=softcap,
+    )
+    out = common.decode_call_tpu(
+        kernel,
+        group_heads(q, num_kv_heads, group),  # [batch, Hkv, group, D]
+        grouped_sinks(sinks, num_heads, num_kv_heads, group),  # [Hkv, group, 1]
+        [lengths, page_table.reshape(-1)],
+        [kv_pool],
+        [pltpu.VMEM((2, *kv_pool.shape[1:]), kv_pool.dtype), pltpu.SemaphoreType.DMA((2,))],
         interpret=interpret,
         name="gqa_decode_attention",
-    )(lengths, page_table.reshape(-1), kv_pool, q_grouped, grouped_sinks(sinks, num_heads, num_kv_heads, group))
+    )
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -276,6 +242,7 @@ def _gqa_decode_tpu(
 # Public function.
 # ----------------------------------------------------------------------------------------------
 def check_softcap(softcap) -> None:
+    """softcap must be None or a positive Python number; raises ValueError."""
     if softcap is None:
         return
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
@@ -285,35 +252,27 @@ def check_softcap(softcap) -> None:
 def check_gqa_inputs(q, kv_pool, page_table, lengths, sinks, num_kv_heads, window, layer, scale, softcap, shared_kv):
     """Trace-time validation of `gqa_decode_attention`'s shapes, dtypes and static arguments."""
     checks.check_array("q", q, rank=3, dtypes=checks.FLOAT_DTYPES, layout="[batch, num_heads, head_dim]")
-    batch, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     checks.check_static_int("num_kv_heads", num_kv_heads, lo=1, hi=num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_kv_heads=} must divide q.shape[1]={num_heads} (num_heads)")
     if not isinstance(shared_kv, bool):
         raise ValueError(f"{shared_kv=} must be a Python bool")
-    checks.check_array(
+    checks.check_pool(
         "kv_pool",
         kv_pool,
-        rank=checks.POOL_RANKS,
-        dtypes=checks.FLOAT_DTYPES,
         layout="[(layers,) num_pages, page_size, row]",
+        like_name="q",
+        like=q,
+        row=row_width(num_kv_heads, head_dim, shared_kv),
+        row_meaning="num_kv_heads * head_dim, K = V" if shared_kv else "2 * num_kv_heads * head_dim, K then V",
+        layer_name="layer",
+        layer=layer,
     )
-    checks.check_same_dtype("kv_pool", kv_pool, "q", q)
-    layout = "num_kv_heads * head_dim, K = V" if shared_kv else "2 * num_kv_heads * head_dim, K then V"
-    checks.check_dim("kv_pool", kv_pool, -1, row_width(num_kv_heads, head_dim, shared_kv), layout)
-    stacked_pools.check_layer("kv_pool", "layer", kv_pool, layer)
-    checks.check_array("lengths", lengths, rank=1, dtypes=checks.INT32, layout="int32[batch]")
-    checks.check_dim("lengths", lengths, 0, batch, "q.shape[0], batch")
-    checks.check_page_table("page_table", page_table, batch)
-    checks.check_sinks(sinks, num_heads)
+    checks.check_decode_batch(q, lengths, "page_table", page_table, sinks)
     if window is not None:
         checks.check_static_int("window", window, lo=1)
-        needed = swa_decode.window_pages(window, kv_pool.shape[-2])
-        if page_table.shape[1] < needed:
-            raise ValueError(
-                f"page_table.shape={tuple(page_table.shape)} must have at least {needed} pages per "
-                f"sequence (the most pages a window of {window} rows can overlap)"
-            )
+        common.check_window_table("page_table", page_table, window, kv_pool.shape[-2])
     checks.check_scale(scale)
     check_softcap(softcap)
 
@@ -374,7 +333,7 @@ def gqa_decode_attention(
     span = attended_span(window, page_table, kv_pool.shape[1])
     mode = dispatch.pallas_interpret_arg(resolved, interpret)
     if resolved == "gpu":
-        swa_decode.check_gpu_shapes(q)
+        common.check_gpu_head_dim("head_dim", q.shape[2])
         return _gqa_decode_gpu(q, kv_pool, page_table, lengths, sinks, span=span, interpret=mode, **kw)
     return _gqa_decode_tpu(q, kv_pool, page_table, lengths, sinks, span=span, interpret=mode, **kw)
 

@@ -34,15 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import (
-    dispatch,
-    hca_decode,
-    numerics,
-    online_softmax,
-    paged_folds_gpu,
-    paged_folds_tpu,
-    stacked_pools,
-)
+from pallas_kernels import common, dispatch, numerics, online_softmax, paged_folds_gpu, paged_folds_tpu, stacked_pools
 from pallas_kernels import input_checks as checks
 
 
@@ -152,7 +144,7 @@ def indexer_scores_kernel_tpu(
     out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
 
     def score_page(j, base, keys, carry):
-        keys, valid = paged_folds_tpu.mask_page(keys, base, 0, n_visible)  # unwritten slots -> 0
+        keys, valid = paged_folds_tpu.mask_page(keys, base, None, n_visible)  # unwritten slots -> 0
         scores = _score_block(q, weights, keys, scale)
         out_ref[pl.ds(j, 1), :] = jnp.where(valid, scores, -jnp.inf)
         return carry
@@ -210,54 +202,22 @@ def _check_indexer_inputs(
     checks.check_array("weights", weights, rank=2, dtypes=checks.FLOAT_DTYPES, layout="[batch, n_idx_heads]")
     checks.check_dim("weights", weights, 0, batch, "q_idx.shape[0], batch")
     checks.check_dim("weights", weights, 1, n_idx_heads, "q_idx.shape[1], n_idx_heads")
-    checks.check_array(
+    checks.check_pool(
         "index_pool",
         index_pool,
-        rank=checks.POOL_RANKS,
-        dtypes=checks.FLOAT_DTYPES,
         layout="[(layers,) num_pages, page_size, idx_head_dim]",
+        like_name="q_idx",
+        like=q_idx,
+        row=idx_head_dim,
+        row_meaning="q_idx.shape[2], idx_head_dim",
+        layer_name="index_layer",
+        layer=index_layer,
     )
-    checks.check_same_dtype("index_pool", index_pool, "q_idx", q_idx)
-    checks.check_dim("index_pool", index_pool, -1, idx_head_dim, "q_idx.shape[2], idx_head_dim")
-    stacked_pools.check_layer("index_pool", "index_layer", index_pool, index_layer)
     checks.check_page_table("index_page_table", index_page_table, batch)
     checks.check_counts("lengths", lengths, batch)
     checks.check_counts("n_entries", n_entries, batch)
     checks.check_static_int("compress_ratio", compress_ratio, lo=1)
     checks.check_scale(scale)
-
-
-def _scores(
-    q_idx,
-    weights,
-    index_pool,
-    index_page_table,
-    lengths,
-    n_entries,
-    *,
-    compress_ratio,
-    scale,
-    backend,
-    interpret,
-    index_layer,
-):
-    index_pool, index_page_table = stacked_pools.flat_view(index_pool, index_page_table, index_layer)
-    scale = q_idx.shape[2] ** -0.5 if scale is None else float(scale)
-    resolved = dispatch.resolve_backend(backend, interpret)
-    if resolved == "reference":
-        return indexer_scores_reference(
-            q_idx, weights, index_pool, index_page_table, lengths, n_entries, compress_ratio=compress_ratio, scale=scale
-        )
-    capacity = index_page_table.shape[1] * index_pool.shape[1]
-    n_visible = hca_decode.visible_entries(lengths, n_entries, compress_ratio, capacity)
-    mode = dispatch.pallas_interpret_arg(resolved, interpret)
-    if resolved == "gpu":
-        idx_head_dim = q_idx.shape[2]
-        checks.check_power_of_two("idx_head_dim", idx_head_dim, "Triton blocks are powers of two")
-        if idx_head_dim < 16:
-            raise ValueError(f"{idx_head_dim=} must be >= 16 on the GPU backend (Triton dot tiles)")
-        return _indexer_scores_gpu(q_idx, weights, index_pool, index_page_table, n_visible, scale=scale, interpret=mode)
-    return _indexer_scores_tpu(q_idx, weights, index_pool, index_page_table, n_visible, scale=scale, interpret=mode)
 
 
 @functools.partial(jax.jit, static_argnames=("compress_ratio", "scale", "backend", "interpret"))
@@ -297,19 +257,20 @@ def indexer_scores(
     _check_indexer_inputs(
         q_idx, weights, index_pool, index_page_table, lengths, n_entries, compress_ratio, scale, index_layer
     )
-    return _scores(
-        q_idx,
-        weights,
-        index_pool,
-        index_page_table,
-        lengths,
-        n_entries,
-        compress_ratio=compress_ratio,
-        scale=scale,
-        backend=backend,
-        interpret=interpret,
-        index_layer=index_layer,
-    )
+    index_pool, index_page_table = stacked_pools.flat_view(index_pool, index_page_table, index_layer)
+    scale = q_idx.shape[2] ** -0.5 if scale is None else float(scale)
+    resolved = dispatch.resolve_backend(backend, interpret)
+    if resolved == "reference":
+        return indexer_scores_reference(
+            q_idx, weights, index_pool, index_page_table, lengths, n_entries, compress_ratio=compress_ratio, scale=scale
+        )
+    capacity = index_page_table.shape[1] * index_pool.shape[1]
+    n_visible = common.visible_entries(lengths, n_entries, compress_ratio, capacity)
+    mode = dispatch.pallas_interpret_arg(resolved, interpret)
+    if resolved == "gpu":
+        common.check_gpu_head_dim("idx_head_dim", q_idx.shape[2])
+        return _indexer_scores_gpu(q_idx, weights, index_pool, index_page_table, n_visible, scale=scale, interpret=mode)
+    return _indexer_scores_tpu(q_idx, weights, index_pool, index_page_table, n_visible, scale=scale, interpret=mode)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "compress_ratio", "scale", "backend", "interpret"))
@@ -341,7 +302,7 @@ def indexer_topk(
         q_idx, weights, index_pool, index_page_table, lengths, n_entries, compress_ratio, scale, index_layer
     )
     checks.check_static_int("k", k, lo=1)
-    scores = _scores(
+    scores = indexer_scores(
         q_idx,
         weights,
         index_pool,
@@ -349,10 +310,10 @@ def indexer_topk(
         lengths,
         n_entries,
         compress_ratio=compress_ratio,
+        index_layer=index_layer,
         scale=scale,
         backend=backend,
         interpret=interpret,
-        index_layer=index_layer,
     )
     return topk_from_scores(scores, k)
 
@@ -378,9 +339,9 @@ def indexer_scores_reference(
     batch = q_idx.shape[0]
     capacity = index_page_table.shape[1] * index_pool.shape[1]
     entries = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32)[None, :], (batch, capacity))
-    n_visible = hca_decode.visible_entries(lengths, n_entries, compress_ratio, capacity)
+    n_visible = common.visible_entries(lengths, n_entries, compress_ratio, capacity)
     valid = entries < n_visible[:, None]
-    keys = hca_decode.compressed_rows_reference(index_pool, index_page_table, entries, valid)
+    keys = common.compressed_rows_reference(index_pool, index_page_table, entries, valid)
     keys = jnp.where(valid[..., None], keys, jnp.zeros((), keys.dtype))
     scores = numerics.indexer_scores(q_idx[:, None], weights[:, None], keys, scale)[:, 0]
     return jnp.where(valid, scores, -jnp.inf)

@@ -28,6 +28,8 @@ from jax import lax
 
 
 class SoftmaxState(NamedTuple):
+    """The running state of an online softmax over the rows folded so far (see the module docstring)."""
+
     o: jax.Array  # [heads, D] f32
     m: jax.Array  # [heads, 1] f32
     l: jax.Array  # [heads, 1] f32

@@ -25,13 +25,15 @@ def table_page(page_table_ref, table_offset, logical_page, *, pages_per_seq: int
 
 def mask_page(page, base, lo, hi):
     """(page with its rows outside entries [lo, hi) zeroed, valid bool[1, page_size]) for a page
-    [page_size, D] whose first row is entry `base`. Rows outside the range may be unwritten slots (NaN):
-    zeroed, they contribute exact zeros; `valid` masks their columns of the logits."""
+    [page_size, D] whose first row is entry `base` (lo None: no lower bound, the range starts at 0).
+    Rows outside the range may be unwritten slots (NaN): zeroed, they contribute exact zeros; `valid`
+    masks their columns of the logits."""
     page_size = page.shape[0]
     row_pos = base + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # [page_size, 1]
     col_pos = base + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, page_size]
-    page = jnp.where((row_pos >= lo) & (row_pos < hi), page, jnp.zeros_like(page))
-    return page, (col_pos >= lo) & (col_pos < hi)
+    in_range = (lambda pos: pos < hi) if lo is None else (lambda pos: (pos >= lo) & (pos < hi))
+    page = jnp.where(in_range(row_pos), page, jnp.zeros_like(page))
+    return page, in_range(col_pos)
 
 
 def scan_pages(
