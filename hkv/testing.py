@@ -148,29 +148,175 @@ def _engine(model, block_tokens, chunk, max_context, prefix: bool, disk=None, ke
 
 def _force(engine: Engine, route: str | None) -> None:
     """Make the engine's restore choice prefer `route` whenever it is offered (None: its own costs)."""
-    cls_costs = type(engine)._restore_costs
+    manager = engine.prefix_manager
     if route is None:
-        engine.__dict__.pop("_restore_costs", None)
+        manager.__dict__.pop("estimate", None)
         return
+    own = type(manager).estimate
 
-    def costs(*a, **kw):
-        out = cls_costs(engine, *a, **kw)
-        return {k: (0.0 if k == route else float("inf")) for k in out} if route in out else out
+    def estimate(*a, **kw):
+        costs = own(manager, *a, **kw)
+        if route not in costs.offered():
+            return costs
+        return dataclasses.replace(costs, **{k: (0.0 if k == route else float("inf")) for k in costs.offered()})
 
-    engine._restore_costs = costs
+    manager.estimate = estimate
 
 
 def _forget(engine: Engine, *, snapshots_only: bool) -> None:
     """Evict every cached record's SWA + TAIL snapshot (or every whole record) from device memory."""
     nr = engine.layout.config.prefix_records
     every, none = jnp.ones((nr,), bool), jnp.zeros((nr,), bool)
-    engine.cache = engine._evict(engine.layout, engine.cache, every, every, none if snapshots_only else every)
+    engine.cache = engine.steps.evict(engine.layout, engine.cache, every, every, none if snapshots_only else every)
 
 
 def _compile_counts(check: str, engine: Engine) -> None:
     counts = engine.compilations
     if not counts or any(n != 1 for n in counts.values()):
         raise _fail(check, f"engine.compilations = {counts}; want exactly one compilation per bucket")
+
+
+@dataclasses.dataclass
+class _Prompts:
+    """The prompts `check_model` runs and the engine geometry they need.
+
+    block_tokens: tokens per cache block; window: R of the spec (0: no window-rebuild route).
+    base: the base prompt; cuts: the tested cut points (prompt prefix lengths) into it.
+    by_route: (route, cut) -> base[:cut] then tokens that differ from base and from every other
+      route's prompt (so no request's own blocks serve a later one).
+    max_context: tokens per slot of every engine; new_tokens: greedy tokens generated per request.
+    """
+
+    block_tokens: int
+    window: int
+    base: list[int]
+    cuts: list[int]
+    by_route: dict[tuple[str, int], list[int]]
+    max_context: int
+    new_tokens: int
+
+
+def _prompts(
+    model, block_tokens: int, prompt_tokens: int | None, new_tokens: int, max_context: int | None, seed: int
+) -> _Prompts:
+    """The base prompt, the cut points and the diverging prompt of every (route, cut): `_Prompts`."""
+    bt = block_tokens
+    r = window_rebuild_tokens(model.cache_spec(block_tokens=bt))
+    past_r = (r // bt + 1) * bt if r else 0  # the first boundary a window rebuild can restore
+    n = prompt_tokens or max(3 * bt, past_r) + 5
+    tail = 3
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, model.vocab_size, n).tolist()
+    cuts = sorted({c for c in (bt, 2 * bt, 3 * bt, bt + bt // 2, 2 * bt + 3, past_r) if 0 < c <= n - 1})
+
+    def diverge(cut: int, route: int) -> list[int]:
+        """base[:cut], then tokens that differ from base at `cut` and from every other route's prompt
+        (so no request's own blocks serve a later one)."""
+        rest = np.random.default_rng(seed + 1000 + cut).integers(0, model.vocab_size, tail).tolist()
+        rest[0] = (base[cut] + 1 + route) % model.vocab_size if cut < n else (rest[0] + route) % model.vocab_size
+        return base[:cut] + rest
+
+    routes = ("snapshot", "disk", "window")
+    prompts = {(route, c): diverge(c, i) for i, route in enumerate(routes) for c in cuts}
+    longest = max(n, *(len(p) for p in prompts.values())) + new_tokens
+    ctx = max_context or -(-(longest + bt) // bt) * bt
+    return _Prompts(bt, r, base, cuts, prompts, ctx, new_tokens)
+
+
+def _checker(model, pr: _Prompts, tolerance: float, report: ConformanceReport) -> _Checker:
+    """A `_Checker` against the stateless forward's greedy continuation of every prompt in `pr`."""
+    every = [pr.base, *pr.by_route.values()]
+    ref_toks, ref_logits = _reference(model, every, pr.new_tokens)
+    ref = {tuple(p): (t, lg) for p, t, lg in zip(every, ref_toks, ref_logits, strict=True)}
+    return _Checker(model, ref, tolerance, report)
+
+
+def _check_cold(ck: _Checker, pr: _Prompts, chunk_sizes: tuple[int, ...], kernels: dict) -> None:
+    """(b) cold prefill in each chunk size + greedy decode == stateless forward; (e) one compile per bucket."""
+    for chunk in chunk_sizes:
+        if chunk == pr.block_tokens:
+            continue  # the restore engine below runs this chunk size cold first
+        name = f"stateless[chunk={chunk}]"
+        eng = _engine(ck.model, pr.block_tokens, chunk, pr.max_context, prefix=False, kernel_options=kernels)
+        ck.generate(name, eng, [pr.base], pr.new_tokens)
+        ck.generate(name + " batch", eng, [pr.by_route["snapshot", c] for c in pr.cuts[:2]], pr.new_tokens)
+        _compile_counts(f"compilations[chunk={chunk}]", eng)
+        ck.report.checks.append(name)
+
+
+def _restore_engine(ck: _Checker, pr: _Prompts, kernels: dict) -> Engine:
+    """The prefix engine of the restore checks (chunk = block_tokens: every boundary keeps a snapshot),
+    recorded in the report, after its cold run of the base prompt."""
+    bt = pr.block_tokens
+    eng = _engine(ck.model, bt, bt, pr.max_context, prefix=True, kernel_options=kernels)
+    ck.report.engine_config = eng.layout.config
+    ck.report.engine_options = {"block_tokens": bt, "prefill_chunk": bt, "kernel_options": kernels}
+    ck.generate(f"stateless[chunk={bt}]", eng, [pr.base], pr.new_tokens)
+    ck.report.checks.append(f"stateless[chunk={bt}]")
+    return eng
+
+
+def _restore(ck: _Checker, eng: Engine, pr: _Prompts, route: str, cut: int, want_window: bool, want_disk: bool) -> None:
+    """(c) the prompt of (route, cut) restores its last boundary by `route` and gives the cold tokens."""
+    check = f"restore[{route}]@{cut}"
+    (g,) = ck.generate(check, eng, [pr.by_route[route, cut]], pr.new_tokens)
+    p, boundary, r = g.plan, cut // pr.block_tokens * pr.block_tokens, pr.window
+    if p.window_recomputed is not None and r == 0:
+        raise _fail(check, f"the window-rebuild route was taken for a spec with full-attention layers: {p}")
+    got = (p.restored_tokens, p.window_recomputed, p.disk_tokens)
+    want = (
+        boundary,
+        (boundary - r, boundary) if want_window else None,
+        (0, boundary) if want_disk else None,
+    )
+    if got != want:
+        raise _fail(check, f"(restored_tokens, window_recomputed, disk_tokens) = {got}, want {want}; plan {p}")
+    ck.report.routes.setdefault(route, []).append(cut)
+    ck.report.checks.append(check)
+
+
+def _check_disk(ck: _Checker, eng: Engine, pr: _Prompts, disk_dir: str | None) -> None:
+    """(c) from disk: write every block through, forget the device copies, restore at every cut."""
+    own_dir = None if disk_dir is not None else tempfile.TemporaryDirectory(prefix="hkv-check-model-")
+    tier = DiskTier(disk_dir if disk_dir is not None else own_dir.name)
+    try:
+        eng.disk = tier
+        _force(eng, "disk")
+        eng.write_through()
+        eng.flush_disk()
+        for cut in pr.cuts:
+            _forget(eng, snapshots_only=False)
+            _restore(ck, eng, pr, "disk", cut, False, True)
+        eng.flush_disk()
+    finally:
+        eng.disk = None
+        _force(eng, None)
+        tier.close()
+        if own_dir is not None:
+            own_dir.cleanup()
+
+
+def _check_window(ck: _Checker, eng: Engine, pr: _Prompts) -> None:
+    """(c) with the snapshots forgotten, every cut rebuilds the window where the spec allows it; a spec
+    with a full-attention layer refuses the route and restores nothing."""
+    ck.generate("re-warm", eng, [pr.base], pr.new_tokens)  # every record of the base chain on device again
+    _force(eng, "window")  # rebuild the window whenever the engine may
+    try:
+        for cut in pr.cuts:
+            _forget(eng, snapshots_only=True)
+            check = f"restore[window]@{cut}"
+            if pr.window == 0:  # full-attention layers: the route must be refused, restoring nothing exactly
+                (g,) = ck.generate(check, eng, [pr.by_route["window", cut]], pr.new_tokens)
+                if g.plan.window_recomputed is not None or g.plan.restored_tokens != 0:
+                    raise _fail(check, f"a spec with full-attention layers restored without a snapshot: {g.plan}")
+                ck.report.routes.setdefault("window_refused", []).append(cut)
+                ck.report.checks.append(check)
+            elif cut // pr.block_tokens * pr.block_tokens > pr.window:
+                _restore(ck, eng, pr, "window", cut, True, False)
+            else:  # the boundary is inside the receptive field: nothing to rebuild from
+                ck.generate(check, eng, [pr.by_route["window", cut]], pr.new_tokens)
+    finally:
+        _force(eng, None)
 
 
 def check_model(
@@ -218,109 +364,16 @@ def check_model(
     except TypeError as e:
         raise _fail("protocol", str(e)) from e
     report.checks.append("protocol")
-    bt = block_tokens
-    spec = model.cache_spec(block_tokens=bt)
-    r = window_rebuild_tokens(spec)
-    report.window_rebuild_tokens = r
-    past_r = (r // bt + 1) * bt if r else 0  # the first boundary a window rebuild can restore
-    n = prompt_tokens or max(3 * bt, past_r) + 5
-    tail = 3
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, model.vocab_size, n).tolist()
-    cuts = sorted({c for c in (bt, 2 * bt, 3 * bt, bt + bt // 2, 2 * bt + 3, past_r) if 0 < c <= n - 1})
-
-    def diverge(cut: int, route: int) -> list[int]:
-        """base[:cut], then tokens that differ from base at `cut` and from every other route's prompt
-        (so no request's own blocks serve a later one)."""
-        rest = np.random.default_rng(seed + 1000 + cut).integers(0, model.vocab_size, tail).tolist()
-        rest[0] = (base[cut] + 1 + route) % model.vocab_size if cut < n else (rest[0] + route) % model.vocab_size
-        return base[:cut] + rest
-
-    routes = ("snapshot", "disk", "window")
-    prompts = {(route, c): diverge(c, i) for i, route in enumerate(routes) for c in cuts}
-    longest = max(n, *(len(p) for p in prompts.values())) + new_tokens
-    ctx = max_context or -(-(longest + bt) // bt) * bt
-    every = [base, *prompts.values()]
-    ref_toks, ref_logits = _reference(model, every, new_tokens)
-    ck = _Checker(
-        model, {tuple(p): (t, lg) for p, t, lg in zip(every, ref_toks, ref_logits, strict=True)}, tolerance, report
-    )
+    pr = _prompts(model, block_tokens, prompt_tokens, new_tokens, max_context, seed)
+    report.window_rebuild_tokens = pr.window
+    ck = _checker(model, pr, tolerance, report)
     kernels = {"kernel_backend": kernel_backend, "interpret": interpret}
-
-    # (b) cold prefill in each chunk size + greedy decode == stateless forward; (e) one compile per bucket
-    for chunk in chunk_sizes:
-        if chunk == bt:
-            continue  # the restore engine below runs this chunk size cold first
-        name = f"stateless[chunk={chunk}]"
-        eng = _engine(model, bt, chunk, ctx, prefix=False, kernel_options=kernels)
-        ck.generate(name, eng, [base], new_tokens)
-        ck.generate(name + " batch", eng, [prompts["snapshot", c] for c in cuts[:2]], new_tokens)
-        _compile_counts(f"compilations[chunk={chunk}]", eng)
-        report.checks.append(name)
-
-    # (c) restore routes on one engine (chunk = block_tokens: every boundary keeps a snapshot)
-    eng = _engine(model, bt, bt, ctx, prefix=True, kernel_options=kernels)
-    report.engine_config = eng.layout.config
-    report.engine_options = {"block_tokens": bt, "prefill_chunk": bt, "kernel_options": kernels}
-    ck.generate(f"stateless[chunk={bt}]", eng, [base], new_tokens)
-    report.checks.append(f"stateless[chunk={bt}]")
-
-    def restore(route: str, cut: int, want_window: bool, want_disk: bool) -> None:
-        check = f"restore[{route}]@{cut}"
-        (g,) = ck.generate(check, eng, [prompts[route, cut]], new_tokens)
-        p, boundary = g.plan, cut // bt * bt
-        if p.window_recomputed is not None and r == 0:
-            raise _fail(check, f"the window-rebuild route was taken for a spec with full-attention layers: {p}")
-        got = (p.restored_tokens, p.window_recomputed, p.disk_tokens)
-        want = (
-            boundary,
-            (boundary - r, boundary) if want_window else None,
-            (0, boundary) if want_disk else None,
-        )
-        if got != want:
-            raise _fail(check, f"(restored_tokens, window_recomputed, disk_tokens) = {got}, want {want}; plan {p}")
-        report.routes.setdefault(route, []).append(cut)
-        report.checks.append(check)
-
-    for cut in cuts:  # kept snapshots
-        restore("snapshot", cut, False, False)
-
-    own_dir = None if disk_dir is not None else tempfile.TemporaryDirectory(prefix="hkv-check-model-")
-    tier = DiskTier(disk_dir if disk_dir is not None else own_dir.name)
-    try:  # from disk: write every block through, forget the device copies, restore
-        eng.disk = tier
-        _force(eng, "disk")
-        eng.write_through()
-        eng.flush_disk()
-        for cut in cuts:
-            _forget(eng, snapshots_only=False)
-            restore("disk", cut, False, True)
-        eng.flush_disk()
-    finally:
-        eng.disk = None
-        _force(eng, None)
-        tier.close()
-        if own_dir is not None:
-            own_dir.cleanup()
-
-    ck.generate("re-warm", eng, [base], new_tokens)  # every record of the base chain on device again
-    _force(eng, "window")  # rebuild the window whenever the engine may
-    try:
-        for cut in cuts:
-            _forget(eng, snapshots_only=True)
-            check = f"restore[window]@{cut}"
-            if r == 0:  # full-attention layers: the route must be refused, restoring nothing exactly
-                (g,) = ck.generate(check, eng, [prompts["window", cut]], new_tokens)
-                if g.plan.window_recomputed is not None or g.plan.restored_tokens != 0:
-                    raise _fail(check, f"a spec with full-attention layers restored without a snapshot: {g.plan}")
-                report.routes.setdefault("window_refused", []).append(cut)
-                report.checks.append(check)
-            elif cut // bt * bt > r:
-                restore("window", cut, True, False)
-            else:  # the boundary is inside the receptive field: nothing to rebuild from
-                ck.generate(check, eng, [prompts["window", cut]], new_tokens)
-    finally:
-        _force(eng, None)
+    _check_cold(ck, pr, chunk_sizes, kernels)
+    eng = _restore_engine(ck, pr, kernels)
+    for cut in pr.cuts:  # kept snapshots
+        _restore(ck, eng, pr, "snapshot", cut, False, False)
+    _check_disk(ck, eng, pr, disk_dir)
+    _check_window(ck, eng, pr)
     _compile_counts("compilations[restore engine]", eng)
     report.checks.append("compilations")
     return report
