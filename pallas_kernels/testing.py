@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy)
 import numpy as np
 
 # The kernel backends the tests run, and whether through the Pallas interpreter. Default: both
@@ -103,6 +104,33 @@ TOLERANCES = {
     "float32": dict(atol=1e-5, rtol=1e-5),
     "bfloat16": dict(atol=2e-2, rtol=2e-2),
 }
+
+
+def tolerance(dtype) -> dict:
+    """`TOLERANCES` for `dtype` (a dtype, a scalar type such as jnp.bfloat16, or a name)."""
+    return TOLERANCES[np.dtype(dtype).name]
+
+
+def oracle_batch(q: np.ndarray, rows: list[np.ndarray], sinks: np.ndarray | None, scale: float) -> np.ndarray:
+    """`softmax_with_sinks_np` per sequence: q [batch, heads, D], rows[b] [n_b, D] (the K = V rows
+    sequence b attends, in any order) -> float64 [batch, heads, D]."""
+    return np.stack([softmax_with_sinks_np(q[b], rows_b, sinks, scale) for b, rows_b in enumerate(rows)])
+
+
+def assert_reference_output(out, oracle: np.ndarray, dtype) -> None:
+    """A reference's output: in `dtype`, close to the float64 oracle (in float32, at `tolerance(dtype)`)."""
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(out).astype(np.float32), oracle, **tolerance(dtype))
+
+
+def assert_kernel_output(out, reference, oracle: np.ndarray, dtype) -> None:
+    """A kernel's output against its reference (same shape and dtype, close) and the float64 oracle
+    (close), all finite; compared in float32 at `tolerance(dtype)`."""
+    assert out.shape == reference.shape and out.dtype == reference.dtype
+    out = np.asarray(out).astype(np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(reference).astype(np.float32), **tolerance(dtype))
+    np.testing.assert_allclose(out, oracle, **tolerance(dtype))
 
 
 def window_case(

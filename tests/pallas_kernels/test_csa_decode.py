@@ -16,10 +16,6 @@ BACKENDS = list(testing.KERNEL_BACKENDS)
 DTYPES = [np.float32, "bfloat16"]
 
 
-def _tol(dtype):
-    return testing.TOLERANCES[np.dtype(jnp.dtype(dtype)).name]
-
-
 def make_indices(rng):
     """Random picks per sequence: distinct visible entries, -1s, and invisible (stale) indices."""
     n_visible = np.minimum(N_COMPRESSED, LENGTHS // RATIO)
@@ -60,17 +56,8 @@ def make_case(seed, dtype, *, with_sinks=True):
         pages_per_seq=C_PAGES_PER_SEQ,
         num_pages=C_NUM_PAGES,
     )
-    oracle = np.stack(
-        [
-            testing.softmax_with_sinks_np(
-                win["q"][b],
-                np.concatenate([win["window_rows"][b], comp["dense"][b, picked[b]]]),
-                win["sinks"],
-                HEAD_DIM**-0.5,
-            )
-            for b in range(len(LENGTHS))
-        ]
-    )
+    rows = [np.concatenate([win["window_rows"][b], comp["dense"][b, picked[b]]]) for b in range(len(LENGTHS))]
+    oracle = testing.oracle_batch(win["q"], rows, win["sinks"], HEAD_DIM**-0.5)
     arrays = (
         win["q"],
         win["window_pool"],
@@ -100,8 +87,7 @@ def test_case_has_invalid_picks():
 def test_reference_matches_oracle(dtype):
     args, oracle = make_case(0, dtype)
     out = csa_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
-    assert out.dtype == jnp.dtype(dtype)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **_tol(dtype))
+    testing.assert_reference_output(out, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -113,11 +99,7 @@ def test_kernel_matches_reference_and_reads_only_selected_entries(backend, dtype
     args, oracle = make_case(seed, dtype)
     out = _run(args, backend=backend, interpret=testing.INTERPRET)
     ref = csa_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out = np.asarray(out.astype(jnp.float32))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **_tol(dtype))
-    np.testing.assert_allclose(out, oracle, **_tol(dtype))
+    testing.assert_kernel_output(out, ref, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -128,18 +110,18 @@ def test_all_invalid_picks_equal_window_only_attention(backend):
     args = args[:8] + (jnp.full_like(args[8], -1),)
     out = _run(args, backend=backend, interpret=testing.INTERPRET)
     swa = swa_decode_attention_reference(*args[:5], window=WINDOW)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(swa), **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(swa), **testing.tolerance(np.float32))
 
 
 def test_no_sinks_on_gpu_kernel():
     args, oracle = make_case(4, np.float32, with_sinks=False)
     out = np.asarray(_run(args, backend=BACKENDS[0], interpret=testing.INTERPRET))
-    np.testing.assert_allclose(out, oracle, **_tol(np.float32))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(np.float32))
 
 
 def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
     args, oracle = make_case(5, np.float32)
-    np.testing.assert_allclose(np.asarray(_run(args)), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(_run(args)), oracle, **testing.tolerance(np.float32))
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,6 @@ LENGTHS = np.array([0, 1, 5, 10, 13, 24], np.int32)
 BACKENDS = list(testing.KERNEL_BACKENDS)
 
 
-def _tol(dtype):
-    return testing.TOLERANCES[np.dtype(dtype).name]
-
-
 def oracle_np(q, dense, lengths, sinks, *, num_kv_heads, window, scale, softcap, shared_kv):
     """float64, per sequence and head, straight from the dense logical rows [batch, positions, row]."""
     batch, heads, head_dim = q.shape
@@ -96,7 +92,7 @@ def test_reference_matches_oracle(name):
     args, kw, oracle = make_case(0, dtype, **case)
     out = gqa_decode_attention_reference(*args, **kw)
     assert out.shape == (len(LENGTHS), HEADS, HEAD_DIM) and out.dtype == jnp.dtype(dtype)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **_tol(dtype))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **testing.tolerance(dtype))
     # The public function with backend="reference" runs the reference (on a GPU or TPU the auto
     # backend is the Pallas kernel, compared within tolerance below). Bit for bit on CPU; on a GPU the
     # jitted public function and the op-by-op reference fuse differently (1 ulp apart, seen on an H200).
@@ -104,7 +100,9 @@ def test_reference_matches_oracle(name):
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(got, np.asarray(out))
     else:
-        np.testing.assert_allclose(got.astype(np.float32), np.asarray(out.astype(jnp.float32)), **_tol(dtype))
+        np.testing.assert_allclose(
+            got.astype(np.float32), np.asarray(out.astype(jnp.float32)), **testing.tolerance(dtype)
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -118,7 +116,7 @@ def test_kernel_matches_oracle(backend, name):
     assert out.shape == (len(LENGTHS), HEADS, HEAD_DIM) and out.dtype == jnp.dtype(dtype)
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, oracle, **_tol(dtype))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(dtype))
     if args[4] is None:
         np.testing.assert_array_equal(out[LENGTHS == 0], 0.0)  # an empty slot gets zeros, not NaN
 
@@ -130,7 +128,7 @@ def test_ring_page_table_for_the_window(backend):
     ring = -(-(WINDOW - 1) // PAGE_SIZE) + 1  # the minimum the public function accepts
     ring_table = jnp.asarray(testing.ring_page_table(np.asarray(table), LENGTHS, page_size=PAGE_SIZE, ring=ring))
     out = gqa_decode_attention(q, pool, ring_table, lengths, sinks, **kw, backend=backend, interpret=testing.INTERPRET)
-    np.testing.assert_allclose(np.asarray(out), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(out), oracle, **testing.tolerance(np.float32))
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
@@ -153,7 +151,7 @@ def test_full_attention_past_the_table_sees_its_last_capacity_positions(backend)
     out = gqa_decode_attention(
         *map(jnp.asarray, (q, pool, table, LENGTHS, sinks)), **kw, backend=backend, interpret=testing.INTERPRET
     )
-    np.testing.assert_allclose(np.asarray(out), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(out), oracle, **testing.tolerance(np.float32))
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
@@ -170,7 +168,7 @@ def test_stacked_pool_with_traced_layer(backend):
 
     out = np.asarray(run(jnp.int32(1)))
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, oracle, **_tol(np.float32))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(np.float32))
 
 
 def test_sinks_and_softcap_change_the_result():

@@ -19,10 +19,6 @@ BACKENDS = list(testing.KERNEL_BACKENDS)
 DTYPES = [np.float32, "bfloat16"]
 
 
-def _tol(dtype):
-    return testing.TOLERANCES[np.dtype(jnp.dtype(dtype)).name]
-
-
 def make_case(seed, dtype, *, with_sinks=True):
     dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
@@ -50,17 +46,8 @@ def make_case(seed, dtype, *, with_sinks=True):
         pages_per_seq=C_PAGES_PER_SEQ,
         num_pages=C_NUM_PAGES,
     )
-    oracle = np.stack(
-        [
-            testing.softmax_with_sinks_np(
-                win["q"][b],
-                np.concatenate([win["window_rows"][b], comp["dense"][b, : n_visible[b]]]),
-                win["sinks"],
-                HEAD_DIM**-0.5,
-            )
-            for b in range(len(LENGTHS))
-        ]
-    )
+    rows = [np.concatenate([win["window_rows"][b], comp["dense"][b, : n_visible[b]]]) for b in range(len(LENGTHS))]
+    oracle = testing.oracle_batch(win["q"], rows, win["sinks"], HEAD_DIM**-0.5)
     arrays = (
         win["q"],
         win["window_pool"],
@@ -83,8 +70,7 @@ def _run(args, **kw):
 def test_reference_matches_oracle(dtype):
     args, oracle = make_case(0, dtype)
     out = hca_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
-    assert out.dtype == jnp.dtype(dtype)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **_tol(dtype))
+    testing.assert_reference_output(out, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -95,18 +81,14 @@ def test_kernel_matches_reference_and_reads_only_visible_rows(backend, dtype, se
     args, oracle = make_case(seed, dtype)
     out = _run(args, backend=backend, interpret=testing.INTERPRET)
     ref = hca_decode_attention_reference(*args, window=WINDOW, compress_ratio=RATIO)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out = np.asarray(out.astype(jnp.float32))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **_tol(dtype))
-    np.testing.assert_allclose(out, oracle, **_tol(dtype))
+    testing.assert_kernel_output(out, ref, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sinks(backend):
     args, oracle = make_case(3, np.float32, with_sinks=False)
     out = np.asarray(_run(args, backend=backend, interpret=testing.INTERPRET))
-    np.testing.assert_allclose(out, oracle, **_tol(np.float32))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(np.float32))
     np.testing.assert_array_equal(out[LENGTHS == 0], 0.0)
 
 
@@ -123,7 +105,21 @@ def test_compressed_entries_join_the_same_softmax():
 
 def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
     args, oracle = make_case(5, np.float32)
-    np.testing.assert_allclose(np.asarray(_run(args)), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(_run(args)), oracle, **testing.tolerance(np.float32))
+
+
+def valid_args():
+    """Valid small HCA arguments (window=6 fits their page table), to break one at a time."""
+    return [
+        jnp.zeros((2, 4, 32)),
+        jnp.zeros((8, 4, 32)),
+        jnp.zeros((2, 3), jnp.int32),
+        jnp.zeros((2,), jnp.int32),
+        None,
+        jnp.zeros((8, 2, 32)),
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.zeros((2,), jnp.int32),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -137,31 +133,12 @@ def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on G
     ],
 )
 def test_validation_errors(index, value, match):
-    args = [
-        jnp.zeros((2, 4, 32)),
-        jnp.zeros((8, 4, 32)),
-        jnp.zeros((2, 3), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-        None,
-        jnp.zeros((8, 2, 32)),
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-    ]
+    args = valid_args()
     args[index] = value
     with pytest.raises(ValueError, match=match):
         hca_decode_attention(*args, window=6, compress_ratio=RATIO)
 
 
 def test_compress_ratio_must_be_positive():
-    args = [
-        jnp.zeros((2, 4, 32)),
-        jnp.zeros((8, 4, 32)),
-        jnp.zeros((2, 3), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-        None,
-        jnp.zeros((8, 2, 32)),
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-    ]
     with pytest.raises(ValueError, match=r"compress_ratio=0 must be in \[1, inf\]"):
-        hca_decode_attention(*args, window=6, compress_ratio=0)
+        hca_decode_attention(*valid_args(), window=6, compress_ratio=0)

@@ -15,10 +15,6 @@ BACKENDS = list(testing.KERNEL_BACKENDS)
 DTYPES = [np.float32, jnp.bfloat16]
 
 
-def _tol(dtype):
-    return testing.TOLERANCES[np.dtype(dtype).name]
-
-
 def make_case(seed, dtype, lengths=LENGTHS, *, poison_outside_window=False, with_sinks=True):
     """Random q, sinks and a randomly paged window pool; returns jnp inputs and the f64 oracle."""
     case = testing.window_case(
@@ -34,12 +30,7 @@ def make_case(seed, dtype, lengths=LENGTHS, *, poison_outside_window=False, with
         poison_outside_window=poison_outside_window,
         with_sinks=with_sinks,
     )
-    oracle = np.stack(
-        [
-            testing.softmax_with_sinks_np(case["q"][b], rows, case["sinks"], HEAD_DIM**-0.5)
-            for b, rows in enumerate(case["window_rows"])
-        ]
-    )
+    oracle = testing.oracle_batch(case["q"], case["window_rows"], case["sinks"], HEAD_DIM**-0.5)
     args = tuple(
         None if case[n] is None else jnp.asarray(case[n])
         for n in ("q", "window_pool", "window_page_table", "lengths", "sinks")
@@ -51,8 +42,7 @@ def make_case(seed, dtype, lengths=LENGTHS, *, poison_outside_window=False, with
 def test_reference_matches_oracle_per_dtype(dtype):
     args, oracle = make_case(0, dtype)
     out = swa_decode_attention_reference(*args, window=WINDOW)
-    assert out.dtype == jnp.dtype(dtype)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **_tol(dtype))
+    testing.assert_reference_output(out, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -62,9 +52,7 @@ def test_kernel_matches_reference(backend, dtype, seed):
     args, oracle = make_case(seed, dtype)
     out = swa_decode_attention(*args, window=WINDOW, backend=backend, interpret=testing.INTERPRET)
     ref = swa_decode_attention_reference(*args, window=WINDOW)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)), **_tol(dtype))
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), oracle, **_tol(dtype))
+    testing.assert_kernel_output(out, ref, oracle, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -73,7 +61,7 @@ def test_rows_and_pages_outside_the_window_are_never_read(backend):
     assert np.isnan(np.asarray(args[1])).any()  # the poison is really there
     out = np.asarray(swa_decode_attention(*args, window=WINDOW, backend=backend, interpret=testing.INTERPRET))
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, oracle, **_tol(np.float32))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(np.float32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,14 +73,14 @@ def test_ring_page_table_equals_full_page_table(backend):
     out = swa_decode_attention(
         q, pool, jnp.asarray(ring_table), lengths, sinks, window=WINDOW, backend=backend, interpret=testing.INTERPRET
     )
-    np.testing.assert_allclose(np.asarray(out), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(np.asarray(out), oracle, **testing.tolerance(np.float32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_sinks_and_empty_slots(backend):
     args, oracle = make_case(5, np.float32, with_sinks=False)
     out = np.asarray(swa_decode_attention(*args, window=WINDOW, backend=backend, interpret=testing.INTERPRET))
-    np.testing.assert_allclose(out, oracle, **_tol(np.float32))
+    np.testing.assert_allclose(out, oracle, **testing.tolerance(np.float32))
     np.testing.assert_array_equal(out[LENGTHS == 0], 0.0)  # an empty slot gets zeros, not NaN
 
 
@@ -112,7 +100,9 @@ def test_sinks_change_the_result():
 
 def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on GPU/TPU
     args, oracle = make_case(7, np.float32)
-    np.testing.assert_allclose(np.asarray(swa_decode_attention(*args, window=WINDOW)), oracle, **_tol(np.float32))
+    np.testing.assert_allclose(
+        np.asarray(swa_decode_attention(*args, window=WINDOW)), oracle, **testing.tolerance(np.float32)
+    )
 
 
 def _valid_args():
