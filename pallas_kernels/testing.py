@@ -210,3 +210,20 @@ def entry_case(
         keep=lambda b, lp: lp in used_pages[b],
     )
     return dict(pool=pool, page_table=page_table, n_written=np.asarray(n_written, np.int32), dense=dense)
+
+
+def compressed_decode_args() -> list:
+    """Valid small arguments of `hca_decode_attention` (float32 q [2, 4, 32], a window pool of 8 pages of
+    4 rows with a 3-page table, no sinks, a compressed pool of 8 pages of 2 entries with a 4-page
+    table; any window <= 9 fits), as numpy arrays in argument order: a validation test breaks one of
+    them (CSA's tests append the picks)."""
+    return [
+        np.zeros((2, 4, 32), np.float32),
+        np.zeros((8, 4, 32), np.float32),
+        np.zeros((2, 3), np.int32),
+        np.zeros((2,), np.int32),
+        None,
+        np.zeros((8, 2, 32), np.float32),
+        np.zeros((2, 4), np.int32),
+        np.zeros((2,), np.int32),
+    ]

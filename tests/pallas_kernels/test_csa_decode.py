@@ -133,16 +133,5 @@ def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on G
     ],
 )
 def test_validation_errors(value, match):
-    args = [
-        jnp.zeros((2, 4, 32)),
-        jnp.zeros((8, 4, 32)),
-        jnp.zeros((2, 3), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-        None,
-        jnp.zeros((8, 2, 32)),
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-        value,
-    ]
     with pytest.raises(ValueError, match=match):
-        csa_decode_attention(*args, window=6, compress_ratio=RATIO)
+        csa_decode_attention(*testing.compressed_decode_args(), value, window=6, compress_ratio=RATIO)

@@ -108,20 +108,6 @@ def test_auto_backend_matches_oracle():  # the reference on CPU, the kernel on G
     np.testing.assert_allclose(np.asarray(_run(args)), oracle, **testing.tolerance(np.float32))
 
 
-def valid_args():
-    """Valid small HCA arguments (window=6 fits their page table), to break one at a time."""
-    return [
-        jnp.zeros((2, 4, 32)),
-        jnp.zeros((8, 4, 32)),
-        jnp.zeros((2, 3), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-        None,
-        jnp.zeros((8, 2, 32)),
-        jnp.zeros((2, 4), jnp.int32),
-        jnp.zeros((2,), jnp.int32),
-    ]
-
-
 @pytest.mark.parametrize(
     "index, value, match",
     [
@@ -133,7 +119,7 @@ def valid_args():
     ],
 )
 def test_validation_errors(index, value, match):
-    args = valid_args()
+    args = testing.compressed_decode_args()
     args[index] = value
     with pytest.raises(ValueError, match=match):
         hca_decode_attention(*args, window=6, compress_ratio=RATIO)
@@ -141,4 +127,4 @@ def test_validation_errors(index, value, match):
 
 def test_compress_ratio_must_be_positive():
     with pytest.raises(ValueError, match=r"compress_ratio=0 must be in \[1, inf\]"):
-        hca_decode_attention(*valid_args(), window=6, compress_ratio=0)
+        hca_decode_attention(*testing.compressed_decode_args(), window=6, compress_ratio=0)
