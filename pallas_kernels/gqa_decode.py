@@ -218,12 +218,7 @@ def _gqa_decode_tpu(
     pages_per_seq = page_table.shape[1]
     group = num_heads // num_kv_heads
     kernel = functools.partial(
-        gqa_decode_kernel_tpu,
-        span=span,
-        pages_per_seq=pages_per_seq,
-        shared_kv=shared_kv,
-        scale=scale,
-        softcap=softcap,
+        gqa_decode_kernel_tpu, span=span, pages_per_seq=pages_per_seq, shared_kv=shared_kv, scale=scale, softcap=softcap
     )
     out = common.decode_call_tpu(
         kernel,
