@@ -366,7 +366,7 @@ class Worker:
             return ["donated_cache"]
         if int(self.np.asarray(self.engine.cache.active).sum()):
             problems.append("slot_leak")
-        if getattr(self.engine, "_running", None):
+        if self.engine.scheduler.running:
             problems.append("running_left")
         try:
             self.hkv.check_invariants(self.engine.layout, self.engine.cache)

@@ -143,7 +143,8 @@ def _interrupt_after(engine, name, n):
     """Wrap the engine's jitted transition `name` so that its n-th call returns and then raises
     KeyboardInterrupt, as a SIGINT delivered right after a donating call would: the input cache is
     already donated, the new one never reaches `engine.cache`."""
-    real = getattr(engine, name)
+    steps, name = engine.steps, name.lstrip("_")
+    real = getattr(steps, name)
     calls = {"n": 0}
 
     class Wrapped:
@@ -157,8 +158,8 @@ def _interrupt_after(engine, name, n):
         def __getattr__(self, item):
             return getattr(real, item)
 
-    setattr(engine, name, Wrapped())
-    return lambda: setattr(engine, name, real)
+    setattr(steps, name, Wrapped())
+    return lambda: setattr(steps, name, real)
 
 
 @pytest.mark.parametrize("name", ["_decode", "_prefill", "_claim", "_release", "_restore", "_record_many"])

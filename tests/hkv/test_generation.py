@@ -411,7 +411,8 @@ def test_handles_fed_by_a_driving_thread(model, truth):
 
 # --------------------------------------------------------------------------- interrupt safety
 def _interrupt_after(engine, name, n):
-    real = getattr(engine, name)
+    steps, name = engine.steps, name.lstrip("_")  # the engine's compiled transition `name`
+    real = getattr(steps, name)
     calls = {"n": 0}
 
     def wrapped(*args, **kw):
@@ -421,8 +422,8 @@ def _interrupt_after(engine, name, n):
             raise KeyboardInterrupt
         return out
 
-    setattr(engine, name, wrapped)
-    return lambda: setattr(engine, name, real)
+    setattr(steps, name, wrapped)
+    return lambda: setattr(steps, name, real)
 
 
 @pytest.mark.parametrize(
@@ -472,7 +473,7 @@ def _interrupt_around_ahead(engine, where: str):
     """A KeyboardInterrupt right after a decode was dispatched ahead (its results not handed over
     yet), or when the next step is about to take (or has taken) those results."""
     name = "_dispatch_ahead" if where == "after_dispatch" else "_finish_ahead"
-    real = getattr(engine, name)
+    real = getattr(engine.scheduler, name)
 
     def wrapped(*args, **kw):
         if where == "before_finish":
@@ -482,8 +483,8 @@ def _interrupt_around_ahead(engine, where: str):
             raise KeyboardInterrupt
         return out
 
-    setattr(engine, name, wrapped)
-    return lambda: setattr(engine, name, real)
+    setattr(engine.scheduler, name, wrapped)
+    return lambda: setattr(engine.scheduler, name, real)
 
 
 @pytest.mark.parametrize("where", ["after_dispatch", "before_finish", "after_finish"])

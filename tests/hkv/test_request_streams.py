@@ -38,7 +38,7 @@ SAMPLINGS = [
     hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1234),
     hkv.Sampling(temperature=0.9, seed=7),
 ]
-HOOKS = ["_prefill", "_decode", "_claim", "_release", "_record_many", "_restore"]
+HOOKS = ["prefill", "decode", "claim", "release", "record_many", "restore"]  # `engine.steps` transitions
 WAIT_S = 120.0
 
 
@@ -89,7 +89,7 @@ class _Interrupt:
 
     def arm(self, name, n, deferred=False):
         self.disarm()
-        real = getattr(self.engine, name)
+        real = getattr(self.engine.steps, name)
         calls = {"n": 0}
 
         def wrapped(*args, **kw):
@@ -104,11 +104,11 @@ class _Interrupt:
             return out
 
         self.name, self.real = name, real
-        setattr(self.engine, name, wrapped)
+        setattr(self.engine.steps, name, wrapped)
 
     def disarm(self):
         if self.name is not None:
-            setattr(self.engine, self.name, self.real)
+            setattr(self.engine.steps, self.name, self.real)
             self.name = self.real = None
 
 
