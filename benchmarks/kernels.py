@@ -35,12 +35,14 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import (
+    common,
     csa_decode,
     gather,
     hca_decode,
     indexer,
     online_softmax,
     swa_decode,
+    window_decode,
 )
 
 
@@ -413,13 +415,13 @@ def _sweep(args, batch, context, dtype, iters):
     layer = build_layer(args, batch, context, dtype)
     L = layer
     capacity = L["csa_table"].shape[1] * L["csa_pool"].shape[1]
-    n_visible = hca_decode.visible_entries(L["lengths"], L["n_csa"], args.csa_ratio, capacity)
+    n_visible = common.visible_entries(L["lengths"], L["n_csa"], args.csa_ratio, capacity)
     scale = args.head_dim**-0.5
     nbytes = bytes_moved(args, layer, "csa_attention", context, dtype.itemsize)
     print(f"# CSA attention kernel sweep at ctx={context}:")
     for block_h, block_k, num_warps in [(16, 32, 4), (16, 64, 4), (32, 32, 4), (32, 32, 8), (64, 16, 8), (64, 32, 8)]:
         fn = functools.partial(
-            csa_decode._csa_decode_gpu,
+            window_decode.window_decode_gpu,  # CSA: the picks are its 9th argument, after n_visible
             window=args.window,
             scale=scale,
             interpret=False,

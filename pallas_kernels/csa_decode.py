@@ -27,10 +27,6 @@ import jax
 
 from pallas_kernels import window_decode
 
-# The GPU kernel with its tiles exposed, by the name benchmarks/kernels.py --sweep calls it (the picks
-# are its 9th argument, after n_visible).
-_csa_decode_gpu = window_decode.window_decode_gpu
-
 
 @functools.partial(jax.jit, static_argnames=("window", "compress_ratio", "scale", "backend", "interpret"))
 def csa_decode_attention(
