@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .layout import CacheLayout, Status, TailState
+from .layout import CacheLayout, Status, set_tail_row
 from .spec import ObjectKind
 from .state import HybridCache
 from .transitions import advance, checked_slot, keep_if, locate_rows, reserve, slide
@@ -53,20 +53,7 @@ def swap_in(
         pos = lo + jnp.arange(vals.shape[1])
         page, off, _ = locate_rows(layout, g, s[None], pos[None], (ok & (pos < hi))[None])
         groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
-    new_tails = []
-    for t, src in zip(c.tails, tails, strict=True):
-
-        def put(arr, new):
-            return arr.at[s].set(jnp.where(ok, new.astype(arr.dtype), arr[s])) if arr.shape[1] else arr
-
-        new_tails.append(
-            TailState(
-                tail_kv=put(t.tail_kv, src.tail_kv),
-                tail_gate=put(t.tail_gate, src.tail_gate),
-                overlap_kv=put(t.overlap_kv, src.overlap_kv),
-                overlap_gate=put(t.overlap_gate, src.overlap_gate),
-            )
-        )
+    new_tails = [set_tail_row(t, s, ok, src, skip_empty=True) for t, src in zip(c.tails, tails, strict=True)]
     pools = [g.pool for g in groups]  # written under `ok` above: unchanged where it is False
     # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed
     # swap_in leaves the cache unchanged without copying (or selecting over) every pool

@@ -61,73 +61,127 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
     `ValueError` (naming the array) when `cache` was not built for `layout`."""
     check_layout(layout, cache)
     c = jax.device_get(_checked_fields(cache))
-    ps = layout.page_size
     lengths = np.asarray(c.lengths)
     active = np.asarray(c.active)
     if (lengths < 0).any() or (lengths > layout.config.max_context).any():
         _fail(f"lengths {lengths.tolist()} outside [0, max_context={layout.config.max_context}]")
     if (lengths[~active] != 0).any():
         _fail(f"inactive slots {np.nonzero(~active & (lengths != 0))[0].tolist()} have nonzero length")
-    for gi, grp in enumerate(layout.groups):
-        g = c.groups[gi]
-        pt, pg = np.asarray(g.page_table), np.asarray(g.page_gen)
-        rc, gen = np.asarray(g.refcount), np.asarray(g.generation)
-        p = rc.shape[0]
-        mapped = pt[pt >= 0]
-        if (mapped >= p).any():
-            _fail(f"group {gi}: page ids {mapped[mapped >= p].tolist()} beyond pool of {p}")
-        px = c.prefix
-        alive = np.asarray(px.state) == 1
-        rec_rows = np.asarray(px.pages[gi])[alive]
-        rec_mapped = rec_rows[rec_rows >= 0]
-        if (rec_mapped >= p).any():
-            _fail(f"group {gi}: prefix records reference page ids beyond pool of {p}")
-        refs = np.bincount(mapped, minlength=p) + np.bincount(rec_mapped, minlength=p)
-        if (rc < 0).any():
-            _fail(f"group {gi}: negative refcounts at pages {np.nonzero(rc < 0)[0].tolist()}")
-        if not (refs == rc).all():
-            bad = np.nonzero(refs != rc)[0][:8].tolist()
-            _fail(f"group {gi}: refcount != references at pages {bad}: {rc[bad].tolist()} vs {refs[bad].tolist()}")
-        for s in range(layout.slots):
-            row = pt[s][pt[s] >= 0]
-            if len(np.unique(row)) != len(row):
-                _fail(f"group {gi}: slot {s} maps one page at two logical pages")
-        # A page may be shared (a restored prefix), but a slot's write frontier — the partially filled
-        # page its next rows go to — is never mapped by another slot.
-        owners = np.bincount(mapped, minlength=p)
-        for s in range(layout.slots):
-            if not active[s]:
-                continue
-            hi = int(lengths[s]) // grp.unit
-            if hi % ps and pt[s, hi // ps] >= 0 and owners[pt[s, hi // ps]] > 1:
-                _fail(f"group {gi}: slot {s}'s write frontier page {pt[s, hi // ps]} is owned twice")
-        rec_gen = np.asarray(px.gens[gi])[alive]
-        if (rec_rows >= 0).any() and not (rec_gen[rec_rows >= 0] == gen[rec_rows[rec_rows >= 0]]).all():
-            _fail(f"group {gi}: an alive prefix record maps a page of an older generation")
-        if int((rc == 0).sum() + (rc > 0).sum()) != p:
-            _fail(f"group {gi}: free + used != capacity {p}")
-        s_idx, l_idx = np.nonzero(pt >= 0)
-        stale = pg[s_idx, l_idx] != gen[pt[s_idx, l_idx]]
-        if stale.any():
-            _fail(
-                f"group {gi}: slot {s_idx[stale][0]} logical page {l_idx[stale][0]} maps a page of an older generation"
-            )
-        for s in range(layout.slots):
-            row = pt[s]
-            if not active[s]:
-                if (row >= 0).any():
-                    _fail(f"group {gi}: inactive slot {s} still maps pages")
-                continue
-            n = int(lengths[s])
-            hi = n // grp.unit
-            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
-            need = np.zeros(row.shape, bool)
-            need[lo // ps : (hi + ps - 1) // ps] = True
-            if not (row[need] >= 0).all():
-                _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} misses pages for rows [{lo}, {hi})")
-            if (row[~need] >= 0).any():
-                extra = np.nonzero((row >= 0) & ~need)[0].tolist()
-                _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} maps unneeded logical pages {extra}")
+    for gi in range(len(layout.groups)):
+        _check_group(layout, c, gi, lengths, active)
+    _check_table(layout, c, lengths, active)
+    _check_prefix(layout, c)
+    _check_tails(layout, c, lengths, active)
+
+
+def _check_group(layout: CacheLayout, c: HybridCache, gi: int, lengths: np.ndarray, active: np.ndarray) -> None:
+    """Group gi's pages: references, sharing, generations and the pages each slot maps.
+
+    Args:
+      layout: the cache's layout.
+      c: the cache's checked fields on the host (`_checked_fields`).
+      gi: the group.
+      lengths: int32[slots] slot lengths; active: bool[slots].
+    """
+    g = c.groups[gi]
+    pt, pg = np.asarray(g.page_table), np.asarray(g.page_gen)
+    rc, gen = np.asarray(g.refcount), np.asarray(g.generation)
+    p = rc.shape[0]
+    mapped = pt[pt >= 0]
+    if (mapped >= p).any():
+        _fail(f"group {gi}: page ids {mapped[mapped >= p].tolist()} beyond pool of {p}")
+    px = c.prefix
+    alive = np.asarray(px.state) == 1
+    rec_rows = np.asarray(px.pages[gi])[alive]
+    _check_refcounts(gi, mapped, rec_rows, rc)
+    _check_sharing(layout, gi, pt, mapped, p, lengths, active)
+    rec_gen = np.asarray(px.gens[gi])[alive]
+    if (rec_rows >= 0).any() and not (rec_gen[rec_rows >= 0] == gen[rec_rows[rec_rows >= 0]]).all():
+        _fail(f"group {gi}: an alive prefix record maps a page of an older generation")
+    if int((rc == 0).sum() + (rc > 0).sum()) != p:
+        _fail(f"group {gi}: free + used != capacity {p}")
+    s_idx, l_idx = np.nonzero(pt >= 0)
+    stale = pg[s_idx, l_idx] != gen[pt[s_idx, l_idx]]
+    if stale.any():
+        _fail(f"group {gi}: slot {s_idx[stale][0]} logical page {l_idx[stale][0]} maps a page of an older generation")
+    _check_slot_pages(layout, gi, pt, lengths, active)
+
+
+def _check_refcounts(gi: int, mapped: np.ndarray, rec_rows: np.ndarray, rc: np.ndarray) -> None:
+    """Group gi's refcounts equal its references: from page tables (mapped: the page ids of every
+    mapping, int32[n]) and alive prefix records (rec_rows int32[alive records, M], -1 = none).
+    rc int32[P]: the refcounts."""
+    p = rc.shape[0]
+    rec_mapped = rec_rows[rec_rows >= 0]
+    if (rec_mapped >= p).any():
+        _fail(f"group {gi}: prefix records reference page ids beyond pool of {p}")
+    refs = np.bincount(mapped, minlength=p) + np.bincount(rec_mapped, minlength=p)
+    if (rc < 0).any():
+        _fail(f"group {gi}: negative refcounts at pages {np.nonzero(rc < 0)[0].tolist()}")
+    if not (refs == rc).all():
+        bad = np.nonzero(refs != rc)[0][:8].tolist()
+        _fail(f"group {gi}: refcount != references at pages {bad}: {rc[bad].tolist()} vs {refs[bad].tolist()}")
+
+
+def _check_sharing(
+    layout: CacheLayout, gi: int, pt: np.ndarray, mapped: np.ndarray, p: int, lengths: np.ndarray, active: np.ndarray
+) -> None:
+    """No slot maps one page twice, and no slot's write frontier is shared.
+
+    Args:
+      gi: the group.
+      pt: int32[slots, M] its page table (-1 = unmapped); mapped: the page ids of every mapping.
+      p: the group's pool pages.
+      lengths: int32[slots]; active: bool[slots].
+    """
+    unit = layout.groups[gi].unit
+    ps = layout.page_size
+    for s in range(layout.slots):
+        row = pt[s][pt[s] >= 0]
+        if len(np.unique(row)) != len(row):
+            _fail(f"group {gi}: slot {s} maps one page at two logical pages")
+    # A page may be shared (a restored prefix), but a slot's write frontier — the partially filled
+    # page its next rows go to — is never mapped by another slot.
+    owners = np.bincount(mapped, minlength=p)
+    for s in range(layout.slots):
+        if not active[s]:
+            continue
+        hi = int(lengths[s]) // unit
+        if hi % ps and pt[s, hi // ps] >= 0 and owners[pt[s, hi // ps]] > 1:
+            _fail(f"group {gi}: slot {s}'s write frontier page {pt[s, hi // ps]} is owned twice")
+
+
+def _check_slot_pages(layout: CacheLayout, gi: int, pt: np.ndarray, lengths: np.ndarray, active: np.ndarray) -> None:
+    """Each active slot maps exactly the logical pages its length needs in group gi (an SWA group's
+    pages that left the window are released); an inactive slot maps none.
+
+    Args:
+      gi: the group; pt: int32[slots, M] its page table (-1 = unmapped).
+      lengths: int32[slots]; active: bool[slots].
+    """
+    grp = layout.groups[gi]
+    ps = layout.page_size
+    for s in range(layout.slots):
+        row = pt[s]
+        if not active[s]:
+            if (row >= 0).any():
+                _fail(f"group {gi}: inactive slot {s} still maps pages")
+            continue
+        n = int(lengths[s])
+        hi = n // grp.unit
+        lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
+        need = np.zeros(row.shape, bool)
+        need[lo // ps : (hi + ps - 1) // ps] = True
+        if not (row[need] >= 0).all():
+            _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} misses pages for rows [{lo}, {hi})")
+        if (row[~need] >= 0).any():
+            extra = np.nonzero((row >= 0) & ~need)[0].tolist()
+            _fail(f"group {gi} ({grp.kind.name}): slot {s} length {n} maps unneeded logical pages {extra}")
+
+
+def _check_table(layout: CacheLayout, c: HybridCache, lengths: np.ndarray, active: np.ndarray) -> None:
+    """The state table matches the lengths: SWA window bounds, object form bits, residency, indexer
+    versions. c: the checked fields on the host; lengths int32[slots], active bool[slots]."""
     tb = c.table
     keep = [g.keep for g in layout.groups if g.kind == ObjectKind.SWA and g.keep is not None]
     want_start = np.maximum(lengths - min(keep), 0) if keep else np.zeros_like(lengths)
@@ -149,7 +203,11 @@ def check_invariants(layout: CacheLayout, cache: HybridCache) -> None:
     iv = np.asarray(tb.indexer_version)
     if (iv[written] <= 0).any() or (iv[~written] != 0).any():
         _fail("indexer versions must be >= 1 on written blocks and 0 elsewhere")
-    _check_prefix(layout, c)
+
+
+def _check_tails(layout: CacheLayout, c: HybridCache, lengths: np.ndarray, active: np.ndarray) -> None:
+    """Every compressor's TAIL: rows beyond the open window are empty, and the overlap slice exists iff
+    a window has closed. c: the checked fields on the host; lengths int32[slots], active bool[slots]."""
     for ti, (layer, name, spec) in enumerate(layout.spec.compressors()):
         t = c.tails[ti]
         for s in range(layout.slots):

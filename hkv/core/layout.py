@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -258,6 +259,32 @@ class TailState:
     tail_gate: jax.Array
     overlap_kv: jax.Array
     overlap_gate: jax.Array
+
+
+def set_tail_row(dst: TailState, row, cond, src: TailState, src_row=None, *, skip_empty: bool = False) -> TailState:
+    """`dst` with row `row` of every field set to the same field of `src` where `cond`, else kept: the
+    conditional TAIL copy between a slot's TAIL state and a TAIL snapshot (or host rows).
+
+    Args:
+      dst: TailState with fields [N, rows, width] (N slots, or N snapshot slots).
+      row: int32 scalar in [0, N): the row of dst written.
+      cond: bool scalar: write (else dst[row] is written back unchanged).
+      src: TailState with fields [M, rows, width] when `src_row` is given, else [rows, width].
+      src_row: int32 scalar in [0, M): the row of src read; None reads src's fields whole.
+      skip_empty: leave a field with no rows (shape[1] == 0: the overlap slice of a compressor without
+        overlap) as it is, tracing no write into it.
+    Returns:
+      TailState like dst, src's values cast to dst's dtypes. A field of dst with N == 0, or of src with
+      M == 0 (no snapshot slots: tail_snapshots=0), is returned as it is (indexing it is undefined).
+    """
+
+    def put(d, a):
+        if not d.shape[0] or (src_row is not None and not a.shape[0]) or (skip_empty and not d.shape[1]):
+            return d
+        new = a if src_row is None else a[src_row]
+        return d.at[row].set(jnp.where(cond, new.astype(d.dtype), d[row]))
+
+    return jax.tree.map(put, dst, src)
 
 
 @struct.dataclass

@@ -24,17 +24,19 @@ the new sequence never writes into a shared page) and installs the TAIL.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from .layout import CacheLayout, Status, TailState
+from .layout import CacheLayout, Status, set_tail_row
 from .plan import DevicePlan
 from .policy import window_rebuild_tokens
 from .prefix_index import PrefixIndex, RecordState, init_prefix
 from .reasons import Reason
 from .spec import ObjectKind
 from .state import HybridCache, abi_words
-from .transitions import add_refs, checked_slot, keep_if
+from .transitions import add_refs, advance, checked_slot, keep_if, slide
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -86,30 +88,32 @@ def _count(counters: dict, name: str, n) -> dict:
 
 
 # ------------------------------------------------------------------------------------- record
-def record(
-    layout: CacheLayout,
-    cache: HybridCache,
-    slot: jax.Array,
-    key: jax.Array,
-    parent: jax.Array,
-    tokens: jax.Array,
-    retain: jax.Array,
-    length: jax.Array | None = None,
-    enabled: jax.Array | None = None,
-) -> tuple[HybridCache, jax.Array, jax.Array]:
-    """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
-    multiple of block_tokens, at most the current length). A boundary inside the last step (below the
-    current length) gets COMPRESSED/INDEXER references only: its window and TAIL are gone already.
+class _RecordDecision(NamedTuple):
+    """What `record` does at its boundary, decided before any write (traced scalars)."""
 
-    key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
-    retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
-    Returns (cache, record index, status). An alive record with the same key, parent and tokens is
-    reused (its index returned); if it has no snapshot and `retain`, the snapshot is added. A record
-    only adds references (no page is allocated), but with no free record slot it returns
-    Status.NO_PAGES and the cache unchanged (the policy evicts first). A slot outside [0, slots) gets
-    Status.UNKNOWN_SLOT, SLOT_INACTIVE one not claimed, ORPHAN_BLOCK a block whose parent is gone (the
-    cache unchanged). enabled=False (traced bool): the cache comes back unchanged and the record index
-    is -1 (`record_many`'s skipped blocks).
+    known: jax.Array  # bool: the slot given is in [0, slots)
+    slot: jax.Array  # int32: that slot, clipped into [0, slots)
+    length: jax.Array  # int32: the boundary L
+    retain: jax.Array  # bool: a snapshot is wanted (and L is the current length)
+    exists: jax.Array  # bool: an alive record with the same key, parent and tokens is reused
+    r: jax.Array  # int32: the record written (or reused)
+    ok_slot: jax.Array  # bool: the slot, boundary and parent allow a record
+    do: jax.Array  # bool: a new record is written at r
+    has_snap: jax.Array  # bool: a snapshot is wanted and a snapshot slot is free
+    t: jax.Array  # int32: the snapshot slot taken, -1 = none
+    upgrade: jax.Array  # bool: the reused record r gains the snapshot it lacked
+    snap_now: jax.Array  # bool: a snapshot is taken into slot t
+    ok: jax.Array  # bool: the record exists after the call
+
+
+def _record_decision(
+    layout: CacheLayout, cache: HybridCache, slot, key, parent, tokens, retain, length, enabled
+) -> _RecordDecision:
+    """Decide `record`'s writes; arguments as `record`'s (key uint32[4], parent int32, tokens
+    int32[bt], retain bool, length int32 or None, enabled bool or None).
+
+    Returns:
+      _RecordDecision: the record slot r, the snapshot slot t and the gates of every write.
     """
     px = cache.prefix
     known, slot = checked_slot(layout, slot)
@@ -146,85 +150,136 @@ def record(
     upgrade = exists & ok_slot & has_snap & ~px.swa_held[r] & (px.tail_slot[r] < 0)
     snap_now = (do & has_snap) | upgrade
     ok = (can & ok_slot) | exists
-    # every write below is gated by a subset of `ok` (do, upgrade, snap_now, exists), so a refused
-    # record leaves the cache unchanged without a select over whole arrays (the TAIL snapshot pool
-    # and page tables would otherwise be copied on every call)
+    return _RecordDecision(known, slot, length, retain, exists, r, ok_slot, do, has_snap, t, upgrade, snap_now, ok)
 
+
+def _record_pages(layout: CacheLayout, cache: HybridCache, d: _RecordDecision) -> tuple[tuple, tuple, tuple]:
+    """Reference the pages record d.r holds: every group's rows at boundary d.length, the SWA window
+    only with a snapshot (d.snap_now).
+
+    Returns:
+      (groups, pages, gens): the cache's GroupStates with the references added (refcount [P_g]), and
+      the prefix index's per-group page rows int32[NR, M_g] and their generations int32[NR, M_g].
+    """
+    px = cache.prefix
     groups = list(cache.groups)
     pages, gens = list(px.pages), list(px.gens)
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
-        _, _, p0, p1 = _row_range(layout, gi, length)
+        _, _, p0, p1 = _row_range(layout, gi, d.length)
         logical = jnp.arange(g.page_table.shape[1])
         take = (logical >= p0) & (logical < p1)
-        write = do
+        write = d.do
         if grp.kind == ObjectKind.SWA:
-            take = take & snap_now
-            write = do | upgrade
-        row = jnp.where(take, g.page_table[slot], -1)
-        grow = jnp.where(take, g.page_gen[slot], 0)
+            take = take & d.snap_now
+            write = d.do | d.upgrade
+        row = jnp.where(take, g.page_table[d.slot], -1)
+        grow = jnp.where(take, g.page_gen[d.slot], 0)
         new_g, _ = add_refs(g, jnp.where(write, row, -1), +1)
         groups[gi] = new_g
-        pages[gi] = px.pages[gi].at[r].set(jnp.where(write, row, px.pages[gi][r]))
-        gens[gi] = px.gens[gi].at[r].set(jnp.where(write, grow, px.gens[gi][r]))
-    snaps = []
-    tt = jnp.maximum(t, 0)
-    for ci, s in enumerate(px.snaps):
-        src = cache.tails[ci]
+        pages[gi] = px.pages[gi].at[d.r].set(jnp.where(write, row, px.pages[gi][d.r]))
+        gens[gi] = px.gens[gi].at[d.r].set(jnp.where(write, grow, px.gens[gi][d.r]))
+    return tuple(groups), tuple(pages), tuple(gens)
 
-        def cp(dst, a):
-            return dst.at[tt].set(jnp.where(snap_now, a[slot].astype(dst.dtype), dst[tt])) if dst.shape[0] else dst
 
-        snaps.append(
-            TailState(
-                tail_kv=cp(s.tail_kv, src.tail_kv),
-                tail_gate=cp(s.tail_gate, src.tail_gate),
-                overlap_kv=cp(s.overlap_kv, src.overlap_kv),
-                overlap_gate=cp(s.overlap_gate, src.overlap_gate),
-            )
-        )
+def _record_index(
+    cache: HybridCache, d: _RecordDecision, key, parent, tokens, pages: tuple, gens: tuple
+) -> PrefixIndex:
+    """The prefix index after `record` (all but the checksum): record d.r's fields, its pages and
+    gens (from `_record_pages`), the slot's TAIL copied into snapshot slot d.t, the clock ticked.
+
+    Returns:
+      PrefixIndex: NR records, NT snapshot slots, as `cache.prefix`.
+    """
+    px = cache.prefix
+    r, do = d.r, d.do
+    tt = jnp.maximum(d.t, 0)
+    snaps = tuple(set_tail_row(s, tt, d.snap_now, cache.tails[ci], d.slot) for ci, s in enumerate(px.snaps))
     snap_used = (
-        px.snap_used.at[tt].set(jnp.where(snap_now, True, px.snap_used[tt])) if px.snap_used.shape[0] else px.snap_used
+        px.snap_used.at[tt].set(jnp.where(d.snap_now, True, px.snap_used[tt]))
+        if px.snap_used.shape[0]
+        else px.snap_used
     )
-    clock = px.clock + ok.astype(jnp.int32)
-    new_px = px.replace(
+    clock = px.clock + d.ok.astype(jnp.int32)
+    return px.replace(
         key=px.key.at[r].set(jnp.where(do, key, px.key[r])),
         parent=px.parent.at[r].set(jnp.where(do, parent, px.parent[r])),
         tokens=px.tokens.at[r].set(jnp.where(do, tokens, px.tokens[r])),
-        length=px.length.at[r].set(jnp.where(do, length, px.length[r])),
+        length=px.length.at[r].set(jnp.where(do, d.length, px.length[r])),
         abi=px.abi.at[r].set(jnp.where(do, cache.abi, px.abi[r])),
         iver=px.iver.at[r].set(jnp.where(do, cache.indexer_version, px.iver[r])),
         state=px.state.at[r].set(jnp.where(do, jnp.int8(RecordState.ALIVE), px.state[r])),
-        last_used=px.last_used.at[r].set(jnp.where(do | exists, clock, px.last_used[r])),
+        last_used=px.last_used.at[r].set(jnp.where(do | d.exists, clock, px.last_used[r])),
         hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
         on_disk=px.on_disk.at[r].set(jnp.where(do, False, px.on_disk[r])),
-        pages=tuple(pages),
-        gens=tuple(gens),
-        swa_held=px.swa_held.at[r].set(jnp.where(do | upgrade, snap_now, px.swa_held[r])),
-        tail_slot=px.tail_slot.at[r].set(jnp.where(snap_now, t, jnp.where(do, -1, px.tail_slot[r]))),
-        snaps=tuple(snaps),
+        pages=pages,
+        gens=gens,
+        swa_held=px.swa_held.at[r].set(jnp.where(do | d.upgrade, d.snap_now, px.swa_held[r])),
+        tail_slot=px.tail_slot.at[r].set(jnp.where(d.snap_now, d.t, jnp.where(do, -1, px.tail_slot[r]))),
+        snaps=snaps,
         snap_used=snap_used,
         clock=clock,
     )
-    new = cache.replace(groups=tuple(groups), prefix=new_px)
-    csum = _snapshot_checksum(layout, new, tuple(p[r] for p in new_px.pages), length, t)
-    new_px = new_px.replace(checksum=new_px.checksum.at[r].set(jnp.where(snap_now, csum, new_px.checksum[r])))
-    counters = _count(cache.counters, "records_created", do.astype(jnp.int32))
-    counters = _count(counters, "snapshots_taken", snap_now.astype(jnp.int32))
-    counters = _count(counters, "snapshots_skipped_full", (do & retain & ~has_snap).astype(jnp.int32))
-    out = new.replace(prefix=new_px, counters=counters)
-    status = jnp.where(
-        ok,
+
+
+def _record_status(cache: HybridCache, d: _RecordDecision) -> jax.Array:
+    """`record`'s status (a scalar `Status` code, cast to int32 by the caller): OK, UNKNOWN_SLOT,
+    NO_PAGES (no free record slot), ORPHAN_BLOCK or SLOT_INACTIVE."""
+    return jnp.where(
+        d.ok,
         Status.OK,
         jnp.where(
-            ~known,
+            ~d.known,
             Status.UNKNOWN_SLOT,
             jnp.where(
-                ok_slot, Status.NO_PAGES, jnp.where(cache.active[slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE)
+                d.ok_slot,
+                Status.NO_PAGES,
+                jnp.where(cache.active[d.slot], Status.ORPHAN_BLOCK, Status.SLOT_INACTIVE),
             ),
         ),
     )
-    return out, jnp.where(ok, r, -1), status.astype(jnp.int32)
+
+
+def record(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    key: jax.Array,
+    parent: jax.Array,
+    tokens: jax.Array,
+    retain: jax.Array,
+    length: jax.Array | None = None,
+    enabled: jax.Array | None = None,
+) -> tuple[HybridCache, jax.Array, jax.Array]:
+    """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
+    multiple of block_tokens, at most the current length). A boundary inside the last step (below the
+    current length) gets COMPRESSED/INDEXER references only: its window and TAIL are gone already.
+
+    key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
+    retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
+    Returns (cache, record index, status). An alive record with the same key, parent and tokens is
+    reused (its index returned); if it has no snapshot and `retain`, the snapshot is added. A record
+    only adds references (no page is allocated), but with no free record slot it returns
+    Status.NO_PAGES and the cache unchanged (the policy evicts first). A slot outside [0, slots) gets
+    Status.UNKNOWN_SLOT, SLOT_INACTIVE one not claimed, ORPHAN_BLOCK a block whose parent is gone (the
+    cache unchanged). enabled=False (traced bool): the cache comes back unchanged and the record index
+    is -1 (`record_many`'s skipped blocks).
+    """
+    d = _record_decision(layout, cache, slot, key, parent, tokens, retain, length, enabled)
+    # every write below is gated by a subset of `ok` (do, upgrade, snap_now, exists), so a refused
+    # record leaves the cache unchanged without a select over whole arrays (the TAIL snapshot pool
+    # and page tables would otherwise be copied on every call)
+    groups, pages, gens = _record_pages(layout, cache, d)
+    new_px = _record_index(cache, d, key, parent, tokens, pages, gens)
+    new = cache.replace(groups=groups, prefix=new_px)
+    csum = _snapshot_checksum(layout, new, tuple(p[d.r] for p in new_px.pages), d.length, d.t)
+    new_px = new_px.replace(checksum=new_px.checksum.at[d.r].set(jnp.where(d.snap_now, csum, new_px.checksum[d.r])))
+    counters = _count(cache.counters, "records_created", d.do.astype(jnp.int32))
+    counters = _count(counters, "snapshots_taken", d.snap_now.astype(jnp.int32))
+    counters = _count(counters, "snapshots_skipped_full", (d.do & d.retain & ~d.has_snap).astype(jnp.int32))
+    out = new.replace(prefix=new_px, counters=counters)
+    status = _record_status(cache, d)
+    return out, jnp.where(d.ok, d.r, -1), status.astype(jnp.int32)
 
 
 def record_many(
@@ -309,51 +364,40 @@ def _leading(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
 
 
-def restore(
-    layout: CacheLayout,
-    cache: HybridCache,
-    slot: jax.Array,
-    keys: jax.Array,
-    tokens: jax.Array,
-    n_blocks: jax.Array,
-    recompute: int = 0,
-    count: bool = True,
-) -> tuple[HybridCache, jax.Array]:
-    """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
+class _Stages(NamedTuple):
+    """`restore`'s lookup and validation stages 0-3 over the prompt's NB blocks."""
 
-    keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
-    rows >= n_blocks ignored); n_blocks: blocks the caller allows (at most (prompt_len - 1) // bt so
-    one token is left to compute logits from). Returns (cache, `DevicePlan`).
-    The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
-    NO_PAGES (copy-on-write pages unavailable), UNKNOWN_SLOT (`slot` outside [0, slots)) or
-    SLOT_INACTIVE (not claimed, or not empty) the cache is unchanged but for the lookup counters
-    (count=True) and plan.status says so.
+    rec: jax.Array  # int32[NB]: the record matched for each block (0 past the chain)
+    h: jax.Array  # int32: stage 0, blocks whose key chain matched
+    i: jax.Array  # int32[NB]: block indices
+    collision: jax.Array  # bool[NB]: the record's tokens differ from the block's
+    reused: jax.Array  # bool[NB]: a recorded page now belongs to someone else
+    n1: jax.Array  # int32: stage 1 (lifecycle), leading blocks passing
+    n2: jax.Array  # int32: stage 2 (ABI), leading blocks passing
+    iver_ok: jax.Array  # bool[NB]: the record's indexer keys are of the current version
+    complete: jax.Array  # bool[NB]: boundary (i + 1) * bt passes stages 1-3
+    n3: jax.Array  # int32: stage 3 (multi-cache intersection), the longest complete boundary in blocks
 
-    recompute = R > 0 (static) is the window-recompute mode, for a hit whose SWA window or TAIL is
-    missing: claim only the COMPRESSED / INDEXER rows at the longest boundary L passing stages 1-2
-    (whose indexer keys are current), and leave the slot at length L - R with no window and an empty
-    TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
-    SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
-    Raises ValueError (at trace time) for a spec with a full-attention layer: records keep its rows
-    only with a snapshot, so no rebuild restores it (`hkv.core.policy.window_rebuild_tokens` is 0 there).
-    """
+
+def _check_recompute(layout: CacheLayout, recompute: int) -> None:
+    """Raise ValueError for a window rebuild (recompute > 0) of a spec with a full-attention layer."""
     if recompute and any(grp.kind == ObjectKind.SWA and grp.keep is None for grp in layout.groups):
         raise ValueError(
             f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
             f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
             f"hkv.core.policy.window_rebuild_tokens"
         )
+
+
+def _lifecycle(cache: HybridCache, rec: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stage 1 per block: the records rec int32[NB] against the prompt's tokens int32[NB, bt].
+
+    Returns:
+      (collision, freed, reused), each bool[NB]: the record's tokens differ (a key collision); the
+      record or one of its pages was freed; a recorded page now belongs to someone else.
+    """
     px = cache.prefix
-    bt = layout.spec.block_tokens
-    nb = keys.shape[0]
-    known, slot = checked_slot(layout, slot)
-    match = _match_chain(px, keys, n_blocks)
-    rec = jnp.maximum(match, 0)
-    found = match >= 0
-    h = _leading(found)
-    i = jnp.arange(nb)
-    before_h = i < h
-    # stage 1: lifecycle
+    nb = rec.shape[0]
     collision = ~jnp.all(px.tokens[rec] == tokens, axis=1)
     freed = px.state[rec] != RecordState.ALIVE
     reused = jnp.zeros((nb,), bool)  # a recorded page now belongs to someone else (newer generation)
@@ -363,6 +407,26 @@ def restore(
         stale = (rows >= 0) & (g.generation[safe] != px.gens[gi][rec])
         reused = reused | jnp.any(stale & (g.refcount[safe] > 0), axis=1)
         freed = freed | jnp.any(stale, axis=1)
+    return collision, freed, reused
+
+
+def _stages(layout: CacheLayout, cache: HybridCache, keys: jax.Array, tokens: jax.Array, n_blocks) -> _Stages:
+    """Stages 0-3 of `restore` (hash, lifecycle, ABI, multi-cache intersection); keys uint32[NB, 4],
+    tokens int32[NB, bt] and n_blocks as `restore`'s.
+
+    Returns:
+      _Stages: each stage's count of leading blocks passing, and the per-block facts behind them.
+    """
+    px = cache.prefix
+    nb = keys.shape[0]
+    match = _match_chain(px, keys, n_blocks)
+    rec = jnp.maximum(match, 0)
+    found = match >= 0
+    h = _leading(found)
+    i = jnp.arange(nb)
+    before_h = i < h
+    # stage 1: lifecycle
+    collision, freed, reused = _lifecycle(cache, rec, tokens)
     ok1 = ~collision & ~freed & ~reused
     n1 = _leading(ok1 & before_h)
     # stage 2: ABI
@@ -373,8 +437,19 @@ def restore(
     iver_ok = (px.iver[rec] == cache.indexer_version) if has_indexer else jnp.ones((nb,), bool)
     complete = px.swa_held[rec] & (px.tail_slot[rec] >= 0) & iver_ok & (i < n2)
     n3 = jnp.max(jnp.where(complete, i + 1, 0))
+    return _Stages(rec, h, i, collision, reused, n1, n2, iver_ok, complete, n3)
 
-    # stage 4: checksum of the snapshot, longest complete boundary first
+
+def _byte_stage(layout: CacheLayout, cache: HybridCache, st: _Stages) -> jax.Array:
+    """Stage 4: the snapshot's bytes still match their checksum, tried from the longest complete
+    boundary (st.n3 blocks) down.
+
+    Returns:
+      int32: n4, the blocks of the longest complete boundary whose checksum holds (0: none).
+    """
+    px = cache.prefix
+    rec, complete = st.rec, st.complete
+
     def csum_ok(j):
         r = rec[j]
         got = _snapshot_checksum(layout, cache, tuple(p[r] for p in px.pages), px.length[r], px.tail_slot[r])
@@ -383,9 +458,18 @@ def restore(
     def cond(j):
         return (j >= 0) & ~(complete[jnp.maximum(j, 0)] & csum_ok(jnp.maximum(j, 0)))
 
-    j = jax.lax.while_loop(cond, lambda j: j - 1, n3 - 1)
-    n4 = j + 1
-    # reason: the first stage that shrank the plan, and why
+    j = jax.lax.while_loop(cond, lambda j: j - 1, st.n3 - 1)
+    return j + 1
+
+
+def _failure(cache: HybridCache, st: _Stages, n4: jax.Array, n_blocks) -> tuple[jax.Array, jax.Array]:
+    """The first stage that shrank the plan, and why.
+
+    Returns:
+      (first_failed_stage, reason), int32 scalars: the stage 0-4 (-1 when none failed) and its
+      `Reason` code (0 when none).
+    """
+    px, rec, h, n1, n2, n3 = cache.prefix, st.rec, st.h, st.n1, st.n2, st.n3
     last = jnp.maximum(n2 - 1, 0)
     stage3_reason = jnp.where(
         ~px.swa_held[rec[last]],
@@ -393,7 +477,9 @@ def restore(
         jnp.where(px.tail_slot[rec[last]] < 0, Reason.TAIL_MISSING.code, Reason.INDEXER_VERSION.code),
     )
     r1 = jnp.where(
-        collision[n1], Reason.COLLISION.code, jnp.where(reused[n1], Reason.PAGE_REUSED.code, Reason.FREED.code)
+        st.collision[n1],
+        Reason.COLLISION.code,
+        jnp.where(st.reused[n1], Reason.PAGE_REUSED.code, Reason.FREED.code),
     )
     # no block matched at all: a miss (a partial hash hit restored whole is no failure: no reason)
     fail_stage = jnp.where((h == 0) & (n_blocks > 0), 0, 5)
@@ -404,13 +490,20 @@ def restore(
         0,
     )
     fail_stage = jnp.where(fail_stage == 5, -1, fail_stage)
+    return fail_stage, reason
 
-    if recompute:  # window-recompute mode: entries only, at the longest lifecycle+ABI boundary
-        n4 = jnp.where((n2 > 0) & iver_ok[jnp.maximum(n2 - 1, 0)] & (n2 * bt >= recompute), n2, 0)
-    # claim the pages of record rec[n4 - 1]
-    length = n4 * bt
-    r = rec[jnp.maximum(n4 - 1, 0)]
-    do = n4 > 0
+
+def _claim_pages(
+    layout: CacheLayout, cache: HybridCache, slot: jax.Array, r: jax.Array, length: jax.Array, do, recompute: int
+) -> tuple[tuple, jax.Array]:
+    """Map record r's pages at boundary `length` into `slot`'s page tables (shared, refcounted),
+    copying the partially filled last page of each group (copy-on-write); with recompute > 0 the SWA
+    groups are left alone (the window is rebuilt). Nothing is mapped unless `do`.
+
+    Returns:
+      (groups, enough): the GroupStates after the claim, and bool: every copy-on-write page was free.
+    """
+    px = cache.prefix
     groups = list(cache.groups)
     enough = jnp.array(True)
     ps = layout.page_size
@@ -439,35 +532,54 @@ def restore(
             page_gen=g.page_gen.at[slot].set(jnp.where(mapped >= 0, g.generation[jnp.maximum(mapped, 0)], 0)),
         )
         groups[gi] = g
-    tails = []
-    ts = jnp.maximum(px.tail_slot[r], 0)
-    for ci, t in enumerate(cache.tails if not recompute else ()):
-        s = px.snaps[ci]
+    return tuple(groups), enough
 
-        def cp(dst, a):
-            return dst.at[slot].set(jnp.where(do, a[ts].astype(dst.dtype), dst[slot])) if a.shape[0] else dst
 
-        tails.append(
-            TailState(
-                tail_kv=cp(t.tail_kv, s.tail_kv),
-                tail_gate=cp(t.tail_gate, s.tail_gate),
-                overlap_kv=cp(t.overlap_kv, s.overlap_kv),
-                overlap_gate=cp(t.overlap_gate, s.overlap_gate),
-            )
-        )
+def _touch_path(px: PrefixIndex, rec: jax.Array, i: jax.Array, n4: jax.Array) -> PrefixIndex:
+    """Tick the prefix clock and mark the records rec[:n4] (rec int32[NB], i = arange(NB)) used:
+    their last_used is the new clock, their hits one more."""
     clock = px.clock + 1
     on_path = i < n4
     used = jnp.zeros_like(px.last_used, bool).at[jnp.where(on_path, rec, px.last_used.shape[0])].set(True, mode="drop")
-    new_px = px.replace(
+    return px.replace(
         last_used=jnp.where(used, clock, px.last_used), hits=px.hits + used.astype(jnp.int32), clock=clock
     )
-    from .transitions import advance, slide
 
-    claimed = cache.replace(groups=tuple(groups), tails=tuple(tails) if not recompute else cache.tails, prefix=new_px)
+
+def _claim(
+    layout: CacheLayout, cache: HybridCache, slot: jax.Array, st: _Stages, n4: jax.Array, recompute: int
+) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
+    """Claim the first n4 blocks for `slot`: record rec[n4 - 1]'s pages and (recompute == 0) its TAIL
+    snapshot, the path's records marked used, the slot advanced to L = n4 * bt (L - recompute).
+
+    Returns:
+      (claimed, r, do, enough): the cache after the claim (to be kept only if the claim is ok), the
+      record claimed (int32), whether any block is (bool: n4 > 0), and whether every copy-on-write
+      page was free (bool).
+    """
+    px = cache.prefix
+    bt = layout.spec.block_tokens
+    # claim the pages of record rec[n4 - 1]
+    length = n4 * bt
+    r = st.rec[jnp.maximum(n4 - 1, 0)]
+    do = n4 > 0
+    groups, enough = _claim_pages(layout, cache, slot, r, length, do, recompute)
+    ts = jnp.maximum(px.tail_slot[r], 0)
+    tails = tuple(
+        set_tail_row(t, slot, do, px.snaps[ci], ts) for ci, t in enumerate(cache.tails if not recompute else ())
+    )
+    new_px = _touch_path(px, st.rec, st.i, n4)
+    claimed = cache.replace(groups=groups, tails=tails if not recompute else cache.tails, prefix=new_px)
     slots = slot[None]
     claimed = advance(layout, claimed, slots, (length - recompute * do)[None], do[None])
     if not recompute:
         claimed = slide(layout, claimed, slots, do[None])
+    return claimed, r, do, enough
+
+
+def _claim_status(cache: HybridCache, slot: jax.Array, known: jax.Array, enough: jax.Array):
+    """`restore`'s outcome for the (clipped) slot: (ok bool, status int32 `Status` code) -- UNKNOWN_SLOT,
+    SLOT_INACTIVE (not claimed, or not empty), NO_PAGES (a copy-on-write page unavailable) or OK."""
     valid_slot = known & cache.active[slot] & (cache.lengths[slot] == 0)
     ok = enough & valid_slot
     status = jnp.where(
@@ -475,11 +587,55 @@ def restore(
         Status.UNKNOWN_SLOT,
         jnp.where(~valid_slot, Status.SLOT_INACTIVE, jnp.where(enough, Status.OK, Status.NO_PAGES)),
     )
+    return ok, status
+
+
+def restore(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slot: jax.Array,
+    keys: jax.Array,
+    tokens: jax.Array,
+    n_blocks: jax.Array,
+    recompute: int = 0,
+    count: bool = True,
+) -> tuple[HybridCache, jax.Array]:
+    """Look up, validate and claim the longest restorable prefix for a freshly claimed `slot`.
+
+    keys uint32[NB, 4] and tokens int32[NB, bt] of the prompt's blocks (NB = max_context // bt,
+    rows >= n_blocks ignored); n_blocks: blocks the caller allows (at most (prompt_len - 1) // bt so
+    one token is left to compute logits from). Returns (cache, `DevicePlan`).
+    The slot gets length L = byte_blocks * block_tokens with its pages, TAIL and state table set; on
+    NO_PAGES (copy-on-write pages unavailable), UNKNOWN_SLOT (`slot` outside [0, slots)) or
+    SLOT_INACTIVE (not claimed, or not empty) the cache is unchanged but for the lookup counters
+    (count=True) and plan.status says so.
+
+    recompute = R > 0 (static) is the window-recompute mode, for a hit whose SWA window or TAIL is
+    missing: claim only the COMPRESSED / INDEXER rows at the longest boundary L passing stages 1-2
+    (whose indexer keys are current), and leave the slot at length L - R with no window and an empty
+    TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
+    SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
+    Raises ValueError (at trace time) for a spec with a full-attention layer: records keep its rows
+    only with a snapshot, so no rebuild restores it (`hkv.core.policy.window_rebuild_tokens` is 0 there).
+    """
+    _check_recompute(layout, recompute)
+    bt = layout.spec.block_tokens
+    known, slot = checked_slot(layout, slot)
+    st = _stages(layout, cache, keys, tokens, n_blocks)
+    # stage 4: checksum of the snapshot, longest complete boundary first
+    n4 = _byte_stage(layout, cache, st)
+    # reason: the first stage that shrank the plan, and why
+    fail_stage, reason = _failure(cache, st, n4, n_blocks)
+
+    if recompute:  # window-recompute mode: entries only, at the longest lifecycle+ABI boundary
+        n4 = jnp.where((st.n2 > 0) & st.iver_ok[jnp.maximum(st.n2 - 1, 0)] & (st.n2 * bt >= recompute), st.n2, 0)
+    claimed, r, do, enough = _claim(layout, cache, slot, st, n4, recompute)
+    ok, status = _claim_status(cache, slot, known, enough)
     plan = DevicePlan.make(
-        hash_blocks=h,
-        lifecycle_blocks=n1,
-        abi_blocks=n2,
-        intersection_blocks=n3,
+        hash_blocks=st.h,
+        lifecycle_blocks=st.n1,
+        abi_blocks=st.n2,
+        intersection_blocks=st.n3,
         byte_blocks=jnp.where(ok, n4, 0),
         first_failed_stage=fail_stage,
         reason=reason,
