@@ -14,6 +14,12 @@ On disk, `path` is a directory (format version 2):
                       dict {"leaf_00000": array, ...}; zero-size leaves (e.g. the overlap slice of a
                       non-overlapping compressor, [S, 0, D]) are not stored — orbax refuses them — and
                       are rebuilt from the fresh cache on restore.
+An `hkv.MeshEngine`'s checkpoint (`save_mesh_engine` / `restore_mesh_engine`) is the same format, with
+its stacked cache as the arrays (every leaf [D, ...]: data shard d's cache at index d) and one more
+metadata field, `mesh` = {data_shards: D, data_axis, model_axis, route}; its `config` is the whole
+mesh's (each shard's capacities times D), `engine` the settings every shard shares. A single-device
+engine refuses a mesh checkpoint and a mesh engine a single-device one; it restores onto a mesh whose
+data axis has D devices (any model-axis size).
 Version 1 (hkv before the weights digest) kept the arrays in `cache/`; its metadata is still read
 (`read_metadata`), but `restore_engine` refuses it: its fingerprint names a `model_id` label, not the
 weights, so it cannot prove the cache was computed by the restoring model.
@@ -52,6 +58,7 @@ import time
 import uuid
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -89,7 +96,9 @@ __all__ = [
     "cache_dir",
     "read_metadata",
     "restore_engine",
+    "restore_mesh_engine",
     "save_engine",
+    "save_mesh_engine",
 ]
 
 
@@ -193,12 +202,29 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
     """
     path = Path(os.fspath(path)).absolute()
     started = time.time()
-    replacing = _check_saveable(engine, path, overwrite)
+    _check_idle(engine)
+    replacing = _check_path(path, overwrite)
     snapshot = _snapshot_cache(engine.cache)
     token = uuid.uuid4().hex
-    doc = _metadata(engine, snapshot.leaves, token)
+    _write_checkpoint(path, _metadata(engine, snapshot.leaves, token), snapshot.stored, replacing, started)
+
+
+def _write_checkpoint(
+    path: Path, doc: dict[str, Any], stored: dict[str, np.ndarray], replacing: bool, started: float
+) -> None:
+    """Write the checkpoint `doc` (sealed metadata) + `stored` (its arrays) at `path`, atomically (module docstring).
+
+    Args:
+      path: the checkpoint directory (absolute), checked by `_check_path`.
+      doc: the metadata; its `cache_dir` names this save's array directory (`cache-<token>`).
+      stored: the arrays to store (`_CacheSnapshot.stored`).
+      replacing: whether something exists at `path` (`_check_path`'s answer).
+      started: when the save began (`time.time()`): older leftovers of killed saves are deleted.
+    Raises:
+      EngineCheckpointError: a write failed (naming `path`), or `path` appeared while saving.
+    """
     ocp, ck = _checkpointer()
-    job = _SaveJob(doc=doc, stored=snapshot.stored, token=token, ocp=ocp, checkpointer=ck)
+    job = _SaveJob(doc=doc, stored=stored, token=doc["cache_dir"].removeprefix("cache-"), ocp=ocp, checkpointer=ck)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not replacing:
@@ -213,31 +239,39 @@ def save_engine(engine, path: str | os.PathLike, *, overwrite: bool = False) -> 
         ) from err
 
 
-def _check_saveable(engine, path: Path, overwrite: bool) -> bool:
-    """Refuse to save unless `engine` is idle and `path` is free, or replaceable and `overwrite` is set.
+def _check_idle(engine, shard: int | None = None) -> None:
+    """Refuse to save unless `engine` (or data shard `shard` of a mesh engine) runs and holds no request.
 
-    Args:
-      engine: the engine to save.
-      path: the checkpoint directory (absolute).
-      overwrite: whether an existing checkpoint (or a directory of a killed save's leftovers) may be replaced.
-    Returns:
-      whether something exists at `path` (the save replaces it) or not (the save creates it).
     Raises:
-      EngineCheckpointError: sequences are running, requests are submitted and not finished, `path` exists
-        and `overwrite` is False, or `path` is something other than a checkpoint or an empty directory.
+      EngineCheckpointError: sequences are running, or requests are submitted and not finished.
     """
+    where = "" if shard is None else f" on data shard {shard}"
     running = sorted(q.slot for q in engine.scheduler.live())
     if running:
         raise EngineCheckpointError(
-            f"cannot save while {len(running)} sequence(s) are running (slots {running}); "
+            f"cannot save while {len(running)} sequence(s) are running{where} (slots {running}); "
             f"save between steps or generate() calls"
         )
     queued = engine.pending
     if queued:
         raise EngineCheckpointError(
-            f"cannot save with {queued} request(s) submitted and not finished: a checkpoint holds the cache, "
+            f"cannot save with {queued} request(s) submitted and not finished{where}: a checkpoint holds the cache, "
             f"not requests; run them first (engine.run_until_idle()) or cancel their handles"
         )
+
+
+def _check_path(path: Path, overwrite: bool) -> bool:
+    """Refuse to save unless `path` is free, or replaceable and `overwrite` is set.
+
+    Args:
+      path: the checkpoint directory (absolute).
+      overwrite: whether an existing checkpoint (or a directory of a killed save's leftovers) may be replaced.
+    Returns:
+      whether something exists at `path` (the save replaces it) or not (the save creates it).
+    Raises:
+      EngineCheckpointError: `path` exists and `overwrite` is False, or `path` is something other than a
+        checkpoint or an empty directory.
+    """
     replacing = path.exists() or path.is_symlink()
     if replacing:
         if not overwrite:
@@ -343,6 +377,84 @@ def _engine_settings(engine) -> dict[str, Any]:
         # settings a checkpoint cannot hold (objects, callables): restore warns when they are not given again
         "not_saved": [name for name, set_ in engine.unsaved_settings().items() if set_],
     }
+
+
+def save_mesh_engine(mesh_engine, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Save `mesh_engine` (an idle `hkv.MeshEngine`) to the directory `path`: a checkpoint of the same
+    format as `save_engine`'s (same files, atomicity and checks) whose arrays are the mesh's stacked
+    cache (every leaf [D, ...], gathered to the host) and whose metadata adds a `mesh` section.
+
+    The metadata's `config` is the whole mesh's resolved `CacheConfig` (each shard's capacities times
+    D), `engine` the settings every shard shares, `spec`/`abi_fingerprint` a shard's (the same for
+    every shard), and `mesh` = {data_shards: D, data_axis, model_axis, route}. The model axis's size
+    is not saved: the cache is replicated within a data shard, so any model-axis size restores it.
+
+    Args:
+      mesh_engine: an `hkv.MeshEngine` between calls (`MeshEngine.save` has flushed its disk writes).
+      path: the checkpoint directory.
+      overwrite: as `save_engine`'s.
+    Raises:
+      EngineCheckpointError: as `save_engine` (any shard running or holding requests; `path`), or the
+        shards' settings differ (a checkpoint holds one set of them).
+    """
+    path = Path(os.fspath(path)).absolute()
+    started = time.time()
+    for e in mesh_engine.shards:
+        _check_idle(e, e.shard)
+    _check_same_settings(mesh_engine.shards)
+    replacing = _check_path(path, overwrite)
+    snapshot = _snapshot_cache(mesh_engine.cache)
+    token = uuid.uuid4().hex
+    _write_checkpoint(path, _mesh_metadata(mesh_engine, snapshot.leaves, token), snapshot.stored, replacing, started)
+
+
+def _check_same_settings(shards: list) -> None:
+    """Refuse to save a mesh engine whose data shards' engine settings (`_engine_settings`) differ.
+
+    Raises:
+      EngineCheckpointError: naming the first shard and setting that differ from shard 0's.
+    """
+    first = _engine_settings(shards[0])
+    for e in shards[1:]:
+        theirs = _engine_settings(e)
+        differ = sorted(k for k in first if first[k] != theirs.get(k))
+        if differ:
+            k = differ[0]
+            raise EngineCheckpointError(
+                f"cannot save this MeshEngine: data shard {e.shard} has {k}={_show(theirs.get(k))} but shard 0 "
+                f"has {_show(first[k])} (a checkpoint holds one set of engine settings for every shard; "
+                f"set {', '.join(differ)} the same on every shard first)"
+            )
+
+
+def _mesh_metadata(mesh_engine, leaves: list[dict[str, Any]], token: str) -> dict[str, Any]:
+    """A mesh engine's metadata document (`save_mesh_engine`), sealed by its crc32.
+
+    Args:
+      mesh_engine: the `hkv.MeshEngine` being saved.
+      leaves: its stacked cache's leaf entries (`_snapshot_cache`).
+      token: this save's 32-hex token.
+    Returns:
+      shard 0's document (`_metadata`) with the whole mesh's `config`, the mesh engine's `not_saved`
+      names and the `mesh` section.
+    """
+    shards = mesh_engine.shards
+    doc = _metadata(shards[0], leaves, token)
+    n = len(shards)
+    cfg = doc["config"]
+    for name in ("slots", "prefix_records", "tail_snapshots"):
+        cfg[name] = None if cfg[name] is None else cfg[name] * n
+    cfg["pool_pages"] = None if cfg["pool_pages"] is None else [p * n for p in cfg["pool_pages"]]
+    unsaved = mesh_engine.unsaved_settings()
+    doc["engine"]["not_saved"] = [name for name in _NOT_SAVED if unsaved.get(name)]
+    doc["mesh"] = {
+        "data_shards": n,
+        "data_axis": mesh_engine.data_axis,
+        "model_axis": mesh_engine.model_axis,
+        "route": mesh_engine.routing,
+    }
+    doc["metadata_crc32"] = _seal(doc)
+    return doc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,7 +599,7 @@ def _bad(where: str, v: Any, want: str) -> EngineCheckpointError:
     return EngineCheckpointError(f"checkpoint metadata: {where}={_show(v)} is invalid: want {want}")
 
 
-_NOT_SAVED = ("disk", "tokenizer", "kernel_options", "progress", "seed")
+_NOT_SAVED = ("disk", "tokenizer", "kernel_options", "progress", "seed", "tensor_parallel")
 
 
 def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
@@ -624,7 +736,9 @@ def read_metadata(path: str | os.PathLike) -> dict:
 def _check_schema(doc: dict, version: int) -> None:
     """Every field of a version-`version` metadata document: type, range, exact key sets."""
     top = ("format", "version", "config", "engine", "abi_fingerprint", "spec", "leaves", "versions", "metadata_crc32")
-    _obj(doc, "", top + (("cache_dir",) if version >= 2 else ()))
+    _obj(doc, "", top + (("cache_dir",) if version >= 2 else ()), ("mesh",) if version >= 2 else ())
+    if "mesh" in doc:
+        _check_mesh_section(doc["mesh"])
     _int(doc["metadata_crc32"], "metadata_crc32", 0, 2**32 - 1)
     if version >= 2:
         _str(doc["cache_dir"], "cache_dir", 64, _CACHE_DIR_RE, "'cache-' and 32 lowercase hex digits")
@@ -709,6 +823,20 @@ def _check_schema(doc: dict, version: int) -> None:
         _str(v, f"versions.{_show(k)}", 256)
 
 
+_AXIS = re.compile(r"[^\x00-\x1f]{1,256}")
+
+
+def _check_mesh_section(m: Any) -> None:
+    """A mesh engine's checkpoint's `mesh` section (`save_mesh_engine`): type, range, exact key set."""
+    _obj(m, "mesh", ("data_shards", "data_axis", "model_axis", "route"))
+    _int(m["data_shards"], "mesh.data_shards", 1, 1 << 16)
+    _str(m["data_axis"], "mesh.data_axis", 256, _AXIS, "a mesh axis name (1 to 256 printable characters)")
+    if m["model_axis"] is not None:
+        _str(m["model_axis"], "mesh.model_axis", 256, _AXIS, "null or a mesh axis name")
+    if m["route"] not in ("prefix", "balance"):
+        raise _bad("mesh.route", m["route"], "'prefix' or 'balance'")
+
+
 def _abi_diff(saved: dict, now: dict) -> str:
     """Which spec fields differ (for the ABI mismatch message; the label `model_id` is not compared)."""
     keys = sorted(k for k in set(saved) | set(now) if isinstance(k, str) and k not in ("layers", "model_id"))
@@ -747,6 +875,79 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     cache and upload the verified leaves to the default device, uncommitted, as `init_cache` places
     them (device memory never holds two caches).
     """
+    path = _checkpoint_dir(path, model)
+    checks = _RestoreChecks(path, _usable_metadata(path, engine_kwargs), engine_kwargs)
+    saved = checks.doc.get("mesh")
+    if saved is not None:
+        raise EngineCheckpointError(
+            f"{str(path)!r} is a MeshEngine's checkpoint ({saved['data_shards']} data shards, one stacked cache): "
+            f"restore it onto a mesh with {saved['data_shards']} data shards, "
+            f"hkv.Engine.restore(path, model, mesh=jax.sharding.Mesh(...))"
+        )
+    engine = _build_engine(checks, engine_cls, model, _saved_settings(checks), None)
+    _restore_cache(checks, engine)
+    return engine
+
+
+def restore_mesh_engine(mesh_cls, path: str | os.PathLike, model, *, mesh, split, **engine_kwargs):
+    """Rebuild the `hkv.MeshEngine` saved at `path` (`save_mesh_engine`) on `mesh` around `model` and
+    install its verified stacked cache, as `restore_engine` does for one engine.
+
+    Args:
+      mesh_cls: the mesh engine class (`MeshEngine.restore` passes itself).
+      path: a mesh engine's checkpoint directory.
+      model: the same weights the engine was saved with (as `restore_engine`).
+      mesh: a `jax.sharding.Mesh` whose data axis has the saved number of data shards (the model axis
+        may have any size: a shard's cache is replicated within it).
+      split: whole-mesh config, D -> one shard's config (`hkv.engine.sharded.shard_config`).
+      engine_kwargs: as `restore_engine`'s, plus the mesh engine's own (data_axis, model_axis, route,
+        tensor_parallel); the saved data_axis, model_axis and route apply unless given.
+    Returns:
+      the mesh engine, with `cache` = the restored stacked cache, placed over `mesh`'s data axis.
+    Raises:
+      EngineCheckpointError: as `restore_engine`; a single-device engine's checkpoint; a mesh whose data
+        axis has another size than the saved data-shard count (naming both) or lacks the data axis.
+      hkv.InvariantError: a shard's arrays are intact but break an invariant.
+    """
+    from jax.sharding import Mesh
+
+    path = _checkpoint_dir(path, model)
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
+    checks = _RestoreChecks(path, _usable_metadata(path, engine_kwargs), engine_kwargs)
+    saved = checks.doc.get("mesh")
+    if saved is None:
+        raise EngineCheckpointError(
+            f"{str(path)!r} is a single-device engine's checkpoint, not a MeshEngine's: restore it with "
+            f"hkv.Engine.restore(path, model) (no mesh=)"
+        )
+    axis, n = engine_kwargs.get("data_axis", saved["data_axis"]), saved["data_shards"]
+    if axis not in mesh.axis_names:
+        raise EngineCheckpointError(
+            f"{str(path)!r} was saved with data axis {_show(axis)}, which this mesh {tuple(mesh.axis_names)} lacks; "
+            f"pass data_axis= to name its data axis"
+        )
+    if mesh.shape[axis] != n:
+        raise EngineCheckpointError(
+            f"{str(path)!r} was saved from a MeshEngine with {n} data shards, but this mesh's data axis {axis!r} "
+            f"has {mesh.shape[axis]}: a checkpoint restores onto the same number of data shards (each holds "
+            f"its own slots, pools and prefix records); the model axis may differ"
+        )
+    settings = _saved_settings(checks)
+    kwargs = {"data_axis": saved["data_axis"], "model_axis": saved["model_axis"], "route": saved["route"]}
+    settings = settings._replace(kwargs={**kwargs, **settings.kwargs})
+    engine = _build_engine(checks, mesh_cls, model, settings, _MeshTarget(mesh, n, split))
+    _restore_cache(checks, engine)
+    return engine
+
+
+def _checkpoint_dir(path: str | os.PathLike, model) -> Path:
+    """The absolute checkpoint directory `path`, once `model` is a flax.nnx model and `path` a directory.
+
+    Raises:
+      TypeError: `model` is not a flax.nnx model.
+      EngineCheckpointError: `path` is not a directory (`_no_checkpoint_error`).
+    """
     from flax import nnx
 
     if not isinstance(model, nnx.Module):
@@ -757,23 +958,40 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
     path = Path(os.fspath(path)).absolute()
     if not path.is_dir():
         raise _no_checkpoint_error(path)
-    checks = _RestoreChecks(path, _usable_metadata(path, engine_kwargs), engine_kwargs)
-    settings = _saved_settings(checks)
-    engine = _build_engine(checks, engine_cls, model, settings)
+    return path
 
+
+def _restore_cache(checks: _RestoreChecks, engine) -> None:
+    """Replace `engine`'s fresh cache by the checkpoint's, verified: read the leaves onto the host, check
+    each one's crc32, then `check_layout` and `check_invariants` (on a mesh engine, per data shard's
+    slice) on that host copy; only then install it. Each shard's prefix manager learns whether its
+    cache holds prefix records (`recorded`, as after a call that recorded) and builds its restore
+    step ahead.
+
+    Args:
+      checks: the restore's checkpoint (its metadata already matched to the engine by `_build_engine`).
+      engine: the engine just built, holding a fresh cache (`hkv.Engine`, or an `hkv.MeshEngine`).
+    Raises:
+      EngineCheckpointError, hkv.InvariantError: as `restore_engine`; nothing is installed then.
+    """
     fresh_with_path, treedef = jax.tree_util.tree_flatten_with_path(engine.cache)
     checks.refuse_leaves(fresh_with_path)
     host = _read_verified_leaves(checks, fresh_with_path)
     # Every check runs on the host copy, before any device memory is touched.
     host_cache = jax.tree_util.tree_unflatten(treedef, host)
-    _check_host_cache(path, engine.layout, host_cache)
+    shards = _engines(engine)
+    stacked = hasattr(engine, "shards")
+    for e in shards:
+        one = jax.tree.map(lambda a, d=e.shard: a[d], host_cache) if stacked else host_cache
+        _check_host_cache(checks.path, e.layout, one, e.shard if stacked else None)
     _install_cache(engine, treedef, fresh_with_path, host)
     # a warm restart whose cache holds prefix records is about to be asked for them: build the prefix
     # lookup's restore step now, in the background (speculative, as after a call that recorded), so
     # its first hit does not compile it on the request's path
-    engine.prefix_manager.recorded = bool(np.any(np.asarray(host_cache.prefix.state) == RecordState.ALIVE))
-    engine._restore_ahead()
-    return engine
+    alive = np.asarray(host_cache.prefix.state) == RecordState.ALIVE
+    for e in shards:
+        e.prefix_manager.recorded = bool(np.any(alive[e.shard] if stacked else alive))
+        e._restore_ahead()
 
 
 def _no_checkpoint_error(path: Path) -> EngineCheckpointError:
@@ -939,18 +1157,33 @@ def _saved_settings(checks: _RestoreChecks) -> _SavedSettings:
     return _SavedSettings(config, kwargs)
 
 
-def _build_engine(checks: _RestoreChecks, engine_cls, model, settings: _SavedSettings):
+class _MeshTarget(NamedTuple):
+    """Where a mesh engine's checkpoint is restored (`restore_mesh_engine`)."""
+
+    mesh: Any  # the jax.sharding.Mesh
+    shards: int  # its data axis's size (= the saved `mesh.data_shards`)
+    split: Callable[[CacheConfig, int], CacheConfig]  # whole config -> one shard's (`sharded.shard_config`)
+
+
+def _engines(engine) -> list:
+    """The engines holding host state: a mesh engine's shards, else the engine itself."""
+    return list(getattr(engine, "shards", [engine]))
+
+
+def _build_engine(checks: _RestoreChecks, engine_cls, model, settings: _SavedSettings, target: _MeshTarget | None):
     """Build the engine the checkpoint describes, refusing a foreign checkpoint before allocating its cache.
 
     First, without allocating: the spec the engine will have (with `model`'s weights digest) must give
-    the saved ABI fingerprint, and its cache's leaves (`jax.eval_shape`) the saved key paths, shapes
-    and dtypes. Then the engine is built (allocating a fresh cache) and its own spec re-checked.
+    the saved ABI fingerprint, and its cache's leaves (`jax.eval_shape`; on a mesh, each with the
+    leading data axis) the saved key paths, shapes and dtypes. Then the engine is built (allocating a
+    fresh cache) and its own spec re-checked.
 
     Args:
       checks: the restore's checkpoint and overrides.
-      engine_cls: the engine class.
+      engine_cls: the engine class (`hkv.Engine`, or `hkv.MeshEngine` with `target`).
       model: the flax.nnx model.
       settings: the saved config and engine settings (`_saved_settings`).
+      target: the mesh a mesh engine's checkpoint is restored onto; None for a single-device engine.
     Returns:
       the engine, holding a fresh cache.
     Raises:
@@ -969,16 +1202,21 @@ def _build_engine(checks: _RestoreChecks, engine_cls, model, settings: _SavedSet
             model.cache_spec(block_tokens=bt, model_id=mid), weights_digest=weights_digest(nnx.split(model)[1])
         )
         checks.refuse_fingerprint(spec)
-        layout = CacheLayout(spec, settings.config)
+        local = settings.config if target is None else target.split(settings.config, target.shards)
+        layout = CacheLayout(spec, local)
         shapes = jax.eval_shape(lambda: init_cache(layout))
+        if target is not None:  # the mesh engine's stacked cache: [D, ...] per leaf
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((target.shards, *x.shape), x.dtype), shapes)
     checks.refuse_leaves(jax.tree_util.tree_flatten_with_path(shapes)[0])
 
     with checks.settings_error("cannot build an engine from the saved settings"):
-        engine = engine_cls(model, settings.config, **kwargs)
+        where = {} if target is None else {"mesh": target.mesh}
+        engine = engine_cls(model, settings.config, **where, **kwargs)
     e = checks.doc["engine"]
-    if "decode_while_building" in e:
-        engine.decode_while_building = e["decode_while_building"]
-    checks.refuse_fingerprint(engine.spec)  # the engine's own spec is the one that counts
+    for one in _engines(engine):
+        if "decode_while_building" in e:
+            one.decode_while_building = e["decode_while_building"]
+        checks.refuse_fingerprint(one.spec)  # the engine's own spec is the one that counts
     return engine
 
 
@@ -1061,13 +1299,14 @@ def _verified_leaf(i: int, name: str, fresh, meta: dict[str, Any], restored: Any
     return a
 
 
-def _check_host_cache(path: Path, layout: CacheLayout, host_cache) -> None:
+def _check_host_cache(path: Path, layout: CacheLayout, host_cache, shard: int | None = None) -> None:
     """Check the restored host cache against the engine's layout and the cache invariants.
 
     Args:
       path: the checkpoint directory, for the message.
-      layout: the engine's `CacheLayout`.
-      host_cache: the restored cache, as host arrays.
+      layout: the engine's `CacheLayout` (a mesh engine's: one shard's).
+      host_cache: the restored cache, as host arrays (a mesh engine's: data shard `shard`'s slice).
+      shard: the data shard checked, for the message (None: a single-device engine).
     Raises:
       EngineCheckpointError: a leaf does not fit the layout (`hkv.core.state.check_layout`).
       hkv.InvariantError: the cache breaks an invariant (`hkv.check_invariants`).
@@ -1075,14 +1314,16 @@ def _check_host_cache(path: Path, layout: CacheLayout, host_cache) -> None:
     try:
         check_layout(layout, host_cache)
     except ValueError as err:
-        raise EngineCheckpointError(f"{str(path)!r}: restored cache does not fit the layout: {err}") from err
+        where = "" if shard is None else f"data shard {shard} of the "
+        raise EngineCheckpointError(f"{str(path)!r}: {where}restored cache does not fit the layout: {err}") from err
     check_invariants(layout, host_cache)  # raises hkv.InvariantError
 
 
 def _install_cache(engine, treedef, fresh_with_path, host: list[np.ndarray]) -> None:
     """Replace the engine's fresh cache by the verified host leaves: free the fresh cache first (device
     memory peaks at one cache, not two), then upload each leaf to the default device, uncommitted —
-    exactly how init_cache places its arrays (or where the fresh leaf was, if that differs).
+    exactly how init_cache places its arrays (or where the fresh leaf was, if that differs); a leaf of a
+    mesh engine's stacked cache goes from the host straight to its sharding (each device its piece).
 
     Args:
       engine: the engine; `engine.cache` is its fresh cache, deleted here.
@@ -1097,6 +1338,9 @@ def _install_cache(engine, treedef, fresh_with_path, host: list[np.ndarray]) -> 
     engine.cache = None
     leaves = []
     for a, sh in zip(host, shardings, strict=True):
+        if len(sh.device_set) > 1:  # a mesh engine's leaf: each device gets its own piece from the host
+            leaves.append(jax.device_put(a, sh))
+            continue
         leaf = jnp.asarray(a)
         leaves.append(leaf if leaf.sharding == sh else jax.device_put(leaf, sh))
     engine.cache = jax.tree_util.tree_unflatten(treedef, leaves)

@@ -503,7 +503,10 @@ class Engine:
     def restore(cls, path, model, **engine_kwargs) -> Engine:
         """An engine rebuilt from `save(path)` with its device cache verified (per-array checksums,
         ABI fingerprint, `check_invariants`) before use. engine_kwargs override the saved settings or
-        add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`)."""
+        add runtime ones (`disk=hkv.DiskTier(...)`, `progress=`, `kernel_options=`). With `mesh=` (a
+        `jax.sharding.Mesh`): a saved `hkv.MeshEngine`, restored over that mesh (`MeshEngine.restore`)."""
+        if engine_kwargs.get("mesh") is not None and cls is Engine:
+            return Engine.mesh_class.restore(path, model, **engine_kwargs)
         return restore_engine(cls, path, model, **engine_kwargs)
 
     def unsaved_settings(self) -> dict[str, bool]:

@@ -22,6 +22,10 @@ Host side, each shard has its own scheduler and prefix bookkeeping (`MeshEngine.
 `Engine` bound to its shard), and `MeshEngine.route` sends a request to the shard holding the longest
 cached prefix for it (its block keys against each shard's prefix index), else to the least loaded
 shard; `Generation.plan.shard` says which shard served it.
+
+`MeshEngine.save` / `MeshEngine.restore` (also `hkv.Engine.restore(path, model, mesh=...)`) write and
+read a warm-restart checkpoint of the stacked cache (`hkv.engine.checkpoint.save_mesh_engine`): it
+restores onto a mesh with the same number of data shards, each shard's prefixes on that shard.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from ..core.layout import CacheConfig, CacheLayout
 from ..core.sampling import SEED_RANGE, Sampling
 from ..core.state import HybridCache, init_cache
 from ..core.weights import weights_digest
+from .checkpoint import EngineCheckpointError, restore_mesh_engine, save_mesh_engine
 from .compiled import (
     CompiledSteps,
     compiled_steps,
@@ -352,9 +357,9 @@ class _ShardEngine(Engine):
         self._group._reset_cache()
 
     def save(self, path, *, overwrite: bool = False) -> None:
-        raise ValueError(
-            "a MeshEngine's shards cannot be saved one by one (their cache is one stacked value); "
-            "warm restart of a mesh engine is not supported yet — use a DiskTier to keep its prefixes"
+        raise EngineCheckpointError(
+            f"data shard {self.shard} of a MeshEngine cannot be saved alone (the shards' cache is one stacked "
+            f"value); save the MeshEngine itself (mesh_engine.save(path)), every shard at once"
         )
 
 
@@ -379,6 +384,8 @@ class MeshEngine:
       shards: one `hkv.Engine` per data shard (its own scheduler and prefix index), in data order.
       layout: the layout of one shard (every shard has the same).
       cache: the stacked `HybridCache`: every leaf [D, ...] sharded over `data_axis`.
+
+    `save(path)` / `MeshEngine.restore(path, model, mesh=...)`: a warm restart (see `save`).
     """
 
     def __init__(
@@ -405,6 +412,8 @@ class MeshEngine:
         if route not in ("prefix", "balance"):
             raise ValueError(f"route={route!r} must be 'prefix' or 'balance'")
         warm = engine_kwargs.pop("warmup", False)
+        self._seed_set = engine_kwargs.get("seed") is not None
+        self._tensor_parallel_set = tensor_parallel is not None
         self.mesh, self.data_axis, self.model_axis, self.routing = mesh, data_axis, model_axis, route
         self.config = config
         n = mesh.shape[data_axis]
@@ -757,20 +766,49 @@ class MeshEngine:
             e.close()
 
     def save(self, path, *, overwrite: bool = False) -> None:
-        """Not supported yet: raises `NotImplementedError` (the mesh's cache is one stacked value over
-        the data shards; warm restart of a mesh engine waits for the engine redesign). A `DiskTier`
-        keeps its prefixes across processes meanwhile."""
-        raise NotImplementedError(
-            "MeshEngine.save: warm restart of a mesh engine is not supported yet; give it a DiskTier "
-            "(disk=hkv.DiskTier(path)) to keep its prefixes across processes"
-        )
+        """Warm-restart checkpoint of the whole mesh engine: its stacked cache (every data shard's) and
+        its settings, in `hkv.Engine.save`'s format with a `mesh` section, written atomically
+        (`hkv.engine.checkpoint.save_mesh_engine`). Every shard's pending disk-tier writes are finished
+        first. Only between calls: requests cancelled since the last step are dropped first, and
+        `EngineCheckpointError` (naming the shard) while any shard runs or holds requests;
+        `EngineBusyError` if another thread drives the engine or one of its shards."""
+        with self._exclusive():
+            for e in self.shards:
+                e._drop_cancelled()
+                e.prefix_manager.flush_disk()
+            save_mesh_engine(self, path, overwrite=overwrite)
 
     @classmethod
-    def restore(cls, path, model, **engine_kwargs):
-        """Not supported yet: raises `NotImplementedError` (see `save`)."""
-        raise NotImplementedError(
-            "MeshEngine.restore: warm restart of a mesh engine is not supported yet (see MeshEngine.save)"
-        )
+    def restore(cls, path, model, *, mesh: Mesh, **engine_kwargs) -> MeshEngine:
+        """A mesh engine rebuilt from `save(path)` on `mesh`, its stacked cache verified as
+        `hkv.Engine.restore` verifies one (per-array checksums, ABI fingerprint, `check_invariants` on
+        every shard) before use; each request is then routed to the shard holding its prefix, as
+        before the restart. `mesh`'s data axis must have the saved number of data shards
+        (`EngineCheckpointError` naming both counts otherwise); its model axis may have any size.
+        engine_kwargs override the saved settings (data_axis, model_axis and route included) or add
+        runtime ones (`disk=`, `tokenizer=`, `tensor_parallel=`, `seed=`, ...).
+        `hkv.Engine.restore(path, model, mesh=mesh)` calls this."""
+        return restore_mesh_engine(cls, path, model, mesh=mesh, split=shard_config, **engine_kwargs)
+
+    def unsaved_settings(self) -> dict[str, bool]:
+        """Which settings a checkpoint cannot hold are set (`hkv.Engine.unsaved_settings`, plus a
+        `tensor_parallel` function); `restore` warns, naming those not given to it again."""
+        mine = {"seed": self._seed_set, "tensor_parallel": self._tensor_parallel_set}
+        return {**self.shards[0].unsaved_settings(), **mine}
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One thread at a time in a call between steps (save): this engine's lock and every shard's
+        (`Engine._exclusive`: `EngineBusyError`, `EngineClosedError` after `close()`)."""
+        if not self._drive_lock.acquire(blocking=False):
+            raise EngineBusyError("another thread is driving this MeshEngine; drive it from one thread")
+        try:
+            with contextlib.ExitStack() as held:
+                for e in self.shards:
+                    held.enter_context(e._exclusive())
+                yield
+        finally:
+            self._drive_lock.release()
 
 
 Engine.mesh_class = MeshEngine  # `hkv.Engine(model, config, mesh=...)` builds one

@@ -7,7 +7,9 @@ the mesh's "data" axis, the model tensor/expert-parallel over "model".
   pieces on disjoint devices, the weights split over the model axis where the model says so;
 - the compiled decode step has no collective on a cache-shaped array (no cache byte crosses devices),
   and has the tensor-parallel all-reduces;
-- one compilation per bucket for every shard together; the invariants hold on every shard.
+- one compilation per bucket for every shard together; the invariants hold on every shard;
+- a saved mesh engine restores (`hkv.Engine.restore(path, model, mesh=)`) bit for bit, each prefix on
+  its shard; another data-shard count is refused, and save waits for requests as `Engine.save` does.
 The (4, 2) mesh runs in `make test`; (8, 1), (2, 4) and (1, 8) are `slow`.
 """
 
@@ -237,6 +239,82 @@ def test_other_mesh_shapes_give_the_same_tokens(model, reference, shape, tmp_pat
     run_and_check(engine, reference)
     check_disk_restore(engine, reference)
     tier.close()
+
+
+@pytest.fixture(scope="module")
+def saved_mesh(model, reference, tmp_path_factory):
+    """A mesh engine that served the first turns, saved: (engine, its first turns, the checkpoint, the
+    saved cache's host copy)."""
+    engine = hkv.Engine(model, CONF, mesh=mesh_of(4, 2), **OPTS)
+    first = engine.generate(PROMPTS, NEW)
+    assert [g.tokens for g in first] == reference["greedy"]
+    path = tmp_path_factory.mktemp("mesh-ckpt") / "ck"
+    engine.save(path)
+    return engine, first, path, jax.device_get(engine.cache)
+
+
+def test_a_restored_mesh_engine_restores_each_prefix_on_its_shard(model, reference, saved_mesh):
+    """`hkv.Engine.restore(path, model, mesh=)`: the stacked cache comes back bit for bit, placed as
+    before; each shard's prefix manager knows its records; the second turns are routed to the shard
+    that served the first and restore their prefixes there, with the single-device engine's tokens."""
+    engine, first, path, saved = saved_mesh
+    restored = hkv.Engine.restore(path, model, mesh=mesh_of(4, 2))
+    assert isinstance(restored, hkv.MeshEngine) and len(restored.shards) == 4
+    assert restored.layout.config == engine.layout.config and restored.routing == "prefix"
+    was, now = engine.cache_shardings(), restored.cache_shardings()
+    for k, x in jax.tree_util.tree_leaves_with_path(restored.cache):
+        name = jax.tree_util.keystr(k)
+        assert now[name] == was[name] or not x.size, name  # (zero-size leaves carry no bytes to place)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.cache), saved)
+    assert [e.prefix_manager.recorded for e in restored.shards] == [True] * 4
+    second = restored.generate(reference["turn2"], 4)
+    assert [g.tokens for g in second] == reference["second"]
+    for a, b, p in zip(first, second, reference["turn2"], strict=True):
+        assert b.plan.shard == a.plan.shard, (a.plan, b.plan)
+        assert b.plan.restored_tokens >= (len(p) - 4) // BT * BT - BT, b.plan
+    for d in range(4):
+        hkv.check_invariants(restored.layout, restored.shard_cache(d))
+
+
+def test_a_mesh_checkpoint_restores_onto_as_many_data_shards_only(model, saved_mesh, tmp_path):
+    """Another model-axis size is fine (a shard's cache is replicated within it); another data-shard
+    count, a mesh without the data axis, no mesh, or a single-device checkpoint is a named error."""
+    _, _, path, saved = saved_mesh
+    narrow = hkv.MeshEngine.restore(path, model, mesh=mesh_of(4, 1))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(narrow.cache), saved)
+    with pytest.raises(hkv.EngineCheckpointError, match=r"with 4 data shards, but this mesh's data axis 'data' has 2"):
+        hkv.Engine.restore(path, model, mesh=mesh_of(2, 2))
+    with pytest.raises(hkv.EngineCheckpointError, match=r"lacks"):
+        hkv.MeshEngine.restore(path, model, mesh=Mesh(np.array(jax.devices()[:4]), ("rows",)))
+    with pytest.raises(hkv.EngineCheckpointError, match=r"is a MeshEngine's checkpoint \(4 data shards"):
+        hkv.Engine.restore(path, model)  # no mesh: a single-device engine cannot hold four shards
+    single = tmp_path / "single"
+    hkv.Engine(model, CONF, **OPTS).save(single)
+    with pytest.raises(hkv.EngineCheckpointError, match=r"single-device engine's checkpoint, not a MeshEngine's"):
+        hkv.MeshEngine.restore(single, model, mesh=mesh_of(4, 2))
+
+
+def test_a_mesh_engine_saves_only_between_calls_as_an_engine_does(saved_mesh, tmp_path):
+    engine = saved_mesh[0]
+    handle = engine.submit(PROMPTS[1] + [9], 24)  # more tokens than a step decodes (decode_steps=8)
+    with pytest.raises(hkv.EngineCheckpointError, match=r"1 request\(s\) submitted and not finished on data shard"):
+        engine.save(tmp_path / "queued")
+    engine.step()
+    with pytest.raises(hkv.EngineCheckpointError, match=r"sequence\(s\) are running on data shard"):
+        engine.save(tmp_path / "running")
+    engine.run_until_idle()
+    assert len(handle.result().tokens) == 24
+    assert not (tmp_path / "queued").exists() and not (tmp_path / "running").exists()
+    with pytest.raises(hkv.EngineCheckpointError, match=r"save the MeshEngine itself"):
+        engine.shards[0].save(tmp_path / "one shard")
+    with engine._drive_lock, pytest.raises(hkv.EngineBusyError):
+        engine.save(tmp_path / "busy")
+    engine.shards[2].restore_choice = "longest"  # a checkpoint holds one set of settings for every shard
+    with pytest.raises(hkv.EngineCheckpointError, match=r"data shard 2 has restore_choice='longest' but shard 0"):
+        engine.save(tmp_path / "mixed")
+    engine.shards[2].restore_choice = engine.shards[0].restore_choice
+    engine.save(tmp_path / "idle")  # between calls: saved
+    assert hkv.engine.checkpoint.read_metadata(tmp_path / "idle")["mesh"]["data_shards"] == 4
 
 
 def test_mesh_submit_streams_and_an_interrupt_leaves_every_shard_usable(mesh_engine, reference):
