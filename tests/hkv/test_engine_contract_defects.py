@@ -129,13 +129,14 @@ def test_restore_keeps_the_settings_a_checkpoint_can_hold_and_names_the_others(m
     assert not [w for w in caught if "cannot hold" in str(w.message)]
 
 
-def test_mesh_engine_save_and_restore_say_they_are_not_supported_yet(model, tmp_path):
+def test_mesh_engine_saves_and_restores_and_a_mesh_checkpoint_needs_a_mesh(model, tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     m = hkv.MeshEngine(model, hkv.CacheConfig(slots=2, max_context=64, page_size=16, prefix_records=8), mesh=mesh)
-    with pytest.raises(NotImplementedError, match=r"MeshEngine\.save"):
-        m.save(tmp_path / "ck")
-    with pytest.raises(NotImplementedError, match=r"MeshEngine\.restore"):
-        hkv.MeshEngine.restore(tmp_path / "ck", model)
+    m.save(tmp_path / "ck")
+    r = hkv.Engine.restore(tmp_path / "ck", model, mesh=mesh)
+    assert isinstance(r, hkv.MeshEngine) and r.layout.config == m.layout.config
+    with pytest.raises(EngineCheckpointError, match=r"is a MeshEngine's checkpoint"):
+        hkv.Engine.restore(tmp_path / "ck", model)
 
 
 @pytest.mark.parametrize(
