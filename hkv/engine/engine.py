@@ -80,7 +80,7 @@ from .requests import (
     check_request_options,
 )
 from .scheduler import CacheCapacityError, Scheduler
-from .text import StopWatch, encode_texts
+from .text import StopWatch, TextRequests
 
 __all__ = [
     "CacheCapacityError",
@@ -144,10 +144,7 @@ class Engine:
     from the decode step (the first decode waits for its compile).
     """
 
-    # while the decode step a batch needs is still building (a process's first decode of it, cold),
-    # decode one token per step through a prefill step already run (`Scheduler._decode_via_prefill`), so a
-    # first request does not wait for the decode compile; False (per engine or for the class): wait
-    decode_while_building: bool = True
+    decode_while_building: bool = True  # see the class docstring (`Scheduler._decode_via_prefill`)
     shard: int | None = None  # the data shard of an `hkv.MeshEngine` this engine serves (None: alone)
     mesh_class: type | None = None  # what `Engine(mesh=)` builds: `hkv.MeshEngine` (hkv.engine.sharded sets it)
     _closed = False  # set by close()
@@ -405,18 +402,18 @@ class Engine:
           An id the tokenizer has no token for (a model vocabulary padded past the tokenizer's, as
           DeepSeek-V4's) stays in `.tokens` and adds no text.
         """
-        if self.tokenizer is None:
-            raise ValueError("generate_text needs a tokenizer: hkv.Engine(..., tokenizer=<checkpoint folder>)")
-        encoded, stop = encode_texts(self.tokenizer, texts, stop)
-        prompts, max_new = self._validate(encoded, max_new_tokens)
-        ids = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
-        sampling, stops = self._validate_options(sampling, ids, False)
+        vocab = self.model.vocab_size
+        req = TextRequests.check(self.tokenizer, texts, max_new_tokens, sampling=sampling, stop=stop,
+                                 stop_token_ids=stop_token_ids, max_context=self.layout.config.max_context,
+                                 vocab_size=vocab)  # fmt: skip
         with self._drive():
-            seqs = [self._new_seq(i, p, max_new, sampling, stops, False) for i, p in enumerate(prompts)]
-            watch = StopWatch(self.tokenizer, prompts, stop, include_stop, self.model.vocab_size)
+            seqs = [
+                self._new_seq(i, p, req.max_new, req.sampling, req.stop_ids, False) for i, p in enumerate(req.prompts)
+            ]
+            watch = StopWatch(self.tokenizer, req.prompts, req.stop, include_stop, vocab)
             self.scheduler.queue.extend(seqs)
             self._run(seqs, lambda: watch.read(seqs))
-        return watch.results(seqs, self.model.vocab_size)
+        return watch.results(seqs, vocab)
 
     def warmup(self, *, logits: bool = False, stop_ids: int = 1) -> dict[str, float]:
         """Compile every step a request can use (or load it from the persistent compilation cache)

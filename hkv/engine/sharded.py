@@ -65,7 +65,7 @@ from .engine import Engine
 from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts, check_request_options
-from .text import StopWatch, encode_texts
+from .text import StopWatch, TextRequests
 
 # the CompiledSteps transitions that run on one shard (under lax.cond); prefill and decode run on all
 ONE_SHARD = (
@@ -545,17 +545,13 @@ class MeshEngine:
     ) -> list[Generation]:
         """As `hkv.Engine.generate_text` (needs `tokenizer=`); each text runs on the shard `route`
         picks."""
-        tok = self.shards[0].tokenizer
-        if tok is None:
-            raise ValueError("generate_text needs a tokenizer: hkv.MeshEngine(..., tokenizer=<checkpoint folder>)")
-        encoded, stop = encode_texts(tok, texts, stop)
-        cap, vocab = self.layout.config.max_context, self.model.vocab_size
-        prompts, max_new = check_prompts(encoded, max_new_tokens, max_context=cap, vocab_size=vocab)
-        ids = tok.eos_token_ids if stop_token_ids is None else stop_token_ids
-        sampling, stops = check_request_options(sampling, ids, False, vocab_size=vocab)
+        tok, vocab = self.shards[0].tokenizer, self.model.vocab_size
+        req = TextRequests.check(tok, texts, max_new_tokens, sampling=sampling, stop=stop,
+                                 stop_token_ids=stop_token_ids, max_context=self.layout.config.max_context,
+                                 vocab_size=vocab, engine="hkv.MeshEngine")  # fmt: skip
         with self._drive():
-            seqs = self._enqueue(prompts, max_new, sampling, stops, False)
-            watch = StopWatch(tok, prompts, stop, include_stop, vocab)
+            seqs = self._enqueue(req.prompts, req.max_new, req.sampling, req.stop_ids, False)
+            watch = StopWatch(tok, req.prompts, req.stop, include_stop, vocab)
             self._run(seqs, lambda: watch.read(seqs))
         return watch.results(seqs, vocab)
 

@@ -513,6 +513,33 @@ def encode_texts(codec: TextCodec, texts, stop) -> tuple[list[list[int]], tuple[
     return encoded, stop
 
 
+@dataclasses.dataclass(frozen=True)
+class TextRequests:
+    """`Engine.generate_text`'s inputs, checked: each text's prompt ids, the new-token budget, the
+    sampling, the stop ids (the tokenizer's end-of-sequence ids unless given) and the stop strings."""
+
+    prompts: list[list[int]]
+    max_new: int
+    sampling: Any
+    stop_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+
+    @classmethod
+    def check(cls, codec, texts, max_new_tokens, *, sampling, stop, stop_token_ids, max_context: int,
+              vocab_size: int, engine: str = "hkv.Engine") -> TextRequests:  # fmt: skip
+        """Encode and check (`ValueError` naming the bad value; `engine` names the class in the
+        error for a missing tokenizer)."""
+        from .requests import check_prompts, check_request_options
+
+        if codec is None:
+            raise ValueError(f"generate_text needs a tokenizer: {engine}(..., tokenizer=<checkpoint folder>)")
+        encoded, stop = encode_texts(codec, texts, stop)
+        prompts, max_new = check_prompts(encoded, max_new_tokens, max_context=max_context, vocab_size=vocab_size)
+        ids = codec.eos_token_ids if stop_token_ids is None else stop_token_ids
+        sampling, stop_ids = check_request_options(sampling, ids, False, vocab_size=vocab_size)
+        return cls(prompts, max_new, sampling, stop_ids, stop)
+
+
 class StopWatch:
     """`Engine.generate_text`'s readers: one `StopStrings` per request, fed the tokens each step
     produced; a request whose stop string appeared is cancelled at once (its slot is freed at the
