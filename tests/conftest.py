@@ -69,7 +69,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 # The step store (hkv.engine.step_store) stays off in the suite: tests count traces and compilations
-# of steps they build; tests/hkv/test_step_store.py turns it on in directories of its own.
+# of steps they build; tests/hkv/engine/test_step_store.py turns it on in directories of its own.
 os.environ.setdefault("HKV_STEP_STORE", "0")
 
 import jax
@@ -80,7 +80,7 @@ from hkv.engine.engine import Engine
 # Engines in the suite decode with the decode step only, never through a prefill step while the decode
 # step builds (`Engine.decode_while_building`): which program produced a token would otherwise depend on
 # how fast a background compile ran, and tests count decode dispatches, intercept the decode step and
-# name the programs an engine used. Tests of that path turn it on (tests/hkv/test_generation.py); the
+# name the programs an engine used. Tests of that path turn it on (tests/hkv/engine/test_generation.py); the
 # notebooks and the demo run in their own processes with the default (on).
 Engine.decode_while_building = False
 
@@ -115,7 +115,7 @@ HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 w
     "test_prefix.py",  # 82
     "test_generation.py",  # 73
     "test_state_machine.py",  # 60
-    "test_mesh.py",  # 58
+    "test_sharded.py",  # 58
     "test_conformance.py",  # 56
     "test_step_store.py",  # 47
     "test_scan_layers.py",  # 41
@@ -123,7 +123,7 @@ HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 w
     "test_gemma3_engine.py",  # 34
     "test_engine_safety.py",  # 34
     "test_random_specs.py",  # 26
-    "test_weights_identity.py",  # 25
+    "test_weights.py",  # 25
 )
 
 

@@ -1,8 +1,9 @@
 """The manual's code runs as written: every ```python block of every page in docs/, and of the README,
 is executed, the blocks of one page in order and in one namespace (a page's blocks build on each other).
-The README's mesh and host.py examples are run by tests/hkv/test_mesh.py and tests/hkv/test_multihost.py
-(`RUN_ELSEWHERE`). All pages run in this one module, so that the engines of pages that use the same
-model and cache configuration share their compiled steps (tests/conftest.py frees them per module).
+The README's mesh and host.py examples are run by tests/hkv/engine/test_sharded.py and
+tests/hkv/engine/test_multihost.py (`RUN_ELSEWHERE`). All pages run in this one module, so that the
+engines of pages that use the same model and cache configuration share their compiled steps
+(tests/conftest.py frees them per module).
 
 Conventions (docs/testing.md):
 * ```python runs. ```python norun is Python that cannot run in a test (a real checkpoint's path,
@@ -80,7 +81,7 @@ def _is_slow(page: pathlib.Path) -> bool:
 
 PAGES = sorted(DOCS.glob("*.md"))
 README = ROOT / "README.md"
-RUN_ELSEWHERE = ("### One engine over a mesh", "### Many hosts")  # tests/hkv/test_mesh.py, test_multihost.py
+RUN_ELSEWHERE = ("### One engine over a mesh", "### Many hosts")  # tests/hkv/engine/test_sharded.py, test_multihost.py
 
 
 def _runs(page: pathlib.Path) -> list[tuple[int, str]]:
@@ -182,8 +183,8 @@ def test_bring_your_own_model_shows_the_tested_cached_path():
 
 
 def test_mesh_page_shows_the_readme_examples():
-    """docs/mesh.md shows the README's mesh example and host.py (run there by tests/hkv/test_mesh.py and
-    tests/hkv/test_multihost.py) unchanged."""
+    """docs/mesh.md shows the README's mesh example and host.py (run there by tests/hkv/engine/test_sharded.py and
+    tests/hkv/engine/test_multihost.py) unchanged."""
     readme = {h: c for h, info, c in blocks((ROOT / "README.md").read_text()) if info == "python"}
     page = [c for _, info, c in blocks((DOCS / "mesh.md").read_text()) if info == "python norun"]
     assert page == [readme["### One engine over a mesh"], readme["### Many hosts"]]

@@ -1,8 +1,8 @@
 """The README is the front door: short, with the two quick-start commands, the layout map, one short
 example per surface, a link to every page of the manual, and links that resolve. Its examples run in
 tests/test_docs.py with the manual's (one module, so that they share compiled steps): those of "Using
-it", in order in one namespace, there; the mesh example and host.py in tests/hkv/test_mesh.py and
-tests/hkv/test_multihost.py."""
+it", in order in one namespace, there; the mesh example and host.py in tests/hkv/engine/test_sharded.py and
+tests/hkv/engine/test_multihost.py."""
 
 from __future__ import annotations
 

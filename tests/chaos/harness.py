@@ -71,7 +71,7 @@ TAG = "CHAOS "  # protocol lines on a worker's stdout start with this
 STRAY = "stray-"  # names of the files the parent plants in the store
 STORE_KEY = b"chaos-store-key-0123456789abcdef"
 
-# the engine: the configuration of tests/hkv/test_prefix.make_engine(scale=1, records=24), so every
+# the engine: the configuration of tests/hkv/engine/test_prefix.make_engine(scale=1, records=24), so every
 # compiled program is shared with the rest of the suite through the compilation cache
 BT, SLOTS, MAX_CONTEXT, PAGE, RECORDS, CHUNK = 16, 2, 352, 8, 24, 16
 MAX_NEW = 3

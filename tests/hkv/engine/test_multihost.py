@@ -18,7 +18,7 @@ d. the last host publishes one segment of a prompt, then is killed with SIGKILL 
 
 Zero wrong tokens: every generation of every host equals the stateless greedy oracle (tokens and
 logits), computed by the parent. Every miss has its reason: a plan that restored fewer tokens than
-its hash match found names why. Children are this module run as `python -m tests.hkv.test_multihost
+its hash match found names why. Children are this module run as `python -m tests.hkv.engine.test_multihost
 host ...`; each writes its results to a JSON file after every phase (a killed host's file keeps what
 it finished). The coordinator and gloo listen on 127.0.0.1 only.
 """
@@ -39,7 +39,8 @@ import traceback
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+MODULE = "tests.hkv.engine.test_multihost"  # children run this module
 CUT = 80  # phase d: the victim publishes blocks [0, CUT) of its prompt, then dies publishing the rest
 BUDGET_SEGMENTS = 2  # phase c: the evicting host's budget, in segments of its own prompts
 EVICTOR_PROMPTS = 4
@@ -126,7 +127,7 @@ def _wait_for(path: str, timeout: float = DEADLINE / 2) -> None:
 
 def _forget_device(engine) -> None:
     """Evict every prefix record from device memory WITHOUT writing to the store (a pure reader).
-    Uses the engine's private evict transition, as tests/hkv/test_disk.py does: the public
+    Uses the engine's private evict transition, as tests/hkv/engine/test_disk.py does: the public
     `evict_prefixes` would first write the blocks the store lacks (those another host evicted)."""
     import jax.numpy as jnp
 
@@ -369,7 +370,17 @@ def run_cluster(work: str, hosts: int, kill: str = "pause") -> dict:
     for i in range(hosts):
         with open(os.path.join(work, f"host{i}.log"), "w") as log:  # the child keeps its own descriptor
             procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "tests.hkv.test_multihost", "host", str(port), work, str(hosts), str(i), kill],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.hkv.engine.test_multihost",
+                    "host",
+                    str(port),
+                    work,
+                    str(hosts),
+                    str(i),
+                    kill,
+                ],
                 env=env,
                 cwd=ROOT,
                 stdout=log,
@@ -421,7 +432,7 @@ def _read_json(path: str) -> dict:
 def _oracle(hosts: int) -> dict:
     from models.deepseek_v4 import init
 
-    from ..oracle import oracle_for
+    from ...oracle import oracle_for
     from .test_prefix import CFG, NEW
 
     q = queries(hosts)

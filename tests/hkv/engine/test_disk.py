@@ -1,7 +1,7 @@
 """The disk tier through the engine: blocks evicted to disk come back exact at every block boundary
 (file, ocdbt, memory stores), and every storage fault ends in a shorter plan with its named reason
-and exact output. (Format-level checks: test_disk_tier.py; CLI and processes: test_disk_cli.py,
-test_disk_processes.py.)"""
+and exact output. (Format-level checks: tests/hkv/store/test_tier.py; CLI and processes: store/test_cli.py,
+store/test_tier_processes.py.)"""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ CHILD = r"""
 import os, signal, shutil, sys
 path, mode, arg = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, os.getcwd())
-from tests.hkv.test_checkpoint_crash import make_state
+from tests.hkv.engine.test_checkpoint_crash import make_state
 engine = make_state("old")
 if not os.path.exists(path):
     engine.save(path)

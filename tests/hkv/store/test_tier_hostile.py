@@ -19,7 +19,7 @@ import hkv
 from hkv.store import manifest as mf
 from hkv.store.tier import AUTH, MALFORMED, DiskTier, DiskTierClosedError
 
-from .test_disk_cli import ABI, ABI2, _chain, _count, _run, _segment_of, store  # noqa: F401 — the fixture
+from .test_cli import ABI, ABI2, _chain, _count, _run, _segment_of, store  # noqa: F401 — the fixture
 
 KEY = bytes(range(32))
 
@@ -70,7 +70,7 @@ def _verify_json(capsys, path) -> tuple[int, dict]:
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
 
-def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
+def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, capsys):  # noqa: F811 — the fixture from test_cli
     """Defect 4: a deeply nested JSON file raised RecursionError in every find_chain and DiskTier()."""
     os.makedirs(os.path.join(store, "hits", ABI), exist_ok=True)
     pathlib.Path(store, "manifests", ABI, "20990101T000000-deep-00000000.json").write_bytes(DEEP)
@@ -90,7 +90,7 @@ def test_deeply_nested_json_under_manifests_and_hits_is_one_bad_file(store, caps
     assert code == 0 and "bad files  2 disk_malformed (skipped" in out and _count(out, "segments") == 3
 
 
-def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
+def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys):  # noqa: F811 — the fixture from test_cli
     """Defect 4: a manifest that is a symlink loop made DiskTier() raise."""
     d = os.path.join(store, "manifests", ABI)
     os.symlink("loop-b.json", os.path.join(d, "20990101T000000-loop-0000000a.json"))
@@ -106,7 +106,7 @@ def test_an_unreadable_manifest_is_a_bad_segment_not_an_exception(store, capsys)
 
 
 # ---------------------------------------------------------------------------- defect 5
-def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
+def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(store, capsys):  # noqa: F811 — the fixture from test_cli
     """Defect 5: data_bytes=2**50 with 4 KiB shards made _probe build a list of 2**38 shards."""
     m = _manifest(store, ABI, "b")
     doc = json.loads(pathlib.Path(m).read_bytes())
@@ -134,7 +134,7 @@ def test_a_manifest_claiming_a_petabyte_is_refused_before_anything_allocates(sto
 
 
 # ---------------------------------------------------------------------------- defect 6
-def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loop_and_goes_on(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
+def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loop_and_goes_on(store, capsys):  # noqa: F811 — the fixture from test_cli
     """Defect 6: each of these made `hkv store verify` exit 2 with the rest unchecked."""
     pathlib.Path(store, "manifests", "README.json").write_bytes(b'{"hello": 1}')
     m = _manifest(store, ABI, "b")
@@ -157,7 +157,7 @@ def test_verify_reports_a_stray_file_an_overflowing_shape_and_a_data_symlink_loo
 
 
 # ---------------------------------------------------------------------------- defect 7
-def test_a_manifest_overwritten_by_another_segments_manifest_is_reported(store, capsys):  # noqa: F811 — the fixture from test_disk_cli
+def test_a_manifest_overwritten_by_another_segments_manifest_is_reported(store, capsys):  # noqa: F811 — the fixture from test_cli
     """Defect 7: the overwritten segment showed only as an orphan and verify exited 0."""
     a, b = _manifest(store, ABI, "a"), _manifest(store, ABI, "b")
     pathlib.Path(b).write_bytes(pathlib.Path(a).read_bytes())
@@ -318,7 +318,7 @@ class _FullDiskForHits:
         return getattr(self._kv, name)
 
 
-def test_a_full_disk_never_fails_flush_or_close_through_hit_counts(store):  # noqa: F811 — the fixture from test_disk_cli
+def test_a_full_disk_never_fails_flush_or_close_through_hit_counts(store):  # noqa: F811 — the fixture from test_cli
     """Found by the chaos suite: with a full disk, `flush` (and so `Engine.write_through`,
     `flush_disk`, `save`, `close`) raised the kvstore's ValueError from saving restore-hit counts,
     which are statistics. Now the failure is counted and the tier goes on serving."""

@@ -10,7 +10,7 @@
 3. A reader looping find_chain + read while another process writes (and, in one variant, evicts over
    its budget): the reader never raises and never returns a payload that differs from the one written.
 
-Children are this module run as `python -m tests.hkv.test_disk_processes ROLE ...`; every payload is a
+Children are this module run as `python -m tests.hkv.store.test_tier_processes ROLE ...`; every payload is a
 pure function of (chain, block index, block bytes), so any process can recompute what must be read.
 """
 
@@ -37,7 +37,7 @@ from hkv.store.tier import BlockPayload, DiskTier
 ABI = "5a" * 16
 ABI2 = "c3" * 16
 BT = 8  # block tokens
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
 
 
@@ -250,7 +250,7 @@ ROLES = {
 # --------------------------------------------------------------------------------- parent side
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.hkv.test_disk_processes", *map(str, args)],
+        [sys.executable, "-m", "tests.hkv.store.test_tier_processes", *map(str, args)],
         env=ENV,
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -91,7 +91,7 @@ def _child(store, jax_cache, new_tokens: int = 6) -> dict:
     env = dict(os.environ, HKV_STEP_STORE=str(store), JAX_PLATFORMS="cpu", HKV_COMPILATION_CACHE=str(jax_cache))
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), str(new_tokens)], check=False, env=env,
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[3],
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -710,7 +710,7 @@ def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact
     advances one token per step through the prefill step it ran, and what a user gets is what the
     decode step gives: greedy tokens equal to the stateless forward, logprobs and logits, stop ids,
     seeded sampling, and block records a later request restores (the decode step here reads as
-    building throughout: `DecodeStillBuilding`; preemption: tests/hkv/test_engine.py)."""
+    building throughout: `DecodeStillBuilding`; preemption: tests/hkv/engine/test_engine.py)."""
     monkeypatch.setattr(hkv.Engine, "decode_while_building", True)
     stop = truth[tuple(B)][0][5]
     results = {}

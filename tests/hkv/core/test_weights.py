@@ -20,7 +20,7 @@ from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init
 from models.stateless import greedy_stateless
 
-from .test_prefix import BASE, CFG, make_engine
+from ..engine.test_prefix import BASE, CFG, make_engine
 
 NEW = 2
 PROMPT = BASE[:100]  # 6 blocks of 16 tokens

@@ -16,7 +16,7 @@ from hkv.core import prefix as px
 from hkv.core.policy import RetentionPolicy
 from models.deepseek_v4 import init, tiny_config
 
-from ..oracle import oracle_for
+from ...oracle import oracle_for
 
 CFG = tiny_config()
 BT = 16

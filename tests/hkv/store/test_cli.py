@@ -21,7 +21,7 @@ from hkv.store.tier import BlockPayload, DiskTier
 
 ABI = "ab" * 16
 ABI2 = "cd" * 16
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BT = 4  # block tokens
 
 

@@ -9,7 +9,7 @@ import pathlib
 import hkv
 from hkv.core.memory import allocated_bytes
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "memory.py"
 MIB = 2**20
 
 

@@ -19,7 +19,7 @@ from hkv.core.layout import CacheConfig, CacheLayout, Status
 from hkv.core.policy import receptive_field, window_rebuild_tokens
 from hkv.core.reasons import Reason
 from hkv.engine.block_keys import ROOT, key_words, next_key
-from tests.hkv.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
+from tests.hkv.core.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
 
 BT = 8
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hkv.store import manifest as mf
 from hkv.store.tier import DISK_REASONS, DiskTier
 
-from .test_disk_cli import ABI, _chain
+from .test_cli import ABI, _chain
 
 KEY = bytes(range(7, 39))
 SEG = "20990101T000000-fuzz-00000000"  # where the hostile manifest is stored

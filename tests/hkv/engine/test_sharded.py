@@ -376,7 +376,7 @@ def test_balance_routing_ignores_cached_prefixes_and_spreads_by_load(model):
 
 
 def test_readme_mesh_example_runs_and_routes_the_second_turn_to_its_prefix(capsys):
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("### One engine over a mesh", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
     scope: dict = {}

@@ -27,7 +27,7 @@ import hkv
 from hkv.store import manifest as mf
 from hkv.store.tier import DISK_REASONS, DiskTier
 
-from .test_disk import (
+from ..engine.test_disk import (
     CUT,
     FAULTS,
     NEW,
@@ -40,9 +40,9 @@ from .test_disk import (
     model,  # noqa: F401 — the fixture
     reference,
 )
-from .test_disk_cli import _count, _run
-from .test_disk_tier import ABI, assert_same_payloads, chain
-from .test_prefix import BASE, BT, diverge
+from ..engine.test_prefix import BASE, BT, diverge
+from .test_cli import _count, _run
+from .test_tier import ABI, assert_same_payloads, chain
 
 BUCKET = "hkv-test"
 REGION = "us-east-1"
@@ -245,7 +245,7 @@ def test_cli_verifies_an_s3_store_given_as_a_spec(s3, prefix, tmp_path, capsys):
         shard.write_bytes(bytes(raw))
     code, out, _ = _run(capsys, "store", "verify", "--json", "--spec", spec)
     report = json.loads(out)
-    # as on file (test_disk_cli.py): each of the shard's 3 blocks is one disk_checksum, chain w is intact
+    # as on file (test_cli.py): each of the shard's 3 blocks is one disk_checksum, chain w is intact
     assert code == 1 and report["disk_checksum"] == 3 and report["blocks_ok"] == 2
     code, out, _ = _run(capsys, "store", "stats", "--json", "--spec", spec)
     assert code == 0 and json.loads(out)["segments"] == 2
