@@ -8,7 +8,7 @@
 #    (PALLAS_KERNELS_TEST_BACKENDS=gpu, PALLAS_KERNELS_TEST_INTERPRET=0), at most $TESTS_TIMEOUT s
 #    (default 240); in 4 pytest-xdist workers when xdist is installed (Triton compiles on the CPU),
 #    without tests/conftest.py (it imports hkv's engine, which these tests do not need)
-# 3. runs benchmarks/kernels.py at DeepSeek-V4-Flash shapes, batch 32,
+# 3. runs benchmarks/decode_kernels.py at DeepSeek-V4-Flash shapes, batch 32,
 #    1K/8K/64K context, with kernel-vs-reference checks and a block-size sweep, at most
 #    $BENCH_TIMEOUT s (default 300)                                   -> $OUT/bench.txt
 # 4. the end-to-end decode benchmark: benchmarks/generation.py --quick --parts decode (tiny
@@ -97,7 +97,7 @@ else
 fi
 
 # 3. Benchmark + kernel-vs-reference checks at DeepSeek-V4-Flash shapes.
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$BENCH_TIMEOUT" "$PY" benchmarks/kernels.py \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$BENCH_TIMEOUT" "$PY" benchmarks/decode_kernels.py \
   --batch 32 --contexts 1024,8192,65536 --check --sweep --peak-tbps 4.8 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -30,7 +30,7 @@ from pallas_kernels import input_checks as checks
 
 # GPU tiles: query heads per program (Triton dot tiles need >= 16) and rows folded per step. Untuned
 # defaults; the GPU wrappers (`window_decode.window_decode_gpu`, `gqa_decode`'s) take others
-# (benchmarks/kernels.py --sweep).
+# (benchmarks/decode_kernels.py --sweep).
 GPU_BLOCK_H = 16
 GPU_BLOCK_K = 32
 

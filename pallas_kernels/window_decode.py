@@ -177,7 +177,7 @@ def window_decode_gpu(
       window: attended window rows; scale: logit scale.
       interpret: `pl.pallas_call`'s (`dispatch.pallas_interpret_arg`).
       block_h, block_k: query heads per program, rows folded per step; num_warps, num_stages: Triton's
-        (benchmarks/kernels.py --sweep tries others).
+        (benchmarks/decode_kernels.py --sweep tries others).
 
     Returns:
       [batch, num_heads, head_dim] in q.dtype.

@@ -153,3 +153,19 @@ def test_one_linter():
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     out = subprocess.run([str(ruff), "check", "--output-format=concise", "."], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, f"`ruff check .` findings (fix them, or `ruff check --fix`):\n{out.stdout}{out.stderr}"
+
+
+def test_no_script_folder_shadows_an_installed_package():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script named like an installed
+    top-level package hides it from everything the script imports: benchmarks/kernels.py hid the
+    `kernels` package transformers imports, and benchmarks/e2e.py failed to import transformers."""
+    import importlib.metadata
+
+    installed = {
+        name.split(".")[0]
+        for dist in importlib.metadata.distributions()
+        for name in (dist.read_text("top_level.txt") or "").split()
+    } | {(dist.metadata["Name"] or "").replace("-", "_").lower() for dist in importlib.metadata.distributions()}
+    for folder in ("benchmarks", "colab"):
+        stems = {p.stem for p in (ROOT / folder).glob("*.py")}
+        assert not stems & installed, f"{folder}/ scripts named like installed packages: {sorted(stems & installed)}"

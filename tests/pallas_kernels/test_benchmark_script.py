@@ -1,11 +1,11 @@
-"""benchmarks/kernels.py runs end to end (tiny shapes), so the device check does not find it broken."""
+"""benchmarks/decode_kernels.py runs end to end (tiny shapes), so the device check does not find it broken."""
 
 import importlib.util
 import pathlib
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels.py"
 
 
 @pytest.mark.slow  # ~30 s on 2 CPU cores: compiles every op for two context lengths

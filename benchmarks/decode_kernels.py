@@ -14,8 +14,8 @@ CSA ratio 4 with top-k 512 and a 64-head x 128-dim lightning indexer, HCA ratio 
 rows. A "CSA step" is indexer top-k + sparse attention; an "HCA step" is compressed attention; a
 "SWA step" is window attention. Projections, RoPE and the compressors are not included.
 
-    python benchmarks/kernels.py                      # CPU: reference vs naive, ~1-2 minutes
-    python benchmarks/kernels.py --batch 32 --sweep   # GPU: kernel vs reference, bandwidth
+    python benchmarks/decode_kernels.py                      # CPU: reference vs naive, ~1-2 minutes
+    python benchmarks/decode_kernels.py --batch 32 --sweep   # GPU: kernel vs reference, bandwidth
 """
 
 from __future__ import annotations
