@@ -183,28 +183,16 @@ class Engine:
         restore_choice: str = "cheapest",
     ):
         opts, config = EngineOptions.check(
-            config,
-            block_tokens=block_tokens,
-            prefill_chunk=prefill_chunk,
-            prefill_batch=prefill_batch,
-            prefill_buckets=prefill_buckets,
-            read_buckets=read_buckets,
-            decode_steps=decode_steps,
-            restore_choice=restore_choice,
-            disk=disk,
-        )
+            config, block_tokens=block_tokens, prefill_chunk=prefill_chunk, prefill_batch=prefill_batch,
+            prefill_buckets=prefill_buckets, read_buckets=read_buckets, decode_steps=decode_steps,
+            restore_choice=restore_choice, disk=disk,
+        )  # fmt: skip
         check_protocol(model)
         self._bind_model(model, opts.block_tokens, model_id)  # _graphdef, _weights, spec
         self.layout = CacheLayout(self.spec, config)
         opts.check_layout(self.layout, config, disk)
         self.compilation_cache = enable_compilation_cache(compilation_cache)
-        self.tokenizer = text_codec(tokenizer)
-        if self.tokenizer is not None and self.tokenizer.vocab_size > model.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {self.tokenizer.vocab_size} token ids but the model's vocabulary has "
-                f"{model.vocab_size}: its ids >= {model.vocab_size} could not be fed to the model (use the "
-                f"checkpoint's own tokenizer)"
-            )
+        self.tokenizer = text_codec(tokenizer, model.vocab_size)
         self._bars = Bars(progress_bars)
         self.model = model
         check_fits(self.layout)
@@ -598,6 +586,18 @@ class Engine:
                 yield
             self._restore_ahead()
 
+    @contextlib.contextmanager
+    def held(self, deferred: DeferredInterrupt | None = None):
+        """This engine driven by an owner along with others (an `hkv.MeshEngine`'s shards): held
+        exclusively (`EngineBusyError`; `EngineClosedError` after `close()`). With the owner's
+        `deferred` (entered by the owner): SIGINT deferred through it, and an exception releases and
+        re-queues this engine's requests (`_abort`) before it propagates. Without: a call between
+        steps (e.g. `save`), the requests cancelled since the last step dropped first."""
+        with self._exclusive(), contextlib.nullcontext() if deferred is None else self._guard(deferred):
+            if deferred is None:
+                self._drop_cancelled()
+            yield
+
     def _drop_cancelled(self) -> None:
         """For a call allowed only between steps (inside `_exclusive`): drop the requests cancelled
         since the last step now (an abandoned stream's slot would otherwise wait for the next step)."""
@@ -612,10 +612,6 @@ class Engine:
             return True
         except EngineBusyError:
             return False
-
-    def _cancel(self, handle: RequestHandle) -> None:
-        """Called by `RequestHandle.cancel` (any thread): the handle's flag is all it sets; the driving
-        thread drops the request at its next step (`_reap`), so no other thread touches the queues."""
 
     def _restore_ahead(self) -> None:
         """At the end of a call that advanced the engine, once it has recorded prefix blocks and
@@ -636,14 +632,15 @@ class Engine:
         return rest
 
     @contextlib.contextmanager
-    def _guard(self):
+    def _guard(self, deferred: DeferredInterrupt | None = None):
         """Scope of a public call that runs transitions: SIGINT (main thread, default handler) is
         deferred to the next point between two transitions (a second SIGINT interrupts at once); any
-        exception or interrupt frees what the call held (`_abort`) before it propagates."""
-        deferred = DeferredInterrupt()
-        self._interrupt = deferred
+        exception or interrupt frees what the call held (`_abort`) before it propagates. `deferred`:
+        an owner's (`held`), which the owner enters, instead of one of this engine's own."""
+        own = deferred is None
+        self._interrupt = deferred = deferred or DeferredInterrupt()
         try:
-            with deferred:
+            with deferred if own else contextlib.nullcontext():
                 yield
         except BaseException:
             self._interrupt = None

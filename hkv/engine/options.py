@@ -135,8 +135,9 @@ class EngineOptions:
         return tuple(sorted(set(self.read_buckets) | {config.max_context}))
 
 
-def text_codec(tokenizer):
-    """A `TextCodec` from a codec, a folder with tokenizer.json, or a tokenizer.json path (None: None)."""
+def text_codec(tokenizer, vocab_size: int | None = None):
+    """A `TextCodec` from a codec, a folder with tokenizer.json, or a tokenizer.json path (None: None).
+    With `vocab_size` (the model's): `ValueError` when the tokenizer has more token ids than that."""
     if tokenizer is None:
         return None
     from pathlib import Path
@@ -144,9 +145,17 @@ def text_codec(tokenizer):
     from .text import TextCodec
 
     if isinstance(tokenizer, TextCodec):
-        return tokenizer
-    path = Path(tokenizer)
-    return TextCodec.from_pretrained(path) if path.is_dir() else TextCodec.from_file(path)
+        codec = tokenizer
+    else:
+        path = Path(tokenizer)
+        codec = TextCodec.from_pretrained(path) if path.is_dir() else TextCodec.from_file(path)
+    if vocab_size is not None and codec.vocab_size > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {codec.vocab_size} token ids but the model's vocabulary has "
+            f"{vocab_size}: its ids >= {vocab_size} could not be fed to the model (use the "
+            f"checkpoint's own tokenizer)"
+        )
+    return codec
 
 
 def accepts_read_tokens(model) -> bool:

@@ -114,8 +114,7 @@ class RequestHandle:
         with self._cond:
             if self.done:
                 return
-            self._cancelled = True
-        self._engine._cancel(self)
+            self._cancelled = True  # the driving thread drops the request at its next step (`Scheduler.reap`)
 
     def _wait(self, ready, timeout: float | None) -> None:
         """Drive the engine (or wait for the thread that does) until `ready()`."""

@@ -429,6 +429,7 @@ class MeshEngine:
         self.cache: HybridCache | None = None
         self._steps: ShardedSteps | None = None
         self._drive_lock = threading.Lock()
+        self._interrupt: DeferredInterrupt | None = None  # set while `_drive` runs (`_decode_all` delivers it)
         self._seeds = np.random.default_rng(engine_kwargs.pop("seed", None))
         self.shards: list[Engine] = [
             _ShardEngine(self, d, model, local, compilation_cache=False, **engine_kwargs) for d in range(n)
@@ -675,42 +676,28 @@ class MeshEngine:
                 e.compile_plan.compile_seconds += dt
             lg = local_shard(out[2], d) if keep else None
             e.scheduler.decode_outputs(rows, unpack_decode(host[d], k), lg, dt, fresh)
-        for e in self.shards:
-            if e._interrupt is not None:
-                e._interrupt.deliver()
-                break
+        if self._interrupt is not None:  # a point between two transitions of the mesh's cache
+            self._interrupt.deliver()
 
     @contextlib.contextmanager
     def _drive(self):
-        """One driving thread at a time (`EngineBusyError`), a SIGINT deferred to the next point
-        between two transitions, and on any exception every shard's in-flight requests released
-        (`Engine._abort`) before it propagates."""
+        """One driving thread at a time (`EngineBusyError`; `EngineClosedError` after `close()`), a
+        SIGINT deferred to the next point between two transitions, and on any exception every
+        shard's in-flight requests released (each shard's `Engine.held`) before it propagates."""
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError("another thread is driving this MeshEngine; drive it from one thread")
-        acquired = []
         try:
-            for e in self.shards:
-                if not e._drive_lock.acquire(blocking=False):
-                    raise EngineBusyError(f"shard {e.shard} is being driven directly by another thread")
-                acquired.append(e)
             deferred = DeferredInterrupt()
-            for e in self.shards:
-                e._interrupt = deferred
-            try:
-                with deferred:
-                    yield
-            except BaseException:
+            with contextlib.ExitStack() as held:
                 for e in self.shards:
-                    e._interrupt = None
-                for e in self.shards:
-                    e._abort()
-                raise
-            finally:
-                for e in self.shards:
-                    e._interrupt = None
+                    held.enter_context(e.held(deferred))
+                self._interrupt = deferred
+                try:
+                    with deferred:
+                        yield
+                finally:
+                    self._interrupt = None
         finally:
-            for e in acquired:
-                e._drive_lock.release()
             self._drive_lock.release()
 
     # ---------------------------------------------------------------------------------- the rest
@@ -770,7 +757,6 @@ class MeshEngine:
         `EngineBusyError` if another thread drives the engine or one of its shards."""
         with self._exclusive():
             for e in self.shards:
-                e._drop_cancelled()
                 e.prefix_manager.flush_disk()
             save_mesh_engine(self, path, overwrite=overwrite)
 
@@ -795,13 +781,13 @@ class MeshEngine:
     @contextlib.contextmanager
     def _exclusive(self):
         """One thread at a time in a call between steps (save): this engine's lock and every shard's
-        (`Engine._exclusive`: `EngineBusyError`, `EngineClosedError` after `close()`)."""
+        (`Engine.held`: `EngineBusyError`, `EngineClosedError` after `close()`)."""
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError("another thread is driving this MeshEngine; drive it from one thread")
         try:
             with contextlib.ExitStack() as held:
                 for e in self.shards:
-                    held.enter_context(e._exclusive())
+                    held.enter_context(e.held())  # (drops the requests cancelled since the last step)
                 yield
         finally:
             self._drive_lock.release()

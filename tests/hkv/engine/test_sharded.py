@@ -366,6 +366,16 @@ def test_a_second_driving_thread_gets_engine_busy(mesh_engine):
             mesh_engine.step()
 
 
+def test_a_closed_mesh_engine_refuses_every_call_by_name(model):
+    """`close()` retires every shard; the mesh's own calls then raise `EngineClosedError` (they took
+    the shards' locks without asking whether the shards were closed)."""
+    engine = hkv.Engine(model, CONF, mesh=mesh_of(4, 2), **OPTS)
+    engine.close()
+    for call in (lambda: engine.generate(PROMPTS[:1], 1), engine.step, engine.run_until_idle):
+        with pytest.raises(hkv.EngineClosedError):
+            call()
+
+
 def test_balance_routing_ignores_cached_prefixes_and_spreads_by_load(model):
     engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), route="balance", **OPTS)
     first = [g.plan.shard for g in engine.generate(PROMPTS, 1)]
