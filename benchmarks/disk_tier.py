@@ -192,7 +192,7 @@ def tier_restore(tier, layout, segs, check: bool = False) -> None:
     from hkv.engine import offload as swap
 
     abi = layout.spec.fingerprint()
-    expect = lambda e: swap.expected_objects(layout, e["length"], e["snapshot"])
+    expect = lambda ref: swap.expected_objects(layout, ref.length, ref.snapshot)
     for chain in segs:
         found = tier.find_chain(abi, [b.key for b in chain], [b.tokens for b in chain])
         res = tier.read(found.refs, expect=expect)

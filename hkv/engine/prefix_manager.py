@@ -613,7 +613,7 @@ class PrefixManager:
         if not snaps:
             return None, []
         res = self.disk.read(
-            refs[: snaps[-1] + 1], expect=lambda e: swap.expected_objects(self.layout, e["length"], e["snapshot"])
+            refs[: snaps[-1] + 1], expect=lambda ref: swap.expected_objects(self.layout, ref.length, ref.snapshot)
         )
         got, reason = res.payloads, res.reason
         if swap.has_indexer(self.layout):

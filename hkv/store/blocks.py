@@ -7,6 +7,7 @@ reasons a read stops (members of `hkv.core.reasons.Reason`).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -48,6 +49,14 @@ class BlockPayload:
     objects: dict[str, tuple[np.ndarray, int]]
 
 
+class BlockObject(NamedTuple):
+    """One stored object of a block (`BlockRef.objects`): its name, storage dtype name and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockRef:
     """A block as a manifest lists it: where its objects are."""
@@ -64,6 +73,16 @@ class BlockRef:
     def snapshot(self) -> bool:
         """Whether the block carries its boundary's snapshot (SWA window and TAIL)."""
         return self.entry["snapshot"]
+
+    @property
+    def length(self) -> int:
+        """Tokens up to the block's end boundary."""
+        return self.entry["length"]
+
+    @property
+    def objects(self) -> list[BlockObject]:
+        """The block's stored objects (name, storage dtype name, shape), in the manifest's order."""
+        return [BlockObject(o["name"], o["dtype"], tuple(o["shape"])) for o in self.entry["objects"]]
 
 
 @dataclasses.dataclass

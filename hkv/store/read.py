@@ -7,6 +7,7 @@ a detail, classified by the raw shard files where the data failed (`BlockReader.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zlib
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from .layout import Layout, data_prefix, open_array
 MAX_PROBED_SHARDS = 64  # shard files `probe` reads to classify one failed read
 
 # entry -> {object name: (dtype, shape)} the running engine needs for that block
-Expect = Callable[[dict], dict[str, tuple[np.dtype, tuple]]]
+Expect = Callable[[BlockRef], dict[str, tuple[np.dtype, tuple]]]
 
 
 class ManifestCheck(NamedTuple):
@@ -73,7 +74,7 @@ class BlockReader:
 
         Args:
             refs: blocks from `find_chain` (or built from a manifest's entries).
-            expect: entry -> {object name: (dtype, shape)} the running engine needs for that block.
+            expect: `BlockRef` -> {object name: (dtype, shape)} the running engine needs for that block.
             count: False (used by `verify`): no hit or rejection is counted.
         Returns:
             A `ReadResult`. Nothing in the store raises out of here.
@@ -213,7 +214,7 @@ class BlockReader:
             return BlockCheck(
                 CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None
             )
-        want = expect(entry) if expect is not None else None
+        want = expect(dataclasses.replace(ref, entry=entry)) if expect is not None else None  # (the manifest's)
         if want is not None and set(want) != {o["name"] for o in entry["objects"]}:
             return BlockCheck(
                 CHECKSUM,

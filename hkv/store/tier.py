@@ -73,6 +73,7 @@ from .blocks import (
     MALFORMED,
     MISSING,
     TRUNCATED,
+    BlockObject,
     BlockPayload,
     BlockRef,
     ChainLookup,
@@ -366,7 +367,7 @@ class DiskTier:
     def read(
         self,
         refs: list[BlockRef],
-        expect: Callable[[dict], dict[str, tuple[np.dtype, tuple]]] | None = None,
+        expect: Callable[[BlockRef], dict[str, tuple[np.dtype, tuple]]] | None = None,
         count: bool = True,
     ) -> ReadResult:
         """Read and verify the blocks `refs` (in order; reads issued concurrently). Returns the
@@ -379,7 +380,8 @@ class DiskTier:
 
         Args:
             refs: blocks from `find_chain` (or built from a manifest's entries).
-            expect: entry -> {object name: (dtype, shape)} the running engine needs for that block.
+            expect: `BlockRef` (as the manifest lists it now) -> {object name: (dtype, shape)} the running
+              engine needs for that block.
             count: False (used by `verify`): no hit or rejection is counted.
         Returns:
             A `ReadResult`. Nothing in the store raises out of here (only `DiskTierClosedError`).
@@ -463,6 +465,7 @@ __all__ = [
     "MALFORMED",
     "MISSING",
     "TRUNCATED",
+    "BlockObject",
     "BlockPayload",
     "BlockRef",
     "ChainLookup",

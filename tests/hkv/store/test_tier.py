@@ -82,12 +82,8 @@ def test_expectation_mismatch_is_rejected_before_use(tmp_path):
     tier.write(ABI, blocks)
     refs = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks]).refs
 
-    def expect(entry):  # the running engine wants float32 rows: a different storage dtype
-        want = {
-            o["name"]: (np.dtype(o["dtype"]) if o["dtype"] != "bfloat16" else np.float32, tuple(o["shape"]))
-            for o in entry["objects"]
-        }
-        return want
+    def expect(ref):  # the running engine wants float32 rows: a different storage dtype
+        return {o.name: (np.dtype(o.dtype) if o.dtype != "bfloat16" else np.float32, o.shape) for o in ref.objects}
 
     res = tier.read(refs, expect=expect)
     assert res.payloads == [] and res.reason == "disk_checksum" and "needs float32" in res.detail
