@@ -4,9 +4,12 @@ step built by several engines, the same stateless forward) compile once per sess
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 import zlib
 from importlib import metadata, util
 
@@ -90,6 +93,19 @@ jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 # compiled them all again: 216 of its 990 CPU seconds (measured with HKV_TEST_COMPILE_LOG, below).
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored(request):
+    """A test (or a library it drives) that leaves SIGINT's handler changed is named in a warning and
+    the handler is put back: the engine defers SIGINT only over Python's default handler, so a later
+    test of that (tests/hkv/engine/test_engine_safety.py) would otherwise fail for the wrong reason."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left SIGINT's handler at {after!r}; put back {before!r}", stacklevel=1)
 
 
 @pytest.fixture(autouse=True, scope="module")

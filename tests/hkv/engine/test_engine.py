@@ -205,7 +205,7 @@ def test_matches_transformers_generate(tmp_path):
     from models.deepseek_v4 import load
     from models.stateless import greedy_stateless
 
-    from ..models.hf_reference import build_hf_model, reproducible_torch, save_hf_model
+    from ...models.hf_reference import build_hf_model, reproducible_torch, save_hf_model
 
     hf = build_hf_model(CFG, seed=9)
     save_hf_model(hf, tmp_path)
