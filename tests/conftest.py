@@ -95,6 +95,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# A process started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT
+# ignored, and Python then leaves it ignored: the engine's SIGINT deferral (and its test) assume Python's
+# default handler, which every interactive or CI run has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored(request):
     """A test (or a library it drives) that leaves SIGINT's handler changed is named in a warning and
