@@ -684,21 +684,14 @@ class MeshEngine:
         """One driving thread at a time (`EngineBusyError`; `EngineClosedError` after `close()`), a
         SIGINT deferred to the next point between two transitions, and on any exception every
         shard's in-flight requests released (each shard's `Engine.held`) before it propagates."""
-        if not self._drive_lock.acquire(blocking=False):
-            raise EngineBusyError("another thread is driving this MeshEngine; drive it from one thread")
-        try:
-            deferred = DeferredInterrupt()
-            with contextlib.ExitStack() as held:
-                for e in self.shards:
-                    held.enter_context(e.held(deferred))
-                self._interrupt = deferred
-                try:
-                    with deferred:
-                        yield
-                finally:
-                    self._interrupt = None
-        finally:
-            self._drive_lock.release()
+        deferred = DeferredInterrupt()
+        with self._exclusive(deferred):
+            self._interrupt = deferred
+            try:
+                with deferred:
+                    yield
+            finally:
+                self._interrupt = None
 
     # ---------------------------------------------------------------------------------- the rest
     def warmup(self, **kwargs) -> dict[str, float]:
@@ -779,15 +772,16 @@ class MeshEngine:
         return {**self.shards[0].unsaved_settings(), **mine}
 
     @contextlib.contextmanager
-    def _exclusive(self):
-        """One thread at a time in a call between steps (save): this engine's lock and every shard's
-        (`Engine.held`: `EngineBusyError`, `EngineClosedError` after `close()`)."""
+    def _exclusive(self, deferred: DeferredInterrupt | None = None):
+        """One thread at a time: this engine's lock and every shard's `Engine.held(deferred)`
+        (`EngineBusyError`, `EngineClosedError` after `close()`). Without `deferred`: a call between
+        steps (save), each shard's requests cancelled since the last step dropped first."""
         if not self._drive_lock.acquire(blocking=False):
             raise EngineBusyError("another thread is driving this MeshEngine; drive it from one thread")
         try:
             with contextlib.ExitStack() as held:
                 for e in self.shards:
-                    held.enter_context(e.held())  # (drops the requests cancelled since the last step)
+                    held.enter_context(e.held(deferred))
                 yield
         finally:
             self._drive_lock.release()
