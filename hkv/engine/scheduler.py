@@ -200,22 +200,34 @@ class Scheduler:
         admission order (cancelled ones are closed with `RequestCancelledError`); a decode sent
         ahead is dropped (its requests are re-queued). Returns the requests that held slots. The
         engine releases the slots (or replaces a lost cache) itself."""
-        live = self.live()
-        for seq in itertools.chain(self.queue, live):
-            if seq.handle is not None and seq.handle.cancelled:
-                seq.cancelled = True
+        live = self._mark_cancelled()
         self.prefilling, self.running = {}, {}
         self.ahead = None
         for seq in reversed(live):
             seq.slot = -1
             if seq.cancelled:
-                self.close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+                self._close_cancelled(seq)
             else:
                 self.queue.appendleft(seq)
+        self._drop_cancelled_queued()
+        return live
+
+    def _mark_cancelled(self) -> list[LiveRequest]:
+        """Mark the requests whose handle was cancelled (queued or live); returns the live ones."""
+        live = self.live()
+        for seq in itertools.chain(self.queue, live):
+            if seq.handle is not None and seq.handle.cancelled:
+                seq.cancelled = True
+        return live
+
+    def _close_cancelled(self, seq: LiveRequest) -> None:
+        self.close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+
+    def _drop_cancelled_queued(self) -> None:
+        """Take the cancelled requests out of the queue and close them."""
         for seq in [q for q in self.queue if q.cancelled]:
             self.queue.remove(seq)
-            self.close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
-        return live
+            self._close_cancelled(seq)
 
     def live(self) -> list[LiveRequest]:
         """Requests holding a slot (prefilling or decoding), oldest admission first."""
@@ -249,14 +261,10 @@ class Scheduler:
 
     def reap(self) -> None:
         """Drop cancelled requests: queued ones leave the queue, live ones release their slots."""
-        for seq in itertools.chain(self.queue, self.live()):
-            if seq.handle is not None and seq.handle.cancelled:
-                seq.cancelled = True
-        for seq in [q for q in self.queue if q.cancelled]:
-            self.queue.remove(seq)
-            self.close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+        self._mark_cancelled()
+        self._drop_cancelled_queued()
         for seq in [q for q in self.live() if q.cancelled]:
-            self.close(seq, RequestCancelledError(f"request {seq.index} was cancelled"))
+            self._close_cancelled(seq)
 
     def _admit_waiting(self) -> None:
         """Claim a slot for each waiting request while slots are free, and restore its prefix."""
