@@ -281,15 +281,18 @@ class CompilePlan:
                 out.append((self.steps.decode, self.idle_decode_args(n_stop, keep), name))
         return out
 
-    def slot_steps(self, slot: jax.Array, *, prefix: bool, window: bool, disk: bool) -> list[tuple]:
+    def slot_steps(
+        self, slot: jax.Array, placeholders: tuple, *, prefix: bool, window: bool, disk_inputs: list | None
+    ) -> list[tuple]:
         """[(step, arguments after (layout, cache), name)] of the transitions run on a claimed slot
         with inputs that change nothing (device arrays, as requests pass them: numpy inputs would be
-        another jit key): the prefix cache's (`prefix`), its window rebuild (`window`) and the disk
-        tier's install and marks (`disk`)."""
+        another jit key): the prefix cache's (`prefix`; `placeholders`: `lookup_placeholders()`), its
+        window rebuild (`window`) and the disk tier's install and marks (`disk_inputs`:
+        `swap_in_warmup_inputs`, None without a disk tier)."""
         if not prefix:
             return []
         t, zero = self.steps, jnp.int32(0)
-        keys, toks = self.lookup_placeholders()
+        keys, toks = placeholders
         # the per-request metrics update: compiling it is part of a first request's TTFT otherwise
         # (it counts into the cache's counters: `Engine.warmup` restores them)
         out = [
@@ -302,10 +305,10 @@ class CompilePlan:
         out.append((t.record_many, self.record_args(slot), "record_many"))
         none = jnp.zeros((self.layout.config.prefix_records,), bool)
         out.append((t.evict, (none, none, none), "evict"))
-        if disk:
+        if disk_inputs is not None:
             for k in (1, 2, 4, 8):
                 out.append((t.mark_on_disk, (jnp.zeros((k, 4), jnp.uint32), jnp.arange(k) < 0), "mark_on_disk"))
-            for rows, tails in swap.swap_in_warmup_inputs(self.layout):  # l0 == l1: BAD_REQUEST, no change
+            for rows, tails in disk_inputs:  # l0 == l1: BAD_REQUEST, no change
                 out.append((t.swap_in, (slot, zero, zero, rows, tails), step_name("swap_in", swap.swap_in_size(rows))))
         return out
 
@@ -350,8 +353,10 @@ class CompilePlan:
 
         model_steps = self.model_steps(logits=logits, stop_ids=stop_ids)
         placeholder, t = jnp.int32(0), self.steps
-        on_slot = dict(prefix=prefix, window=window, disk=disk)
-        every = [*model_steps, (t.claim, (), "claim"), *self.slot_steps(placeholder, **on_slot)]
+        disk_inputs = swap.swap_in_warmup_inputs(self.layout) if prefix and disk else None
+        on_slot = dict(prefix=prefix, window=window, disk_inputs=disk_inputs)
+        keys_tokens = self.lookup_placeholders()  # (one set for the slot compiled and the slot run)
+        every = [*model_steps, (t.claim, (), "claim"), *self.slot_steps(placeholder, keys_tokens, **on_slot)]
         every.append((t.release, (placeholder,), "release"))
         self.names.update(n for _, _, n in every if n.startswith(("prefill[", "decode[", "swap_in[")))
         self.precompile(every, times)
@@ -359,7 +364,7 @@ class CompilePlan:
             run(fn, *args, name=name)
         slot, _ = run(t.claim, name="claim")
         slot = jnp.int32(int(slot))  # as requests pass it (a committed device scalar is another jit key)
-        for fn, args, name in self.slot_steps(slot, **on_slot):
+        for fn, args, name in self.slot_steps(slot, keys_tokens, **on_slot):
             run(fn, *args, name=name)
         run(t.release, slot, name="release")
         self.compile_seconds += sum(times.values())
