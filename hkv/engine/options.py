@@ -8,6 +8,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ from ..core.layers import default_read_buckets
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.memory import allocated_bytes
 from ..store.tier import DiskTier
+from .text import TextCodec
 
 __all__ = ["RESTORE_CHOICES", "EngineOptions", "accepts_read_tokens", "check_fits", "device_bytes", "text_codec"]
 
@@ -140,10 +142,6 @@ def text_codec(tokenizer, vocab_size: int | None = None):
     With `vocab_size` (the model's): `ValueError` when the tokenizer has more token ids than that."""
     if tokenizer is None:
         return None
-    from pathlib import Path
-
-    from .text import TextCodec
-
     if isinstance(tokenizer, TextCodec):
         codec = tokenizer
     else:

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .requests import check_prompts, check_request_options
+
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
 
@@ -529,8 +531,6 @@ class TextRequests:
               vocab_size: int, engine: str = "hkv.Engine") -> TextRequests:  # fmt: skip
         """Encode and check (`ValueError` naming the bad value; `engine` names the class in the
         error for a missing tokenizer)."""
-        from .requests import check_prompts, check_request_options
-
         if codec is None:
             raise ValueError(f"generate_text needs a tokenizer: {engine}(..., tokenizer=<checkpoint folder>)")
         encoded, stop = encode_texts(codec, texts, stop)
