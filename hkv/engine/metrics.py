@@ -1,27 +1,44 @@
-"""Prometheus text exposition of an engine's metrics (`Engine.metrics_text`).
+"""An engine's metrics in Prometheus form, through `prometheus_client` (`Engine.metrics_text`, and the
+`/metrics` endpoint of `hkv serve`).
 
-Each metric family is a row of a table (`Metric`): its name, type, a function from its group's source
-(the prefix stats; the cache's counters and pages; the disk tier's counters) to its samples, and its
-help line. One renderer (`_render`) writes the tables in order.
+The figures are read once into an `EngineFigures` (plain host values: the prefix stats, the cache's
+transition counters, pool pages, the disk tier's counters); `EngineCollector` turns figures into metric
+families on every collection, so it can be registered in any `prometheus_client.CollectorRegistry`
+(the server registers one whose figures are read between engine steps). Each family is a row of a
+table (`Metric`): its name, type, a function from its group's source to its samples, and its help line.
+
+Metric names (unchanged since the hand-written exposition): `hkv_prefix_lookups_total`,
+`hkv_prefix_hash_hit_tokens_total`, `hkv_prefix_restored_tokens_total`,
+`hkv_prefix_disk_restored_tokens_total`, `hkv_prefix_rejections_total{stage,reason}`,
+`hkv_prefix_records{state}`, `hkv_prefix_snapshots`, `hkv_evictions_total{kind}`,
+`hkv_pages{kind,state}`, `hkv_transitions_total`, `hkv_failed_transitions_total{reason}`, and with a disk
+tier `hkv_disk_bytes_total{op}`, `hkv_disk_blocks_total{op}`, `hkv_disk_write_failures_total`,
+`hkv_disk_writes_dropped_total`, `hkv_disk_stored_bytes`. Since prometheus_client writes them, values
+are floats (`hkv_prefix_lookups_total 2.0`) and labels are in alphabetical order
+(`{reason="disk_auth",stage="byte"}`); a Prometheus parser reads both forms alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..core.layout import CacheLayout
 from ..store.tier import DiskTier
 
-__all__ = ["metrics_text"]
+__all__ = ["EngineCollector", "EngineFigures", "engine_figures", "figures_from_stats", "metrics_text"]
 
 Sample = tuple[dict[str, str], Any]
 
 
-class Metric(NamedTuple):
+class Family(NamedTuple):
     """One metric family: `samples(source)` gives its (labels, value) pairs, in exposition order."""
 
     name: str
@@ -66,51 +83,97 @@ def _page_states(s: dict[str, Any]) -> list[Sample]:
 
 # fmt: off
 _PREFIX = (  # source: Engine.prefix_stats()
-    Metric("hkv_prefix_lookups_total", "counter", _one("lookups"), "Prefix lookups."),
-    Metric("hkv_prefix_hash_hit_tokens_total", "counter", _one("hash_hit_tokens"),
+    Family("hkv_prefix_lookups_total", "counter", _one("lookups"), "Prefix lookups."),
+    Family("hkv_prefix_hash_hit_tokens_total", "counter", _one("hash_hit_tokens"),
            "Tokens matched by the chained block hash."),
-    Metric("hkv_prefix_restored_tokens_total", "counter", _one("restored_tokens"),
+    Family("hkv_prefix_restored_tokens_total", "counter", _one("restored_tokens"),
            "Tokens restored after all four validation stages."),
-    Metric("hkv_prefix_disk_restored_tokens_total", "counter", _one("disk_restored_tokens"),
+    Family("hkv_prefix_disk_restored_tokens_total", "counter", _one("disk_restored_tokens"),
            "Tokens installed from the disk tier after verification."),
-    Metric("hkv_prefix_rejections_total", "counter", _rejections, "Plans shrunk, by validation stage and reason."),
-    Metric("hkv_prefix_records", "gauge", _by("state", ("occupancy",), alive="records", tombstone="tombstones"),
+    Family("hkv_prefix_rejections_total", "counter", _rejections, "Plans shrunk, by validation stage and reason."),
+    Family("hkv_prefix_records", "gauge", _by("state", ("occupancy",), alive="records", tombstone="tombstones"),
            "Cached block records by state."),
-    Metric("hkv_prefix_snapshots", "gauge", _one("occupancy", "snapshots"), "SWA+TAIL snapshots held."),
-    Metric("hkv_evictions_total", "counter", _each("kind", "evictions"), "Evictions by object kind."),
+    Family("hkv_prefix_snapshots", "gauge", _one("occupancy", "snapshots"), "SWA+TAIL snapshots held."),
+    Family("hkv_evictions_total", "counter", _each("kind", "evictions"), "Evictions by object kind."),
 )
-_CACHE = (  # source: {"counters": the cache's counters, "pages": {object kind: [used pages, capacity]}}
-    Metric("hkv_pages", "gauge", _page_states, "Pool pages by object kind and state."),
-    Metric("hkv_transitions_total", "counter", _one("counters", "transitions"), "Cache transitions."),
-    Metric("hkv_failed_transitions_total", "counter",
-           _by("reason", ("counters",), no_pages="failed_no_pages", slot_cap="failed_slot_cap",
-               context_cap="failed_context_cap"),
+_PAGES = (  # source: {"pages": {object kind: [used pages, capacity]}}
+    Family("hkv_pages", "gauge", _page_states, "Pool pages by object kind and state."),
+)
+_CACHE = (  # source: the cache's transition counters
+    Family("hkv_transitions_total", "counter", _one("transitions"), "Cache transitions."),
+    Family("hkv_failed_transitions_total", "counter",
+           _by("reason", (), no_pages="failed_no_pages", slot_cap="failed_slot_cap", context_cap="failed_context_cap"),
            "Transitions that returned the cache unchanged."),
 )
 _DISK = (  # source: the disk tier's counters and "stored_bytes"
-    Metric("hkv_disk_bytes_total", "counter",
+    Family("hkv_disk_bytes_total", "counter",
            _by("op", (), written="bytes_written", read="bytes_read", evicted="bytes_evicted"),
            "Disk tier bytes by direction."),
-    Metric("hkv_disk_blocks_total", "counter", _by("op", (), written="blocks_written", read="blocks_read"),
+    Family("hkv_disk_blocks_total", "counter", _by("op", (), written="blocks_written", read="blocks_read"),
            "Disk tier blocks by operation."),
-    Metric("hkv_disk_write_failures_total", "counter", _one("write_failures"),
+    Family("hkv_disk_write_failures_total", "counter", _one("write_failures"),
            "Disk tier writes that published nothing."),
-    Metric("hkv_disk_writes_dropped_total", "counter", _one("writes_dropped"),
+    Family("hkv_disk_writes_dropped_total", "counter", _one("writes_dropped"),
            "Disk tier writes refused because the writer's queue was full (max_queued_bytes)."),
-    Metric("hkv_disk_stored_bytes", "gauge", _one("stored_bytes"), "Bytes the disk tier holds."),
+    Family("hkv_disk_stored_bytes", "gauge", _one("stored_bytes"), "Bytes the disk tier holds."),
 )
 # fmt: on
 
 
-def _render(metrics: Sequence[Metric], source: Any) -> list[str]:
-    """The exposition lines of `metrics` read from `source`: HELP, TYPE, then one line per sample."""
-    lines = []
-    for m in metrics:
-        lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}"]
-        for labels, value in m.samples(source):
-            lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"{m.name}{lab} {value}")
-    return lines
+def _families(table: Sequence[Family], source: Any) -> Iterator[Metric]:
+    """The prometheus_client metric families of `table`, read from `source`."""
+    for f in table:
+        samples = f.samples(source)
+        labels = list(samples[0][0]) if samples else []
+        cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+        family = cls(f.name, f.help, labels=labels)
+        for sample_labels, value in samples:
+            family.add_metric([str(sample_labels[k]) for k in labels], float(value))
+        yield family
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFigures:
+    """An engine's figures at one moment, as host values.
+
+    Attributes:
+      prefix: `Engine.prefix_stats()` (None: leave the prefix families out).
+      counters: the cache's transition counters (`Engine.stats()["cache"]`; None: leave them out).
+      pages: object kind name -> [pages in use, pool capacity] (None: leave `hkv_pages` out).
+      disk: the disk tier's counters with "stored_bytes" (None: no disk tier).
+    """
+
+    prefix: Mapping[str, Any] | None = None
+    counters: Mapping[str, int] | None = None
+    pages: Mapping[str, Sequence[int]] | None = None
+    disk: Mapping[str, Any] | None = None
+
+
+class EngineCollector(Collector):
+    """A prometheus_client collector of an engine's figures, read afresh at every collection.
+
+    Args:
+      source: returns the current `EngineFigures` (None: collect nothing this time). It is called from
+        the thread that collects; reading an engine's device cache is safe only between its steps, so
+        a server passes a function that reads them on the thread that drives the engine.
+    """
+
+    def __init__(self, source: Callable[[], EngineFigures | None]):
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families of the figures `source` returns now."""
+        f = self._source()
+        if f is None:
+            return
+        if f.prefix is not None:
+            yield from _families(_PREFIX, f.prefix)
+        if f.pages is not None:
+            yield from _families(_PAGES, {"pages": f.pages})
+        if f.counters is not None:
+            yield from _families(_CACHE, f.counters)
+        if f.disk is not None:
+            yield from _families(_DISK, f.disk)
 
 
 def _pages(layout: CacheLayout, view) -> dict[str, list[int]]:
@@ -124,6 +187,57 @@ def _pages(layout: CacheLayout, view) -> dict[str, list[int]]:
     return used
 
 
+def _disk_figures(disk: DiskTier | None) -> dict[str, Any] | None:
+    return None if disk is None else {**disk.counters, "stored_bytes": disk.stored_bytes()}
+
+
+def engine_figures(layout: CacheLayout, view, prefix_stats: Mapping[str, Any], disk: DiskTier | None) -> EngineFigures:
+    """Read an engine's figures from its cache (between steps).
+
+    Args:
+      layout: the cache layout; view: the cache (host reads of its counters and refcounts).
+      prefix_stats: `Engine.prefix_stats()`. disk: the engine's disk tier, or None.
+    Returns:
+      the `EngineFigures`, every group present (disk only with a tier).
+    """
+    counters = {k: int(v) for k, v in jax.device_get(view.counters).items()}
+    return EngineFigures(prefix_stats, counters, _pages(layout, view), _disk_figures(disk))
+
+
+def _summed(parts: Sequence[Any]) -> Any:
+    """Numbers summed, mappings merged key by key (recursively); other values: the first's."""
+    first = parts[0]
+    if isinstance(first, Mapping):
+        keys = dict.fromkeys(k for p in parts for k in p)
+        return {k: _summed([p[k] for p in parts if k in p]) for k in keys}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(p for p in parts if p is not None)
+    return first
+
+
+def figures_from_stats(stats: Mapping[str, Any], disk: DiskTier | None = None) -> EngineFigures:
+    """An engine's figures from its `stats()` (an `hkv.MeshEngine`'s shards summed), without pages.
+
+    Args:
+      stats: `Engine.stats()` or `MeshEngine.stats()` (whose "shards" hold each shard's).
+      disk: the engine's disk tier, or None.
+    Returns:
+      the `EngineFigures` (prefix figures only when the prefix cache is on).
+    """
+    shards = stats.get("shards") or [stats]
+    prefixes = [s["prefix"] for s in shards if s.get("prefix") is not None]
+    counters = [s["cache"] for s in shards if s.get("cache") is not None]
+    prefix = _summed(prefixes) if prefixes else None
+    if prefix is not None:  # a ratio of sums, not a sum of ratios
+        hh = prefix.get("hash_hit_tokens")
+        prefix["complete_restoration_ratio"] = prefix.get("restored_tokens", 0) / hh if hh else None
+    return EngineFigures(
+        prefix=prefix,
+        counters=_summed(counters) if counters else None,
+        disk=_disk_figures(disk),
+    )
+
+
 def metrics_text(layout: CacheLayout, view, prefix_stats: dict[str, Any], disk: DiskTier | None) -> str:
     """Prometheus text exposition of a cache's transition, pool and prefix metrics.
 
@@ -131,10 +245,9 @@ def metrics_text(layout: CacheLayout, view, prefix_stats: dict[str, Any], disk: 
       layout: the cache layout; view: the cache (host reads of its counters and refcounts).
       prefix_stats: `Engine.prefix_stats()`. disk: the engine's disk tier, or None.
     Returns:
-      the exposition text, one sample per line, ending in a newline.
+      the exposition text (prometheus_client's `generate_latest`), one sample per line, ending in a newline.
     """
-    counters = {k: int(v) for k, v in jax.device_get(view.counters).items()}
-    lines = _render(_PREFIX, prefix_stats) + _render(_CACHE, {"counters": counters, "pages": _pages(layout, view)})
-    if disk is not None:
-        lines += _render(_DISK, {**disk.counters, "stored_bytes": disk.stored_bytes()})
-    return "\n".join(lines) + "\n"
+    figures = engine_figures(layout, view, prefix_stats, disk)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(lambda: figures))
+    return generate_latest(registry).decode()

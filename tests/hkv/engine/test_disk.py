@@ -767,7 +767,7 @@ def test_a_resealed_manifest_pointing_a_block_at_another_blocks_bytes(
     assert g.plan.reason == "disk_auth" and g.plan.first_failed_stage == "byte"
     assert_same([g], reference(model, [prompt]))
     assert engine.stats()["prefix"]["rejections"]["byte"]["disk_auth"] >= 1
-    assert 'hkv_prefix_rejections_total{stage="byte",reason="disk_auth"}' in engine.metrics_text()
+    assert 'hkv_prefix_rejections_total{reason="disk_auth",stage="byte"}' in engine.metrics_text()  # labels sorted
     assert report["disk_auth"] == 1 and report["blocks_ok"] == CUT // BT
     assert any(f"manifests/{abi}/{seg}.json: disk_auth: HMAC does not match" in p for p in report["problems"])
     # the intact keyed store restores everything with the key, and nothing without it
