@@ -29,7 +29,10 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .text import TextCodec
 
 __all__ = ["ROLES", "TINY_CHAT_TEMPLATE", "ChatTemplate", "check_messages", "tiny_chat_template"]
 
@@ -220,6 +223,29 @@ class ChatTemplate:
             raise ValueError(f"{self.origin}: the chat template refused the messages: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # e.g. None + str in the template
             raise ValueError(f"{self.origin}: the chat template failed on the messages: {type(e).__name__}: {e}") from e
+
+    def encode(
+        self, codec: TextCodec, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
+        """The prompt token ids of a conversation: `render`, then tokenized as transformers'
+        `apply_chat_template(tokenize=True)` does, without the tokenizer's own special tokens (the
+        template writes BOS itself when the model wants one, so it is never doubled).
+
+        Args:
+            codec: the model's tokenizer.
+            messages, add_generation_prompt, **kwargs: as for `render`.
+
+        Returns:
+            The token ids.
+
+        Raises:
+            ValueError: as `render`, or the conversation renders to no tokens.
+        """
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = list(codec.tokenizer.encode(text, add_special_tokens=False).ids)
+        if not ids:
+            raise ValueError(f"{self.origin}: the messages render to {text!r:.60}, which encodes to no tokens")
+        return ids
 
     @classmethod
     def from_config(

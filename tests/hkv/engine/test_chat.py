@@ -198,3 +198,19 @@ def test_from_pretrained_malformed_is_a_named_value_error(tmp_path, config, erro
     _write(tmp_path, **{"tokenizer_config.json": config})
     with pytest.raises(ValueError, match=error):
         ChatTemplate.from_pretrained(tmp_path)
+
+
+def test_encode_never_doubles_bos():
+    """A tokenizer whose post-processor adds BOS, and a template that writes it: one BOS (as
+    transformers' apply_chat_template(tokenize=True), which adds no special tokens)."""
+    from tokenizers import processors
+
+    codec = tiny_tokenizer(128)
+    codec.tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    msgs = [{"role": "user", "content": "Hi"}]
+    (plain,) = codec.encode([tiny_chat_template().render(msgs)])
+    assert plain[:2] == [1, 1]  # encoding the rendered text as a prompt would double it
+    ids = tiny_chat_template().encode(codec, msgs)
+    assert ids[0] == 1 and ids[1] != 1 and ids == plain[1:]
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        ChatTemplate("{{ '' }}").encode(codec, msgs)
