@@ -11,12 +11,12 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# One install of the package with its test, parity and notebooks extras; re-run when pyproject changes.
+# One install of the package with its test, parity, notebooks and serve extras; re-run when pyproject changes.
 # The editable install leaves our own sources without bytecode, and where PYTHONDONTWRITEBYTECODE is set
 # every process (test workers, notebook kernels, the tests' child processes) compiles hkv again on import:
 # ~0.5 s each on 2 cores. compileall writes it once; a .pyc older than its source is simply not used.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e '.[test,parity,notebooks]'
+	$(PIP) install -q -e '.[test,parity,notebooks,serve]'
 	$(PY) -m compileall -q -j 0 hkv models pallas_kernels > /dev/null
 	touch $(STAMP)
 

@@ -1,6 +1,6 @@
-"""`python -m hkv store ...`: the disk tier's command line (`hkv.store.cli`)."""
+"""`python -m hkv ...`: the `hkv` command line (`hkv.serve.cli`: serve, generate, store)."""
 
-from hkv.store.cli import main
+from hkv.serve.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())
