@@ -31,8 +31,8 @@ def main() -> None:
     for top_k in (0, 50):
         for v in args.vocab:
             for b in args.batch:
-                rows = [S.Sampling(temperature=0.8, top_p=0.9, top_k=top_k, seed=i) for i in range(b)]
-                params = S.SamplingParams.stack(rows, list(range(b)))
+                rows = [S.SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=i) for i in range(b)]
+                params = S.SamplingBatch.stack(rows, list(range(b)))
                 logits = 3.0 * jax.random.normal(jax.random.key(v + b), (b, v), jnp.float32)
                 pos = jnp.arange(b, dtype=jnp.int32)
                 fns = {}

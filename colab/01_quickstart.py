@@ -103,12 +103,12 @@ for p, g in zip(prompts, greedy, strict=True):
 
 # %% [markdown]
 # ### Sampled, reproducibly
-# `hkv.Sampling` sets temperature / top-k / top-p / min-p and a seed. The random key of the token at
+# `hkv.SamplingParams` sets temperature / top-k / top-p / min-p and a seed. The random key of the token at
 # position *t* is derived from the seed and *t* alone, so the same seed gives the same tokens whatever
 # else is in the batch.
 
 # %%
-hot = hkv.Sampling(temperature=0.8, top_p=0.9, seed=7)
+hot = hkv.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
 a = engine.generate([prompts[0]], NEW_TOKENS, sampling=hot)[0]
 b = engine.generate(prompts[::-1], NEW_TOKENS, sampling=hot)[-1]  # the same prompt, in another batch
 print("sampled:        ", a.tokens)
@@ -122,7 +122,7 @@ assert a.tokens == b.tokens
 # the engine when no other thread does).
 
 # %%
-handle = engine.submit(prompts[-1], NEW_TOKENS, sampling=hkv.Sampling(temperature=1.0, seed=3))
+handle = engine.submit(prompts[-1], NEW_TOKENS, sampling=hkv.SamplingParams(temperature=1.0, seed=3))
 for token in handle:
     print(token, end=" ", flush=True)
 print(f"\nfinished: {handle.result().finish_reason}")

@@ -6,7 +6,7 @@
     cache, slot, status = transitions.claim_slot(layout, cache)
     check_invariants(layout, cache)                  # declared state == actual state
     engine    = Engine(model, CacheConfig(...)); engine.generate(prompts, max_new_tokens=32)
-    handle    = engine.submit(prompt, 64, sampling=Sampling(temperature=0.7, seed=0)); list(handle)
+    handle    = engine.submit(prompt, 64, sampling=SamplingParams(temperature=0.7, seed=0)); list(handle)
     cache, new, n, status = decode_loop(model, layout, cache, last, slots, steps=32)   # in your jax.jit
 
 Packages (dependencies point one way: models -> hkv.engine -> hkv.core -> pallas_kernels, and
@@ -26,7 +26,7 @@ from .core.plan import DevicePlan, RestorePlan
 from .core.policy import RetentionPolicy
 from .core.protocol import CachedModel
 from .core.reasons import Reason
-from .core.sampling import Sampling, SamplingParams
+from .core.sampling import SamplingBatch, SamplingParams
 from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
 from .core.state import HybridCache, init_cache
 from .core.weights import weights_digest
@@ -34,7 +34,14 @@ from .engine.checkpoint import EngineCheckpointError
 from .engine.compiled import enable_compilation_cache
 from .engine.engine import CacheCapacityError, Engine
 from .engine.prefix_tools import PrefixQuery, evict_cached, record_prefix, restore_prefix
-from .engine.requests import EngineBusyError, EngineClosedError, Generation, RequestCancelledError, RequestHandle
+from .engine.requests import (
+    EngineBusyError,
+    EngineClosedError,
+    Generation,
+    RequestCancelledError,
+    RequestHandle,
+    TokenOutput,
+)
 from .engine.sharded import MeshEngine
 from .store.tier import DiskTier, DiskTierClosedError
 
@@ -68,10 +75,11 @@ __all__ = [
     "Residency",
     "RestorePlan",
     "RetentionPolicy",
-    "Sampling",
+    "SamplingBatch",
     "SamplingParams",
     "Status",
     "Step",
+    "TokenOutput",
     "allocated_bytes",
     "architectural_minimum",
     "check_invariants",

@@ -31,7 +31,7 @@ from flax import struct
 from pallas_kernels import index_math as im
 
 from .layout import CacheLayout, Status
-from .sampling import Sampling, SamplingParams, sample
+from .sampling import SamplingBatch, SamplingParams, count_tokens, sample, top_logprobs
 from .state import HybridCache
 
 
@@ -47,6 +47,8 @@ class DecodeOutput:
       stopped: bool[B] the row's last token is one of its stop ids.
       status: int32 `Status.OK`, or the status of the step that ended the loop early.
       logits: float32[B, steps, V] the logits each token was drawn from (only with keep_logits).
+      top_ids, top_logprobs: int32 / float32[B, steps, N] the N most likely tokens at each step
+        and their raw log-probabilities (only when the batch's `top_n` is N > 0).
     """
 
     cache: HybridCache
@@ -56,6 +58,8 @@ class DecodeOutput:
     stopped: jax.Array
     status: jax.Array
     logits: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def stop_table(stop_token_ids: Sequence[int], batch: int) -> jax.Array:
@@ -76,7 +80,7 @@ def step_and_sample(
     slots: jax.Array,
     n_valid: jax.Array,
     *,
-    sampling: Sampling | SamplingParams | None = None,
+    sampling: SamplingParams | SamplingBatch | None = None,
     key: jax.Array | None = None,
     check: bool = True,
     keep_logits: bool = False,
@@ -89,7 +93,7 @@ def step_and_sample(
       layout, cache: the cache (layout static under jit).
       tokens: int32[B, C]; row b runs tokens[b, :n_valid[b]] as the next tokens of slot slots[b].
       slots: int32[B]; n_valid: int32[B] in [0, C] (0 = idle row).
-      sampling: an `hkv.Sampling` for every row, or per-row `SamplingParams`; None = greedy.
+      sampling: an `hkv.SamplingParams` for every row, or per-row `SamplingBatch`; None = greedy.
       key: draws per-row seeds when `sampling.seed` is None.
       check: refuse ids outside [0, model.vocab_size) in valid positions (status `BAD_TOKEN`, cache
         unchanged) instead of letting the embedding gather clamp them.
@@ -97,7 +101,8 @@ def step_and_sample(
       step_options: passed to `model.cached_step` (kernel_backend, interpret).
 
     Returns:
-      (cache, next_tokens int32[B], logprobs float32[B], status) — plus logits when keep_logits.
+      (cache, next_tokens int32[B], logprobs float32[B], status) — then the logits when keep_logits,
+      then (top_ids int32[B, N], top_logprobs float32[B, N]) when the batch's `top_n` is N > 0.
       Rows with n_valid 0, and every row when status is not OK, carry token 0 and logprob 0.
     """
     tokens, slots, n_valid = (jnp.asarray(a, jnp.int32) for a in (tokens, slots, n_valid))
@@ -112,17 +117,21 @@ def step_and_sample(
     tok, lp = sample(last, params, im.take(cache.lengths, slots), model.vocab_size)
     emit = (n_valid > 0) & (status == Status.OK)
     tok, lp = jnp.where(emit, tok, 0), jnp.where(emit, lp, 0.0)
+    out = (cache, tok, lp, status)
     if keep_logits:
-        return cache, tok, lp, status, jnp.where(emit[:, None], last, 0.0)
-    return cache, tok, lp, status
+        out += (jnp.where(emit[:, None], last, 0.0),)
+    if params.top_n:
+        ids, lps = top_logprobs(last, params.top_n, model.vocab_size)
+        out += (jnp.where(emit[:, None], ids, 0), jnp.where(emit[:, None], lps, 0.0))
+    return out
 
 
-def _params(sampling, batch: int, key) -> SamplingParams:
-    if isinstance(sampling, SamplingParams):
+def _params(sampling, batch: int, key) -> SamplingBatch:
+    if isinstance(sampling, SamplingBatch):
         if sampling.temperature.shape != (batch,):
-            raise ValueError(f"SamplingParams rows {sampling.temperature.shape} must be [{batch}]")
+            raise ValueError(f"SamplingBatch rows {sampling.temperature.shape} must be [{batch}]")
         return sampling
-    return SamplingParams.broadcast(sampling, batch, key)
+    return SamplingBatch.broadcast(sampling, batch, key)
 
 
 def decode_steps(
@@ -131,7 +140,7 @@ def decode_steps(
     cache: HybridCache,
     tokens: jax.Array,
     slots: jax.Array,
-    params: SamplingParams,
+    params: SamplingBatch,
     budget: jax.Array,
     stop_ids: jax.Array,
     *,
@@ -145,7 +154,7 @@ def decode_steps(
     Args:
       tokens: int32[B] each row's last token, not yet in the cache (fed by the first step).
       slots: int32[B] the rows' slots (distinct among rows with budget > 0).
-      params: `SamplingParams` of B rows.
+      params: `SamplingBatch` of B rows.
       budget: int32[B] most new tokens per row (0 = idle row); at most `steps`.
       stop_ids: int32[B, S] each row's stop ids (-1 = none); a row that draws one keeps it as its
         last token and goes idle.
@@ -170,33 +179,40 @@ def decode_steps(
     out = jnp.zeros((b, steps), jnp.int32)
     lps = jnp.zeros((b, steps), jnp.float32)
     kept = jnp.zeros((b, steps, vocab if keep_logits else 0), jnp.float32)
+    n_top = params.top_n
+    tops = (jnp.zeros((b, steps, n_top), jnp.int32), jnp.zeros((b, steps, n_top), jnp.float32))
     zero = jnp.zeros((b,), jnp.int32)
-    carry = (jnp.int32(0), cache, tokens, out, lps, kept, zero, active, jnp.zeros((b,), bool), status)
+    carry = (jnp.int32(0), cache, params, tokens, out, lps, kept, tops, zero, active, jnp.zeros((b,), bool), status)
 
     def cond(carry):
         i, *_, active, _, status = carry
         return (i < steps) & jnp.any(active) & (status == Status.OK)
 
     def body(carry):
-        i, cache, cur, out, lps, kept, n_new, active, stopped, status = carry
+        i, cache, params, cur, out, lps, kept, tops, n_new, active, stopped, status = carry
         cache, logits, st = model.cached_step(
             layout, cache, cur[:, None], slots, active.astype(jnp.int32), **step_options
         )
         ok = st == Status.OK
-        tok, lp = sample(logits[:, 0], params, im.take(cache.lengths, slots), vocab)
+        tok, lp = sample(logits[:, 0], params, im.take(cache.lengths, slots), vocab, made=n_new)
         emit = active & ok
         out = out.at[:, i].set(jnp.where(emit, tok, 0))
         lps = lps.at[:, i].set(jnp.where(emit, lp, 0.0))
         if keep_logits:
             kept = kept.at[:, i].set(jnp.where(emit[:, None], logits[:, 0, :vocab].astype(jnp.float32), 0.0))
+        if n_top:
+            ids, top = top_logprobs(logits[:, 0], n_top, vocab)
+            tops = (tops[0].at[:, i].set(jnp.where(emit[:, None], ids, 0)),
+                    tops[1].at[:, i].set(jnp.where(emit[:, None], top, 0.0)))  # fmt: skip
+        params = count_tokens(params, tok, emit)
         n_new = n_new + emit
         hit = emit & jnp.any(tok[:, None] == stop_ids, axis=1)
         stopped = stopped | hit
         active = jnp.where(ok, emit & ~hit & (n_new < budget), active)
         cur = jnp.where(emit, tok, cur)
-        return i + 1, cache, cur, out, lps, kept, n_new, active, stopped, jnp.where(ok, status, st)
+        return i + 1, cache, params, cur, out, lps, kept, tops, n_new, active, stopped, jnp.where(ok, status, st)
 
-    _, cache, _, out, lps, kept, n_new, _, stopped, status = jax.lax.while_loop(cond, body, carry)
+    _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = jax.lax.while_loop(cond, body, carry)
     return DecodeOutput(
         cache=cache,
         tokens=out,
@@ -205,6 +221,8 @@ def decode_steps(
         stopped=stopped,
         status=status,
         logits=kept if keep_logits else None,
+        top_ids=tops[0] if n_top else None,
+        top_logprobs=tops[1] if n_top else None,
     )
 
 
@@ -216,7 +234,7 @@ def decode_loop(
     slots: jax.Array,
     *,
     steps: int,
-    sampling: Sampling | SamplingParams | None = None,
+    sampling: SamplingParams | SamplingBatch | None = None,
     key: jax.Array | None = None,
     stop_token_ids: Sequence[int] = (),
     budget: jax.Array | None = None,
@@ -234,7 +252,7 @@ def decode_loop(
       tokens: int32[B] each row's last token (the one the prompt's step sampled), not yet in the cache.
       slots: int32[B] distinct claimed slots.
       steps: most new tokens per row (static).
-      sampling: an `hkv.Sampling` for every row or per-row `SamplingParams`; None = greedy.
+      sampling: an `hkv.SamplingParams` for every row or per-row `SamplingBatch`; None = greedy.
       key: a PRNG key drawing per-row seeds when `sampling.seed` is None.
       stop_token_ids: ids that end a row (the stop id is its last new token).
       budget: int32[B] per-row limits <= steps (default steps for every row; 0 = idle row).

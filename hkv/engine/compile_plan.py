@@ -26,7 +26,7 @@ import numpy as np
 from ..core.layers import read_size
 from ..core.layout import CacheLayout
 from ..core.plan import DevicePlan
-from ..core.sampling import GREEDY, SamplingParams
+from ..core.sampling import GREEDY, SamplingBatch
 from . import offload as swap
 from .compiled import step_name
 from .hooks import EngineHooks
@@ -133,7 +133,7 @@ class CompilePlan:
         shapes and types a decode dispatch gives for stop width `n_stop` and logits `keep`."""
         s = self.layout.slots
         z = np.zeros((s,), np.int32)
-        return (self.weights(), z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+        return (self.weights(), z, np.arange(s, dtype=np.int32), SamplingBatch.stack([GREEDY] * s), z,
                 np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
 
     def record_args(self, slot: jax.Array) -> tuple:
@@ -274,7 +274,7 @@ class CompilePlan:
             bounds = [self.read_bound(r or 1) for r in self.read_sizes]
             for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
                 z = np.zeros((b,), np.int32)
-                args = (self.weights(), np.zeros((b, w), np.int32), z, z, SamplingParams.stack([GREEDY] * b), keep, r)
+                args = (self.weights(), np.zeros((b, w), np.int32), z, z, SamplingBatch.stack([GREEDY] * b), keep, r)
                 out.append((self.steps.prefill, args, step_name("prefill", f"{b}x{w}", logits=keep, read=r)))
             for n_stop in sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                 name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)

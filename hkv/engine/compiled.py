@@ -84,12 +84,15 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None) ->
     return path
 
 
-def step_name(kind: str, size: str, *, stops: int = 1, logits: bool = False, read: int | None = None) -> str:
+def step_name(
+    kind: str, size: str, *, stops: int = 1, logits: bool = False, read: int | None = None, variant: str = ""
+) -> str:
     """The name a compiled step is counted under: "prefill[1x32]", "prefill[1x512@2048]" (a prefill
-    with read_tokens=2048; the engine passes None at max_context), "decode[8]+stops4+logits", ...
-    (the engine, its warmup and the trace counter must spell it the same way)."""
+    with read_tokens=2048; the engine passes None at max_context), "decode[8]+stops4+logits",
+    "decode[8]+pen+top4" (`SamplingBatch.variant`), ... (the engine, its warmup and the trace
+    counter must spell it the same way)."""
     size = size if read is None else f"{size}@{read}"
-    return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "")
+    return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "") + variant
 
 
 _TLS = threading.local()  # .log: the step names traced by this thread inside `_traced_names()`;
@@ -235,31 +238,40 @@ def builds_on_this_thread() -> int:
 
 
 def pack_decode(o) -> jax.Array:
-    """A `DecodeOutput`'s host-bound fields as one int32[B, 2 * steps + 3] array (one transfer
-    instead of five per decode dispatch): tokens, logprobs (float32 bits),
-    n_new, stopped, status (repeated on every row). `unpack_decode` reads it back."""
+    """A `DecodeOutput`'s host-bound fields as one int32[B, 2 * steps + 3 (+ 2 * steps * N)] array
+    (one transfer instead of five per decode dispatch): tokens, logprobs (float32 bits), n_new,
+    stopped, status (repeated on every row), then the top-N ids and logprobs (bits) when kept.
+    `unpack_decode` reads it back."""
     b = o.tokens.shape[0]
-    return jnp.concatenate(
-        [
-            o.tokens,
-            jax.lax.bitcast_convert_type(o.logprobs, jnp.int32),
-            o.n_new[:, None],
-            o.stopped[:, None].astype(jnp.int32),
-            jnp.broadcast_to(o.status.astype(jnp.int32), (b, 1)),
-        ],
-        axis=1,
-    )
+    parts = [
+        o.tokens,
+        jax.lax.bitcast_convert_type(o.logprobs, jnp.int32),
+        o.n_new[:, None],
+        o.stopped[:, None].astype(jnp.int32),
+        jnp.broadcast_to(o.status.astype(jnp.int32), (b, 1)),
+    ]
+    if o.top_ids is not None:
+        parts += [o.top_ids.reshape(b, -1), jax.lax.bitcast_convert_type(o.top_logprobs, jnp.int32).reshape(b, -1)]
+    return jnp.concatenate(parts, axis=1)
 
 
-def unpack_decode(host: np.ndarray, steps: int) -> tuple:
+def unpack_decode(host: np.ndarray, steps: int, top_n: int = 0) -> tuple:
     """`pack_decode`'s array on the host -> (tokens int32[B, steps], logprobs float32[B, steps],
-    n_new int32[B], stopped bool[B], status int)."""
+    n_new int32[B], stopped bool[B], status int, tops): tops is None, or (ids int32[B, steps, N],
+    logprobs float32[B, steps, N]) when `top_n` N > 0."""
+    b, at = host.shape[0], 2 * steps + 3
+    tops = None
+    if top_n:
+        w = steps * top_n
+        tops = (host[:, at : at + w].reshape(b, steps, top_n),
+                host[:, at + w : at + 2 * w].view(np.float32).reshape(b, steps, top_n))  # fmt: skip
     return (
         host[:, :steps],
         host[:, steps : 2 * steps].view(np.float32),
         host[:, 2 * steps],
         host[:, 2 * steps + 1].astype(bool),
         int(host[0, 2 * steps + 2]),
+        tops,
     )
 
 
@@ -544,7 +556,13 @@ class CompiledSteps:
         def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None):
             count(
                 layout,
-                step_name("prefill", f"{tokens.shape[0]}x{tokens.shape[1]}", logits=keep_logits, read=read_tokens),
+                step_name(
+                    "prefill",
+                    f"{tokens.shape[0]}x{tokens.shape[1]}",
+                    logits=keep_logits,
+                    read=read_tokens,
+                    variant=params.variant,
+                ),
             )
             model = merged(weights)
             extra = {} if read_tokens is None else {"read_tokens": read_tokens}
@@ -556,7 +574,7 @@ class CompiledSteps:
             n_stop = stop_ids.shape[1]
             count(
                 layout,
-                step_name("decode", str(steps), stops=n_stop, logits=keep_logits),
+                step_name("decode", str(steps), stops=n_stop, logits=keep_logits, variant=params.variant),
             )
             model = merged(weights)
             o = decode_steps(

@@ -56,17 +56,19 @@ from ..core.layout import CacheConfig, CacheLayout
 from ..core.memory import architectural_minimum, memory_report
 from ..core.policy import RetentionPolicy
 from ..core.protocol import check_protocol
-from ..core.sampling import SEED_RANGE, Sampling
+from ..core.sampling import SEED_RANGE, SamplingParams
 from ..core.state import init_cache
 from ..core.weights import weights_digest
 from ..store.tier import DiskTier, DiskTierClosedError
+from .chat import ChatTemplate
 from .checkpoint import restore_engine, save_engine
 from .compile_plan import CompilePlan, EngineSteps
 from .compiled import compiled_steps, enable_compilation_cache
 from .hooks import EngineHooks, Forward
+from .intake import Intake, RequestSpec, link_choices, per_prompt
 from .interrupts import DeferredInterrupt
 from .metrics import metrics_text
-from .options import EngineOptions, accepts_read_tokens, check_fits, text_codec
+from .options import EngineOptions, accepts_read_tokens, chat_template_of, check_fits, text_codec
 from .prefix_manager import PrefixManager
 from .progress import Bars
 from .requests import (
@@ -76,11 +78,9 @@ from .requests import (
     LiveRequest,
     RequestCancelledError,
     RequestHandle,
-    check_prompts,
-    check_request_options,
 )
 from .scheduler import CacheCapacityError, Scheduler
-from .text import StopWatch, TextRequests
+from .text import check_stop_strings
 
 __all__ = [
     "CacheCapacityError",
@@ -126,6 +126,8 @@ class Engine:
     progress: a callable receiving one-line messages (admissions, restores, evictions, compiles).
     tokenizer: for `generate_text`: an `hkv.engine.text.TextCodec`, a checkpoint folder holding
     `tokenizer.json`, or the path of a tokenizer.json (None: token ids only).
+    chat_template: for `chat`: an `hkv.engine.chat.ChatTemplate` or a folder holding one (None: the
+    template of the tokenizer's checkpoint folder, if any).
     progress_bars: tqdm bars for compilations and long `generate` calls (None: when stderr is a
     terminal or in a notebook; see `hkv.engine.progress`).
     warmup: call `warmup()` at the end of construction (compile every step now, not on first use).
@@ -178,6 +180,7 @@ class Engine:
         seed: int | None = None,
         compilation_cache: bool | str | None = None,
         tokenizer=None,
+        chat_template=None,
         progress_bars: bool | None = None,
         warmup: bool = False,
         restore_choice: str = "cheapest",
@@ -193,6 +196,7 @@ class Engine:
         opts.check_layout(self.layout, config, disk)
         self.compilation_cache = enable_compilation_cache(compilation_cache)
         self.tokenizer = text_codec(tokenizer, model.vocab_size)
+        self.chat_template = chat_template_of(chat_template, tokenizer)
         self._bars = Bars(progress_bars)
         self.model = model
         check_fits(self.layout)
@@ -281,9 +285,9 @@ class Engine:
     def generate(
         self,
         prompts,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
     ) -> list[Generation]:
@@ -292,14 +296,17 @@ class Engine:
         Args:
           prompts: a non-empty list of token-id sequences (lists, tuples or 1-D integer arrays) or a
             2-D integer array [batch, tokens]; ids in [0, vocab_size).
-          max_new_tokens: an integer >= 0 (Python or numpy; not a bool).
-          sampling: an `hkv.Sampling` for every prompt (None: greedy, exact against the stateless
-            forward). Sampled prompts without a seed get one each from the engine's generator.
+          max_new_tokens: an integer >= 0 (Python or numpy; not a bool); None: each prompt's
+            `SamplingParams.max_tokens`.
+          sampling: an `hkv.SamplingParams` for every prompt, a list of them (one per prompt), or
+            None (greedy, exact against the stateless forward). Sampled prompts without a seed get
+            one each from the engine's generator.
           stop_token_ids: ids that end a prompt's generation (the stop id is its last token,
-            finish_reason "stop").
+            finish_reason "stop"), with each sampling's own `stop_token_ids`.
           return_logits: also return each token's float32[vocab] logits (`Generation.logits`).
         Returns:
-          one `Generation` per prompt, in order.
+          one `Generation` per prompt and choice, in order: a prompt whose sampling has n > 1 gives
+          n in a row (`Generation.choice` 0 .. n - 1).
 
         Inputs are validated before anything runs: an invalid request raises `ValueError` and leaves
         the cache untouched. Requests submitted with `submit` run alongside. An exception or
@@ -308,16 +315,47 @@ class Engine:
         `engine.cache` stays a live, consistent value and the next call works. A SIGINT in the main
         thread is deferred to the next point between two transitions. Raises `CacheCapacityError`
         when a prompt cannot fit the pools even with nothing else running and every cached prefix
-        evicted (the message says what holds each pool's pages), `EngineBusyError` when another
-        thread is driving the engine.
+        evicted (the message says what holds each pool's pages). Called while another thread drives
+        the engine, its requests join that thread's batch and this call waits for them.
         """
-        prompts, max_new_tokens = self._validate(prompts, max_new_tokens)
-        sampling, stops = self._validate_options(sampling, stop_token_ids, return_logits)
-        with self._drive():
-            seqs = [self._new_seq(i, p, max_new_tokens, sampling, stops, return_logits) for i, p in enumerate(prompts)]
-            self.scheduler.queue.extend(seqs)
-            self._run(seqs)
-        return [s.generation(self.model.vocab_size) for s in seqs]
+        return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, stop_token_ids, return_logits))
+
+    def _intake(self) -> Intake:
+        """This engine's `Intake` (its limits, tokenizer and seed generator)."""
+        draw = lambda _: int(self._seeds.integers(0, SEED_RANGE))
+        cap, vocab = self.layout.config.max_context, self.model.vocab_size
+        return Intake(max_context=cap, vocab_size=vocab, tokenizer=self.tokenizer, draw_seed=draw)
+
+    def _generate(self, specs: list[RequestSpec]) -> list[Generation]:
+        """Run checked requests to the end: driving the engine, or (another thread drives it) queued
+        into that thread's batch and awaited."""
+        intake, vocab = self._intake(), self.model.vocab_size
+        try:
+            with self._drive():
+                seqs = [intake.live(spec, i) for i, spec in enumerate(specs)]
+                link_choices(specs, seqs)
+                self.scheduler.queue.extend(seqs)
+                self._run(seqs)
+            return [s.generation(vocab) for s in seqs]
+        except EngineBusyError:  # (raised on entry only: nothing was queued)
+            handles = self._submit_specs(specs)
+        try:
+            return [h.result() for h in handles]
+        finally:
+            for h in handles:
+                h.cancel()  # (a no-op once done; an interrupted wait frees the others' slots)
+
+    def _submit_specs(self, specs: list[RequestSpec]) -> list[RequestHandle]:
+        """Queue checked requests for the next step (any thread); one handle each."""
+        intake = self._intake()
+        handles = [RequestHandle(self, next(self._ids)) for _ in specs]
+        seqs = [
+            intake.live(spec, h.request_id, handle=h, shard=self.shard) for spec, h in zip(specs, handles, strict=True)
+        ]
+        link_choices(specs, seqs)
+        for seq in seqs:
+            self.scheduler.submit(seq)
+        return handles
 
     def _run(self, seqs: list[LiveRequest], after_step: Callable[[], None] | None = None) -> None:
         """`Scheduler.run` with this engine's progress bars."""
@@ -326,9 +364,9 @@ class Engine:
     def submit(
         self,
         prompt,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
     ) -> RequestHandle:
@@ -336,16 +374,36 @@ class Engine:
 
         Thread-safe: any thread may submit at any time, also while another thread is inside `step`,
         `run_until_idle` or `generate` (the request joins at the next step). Arguments as in
-        `generate`, for one prompt (a sequence of token ids). Invalid input raises `ValueError`.
+        `generate`, for one prompt: a sequence of token ids, or a string (needs a tokenizer; the
+        request then also stops at the tokenizer's end-of-sequence ids unless
+        `SamplingParams.ignore_eos`). Invalid input raises `ValueError`; `sampling.n > 1` asks for
+        `submit_choices`.
         """
+        handles = self.submit_choices(prompt, max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
+                                      return_logits=return_logits, _one=True)  # fmt: skip
+        return handles[0]
+
+    def submit_choices(
+        self,
+        prompt,
+        max_new_tokens: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        return_logits: bool = False,
+        _one: bool = False,
+    ) -> list[RequestHandle]:
+        """Queue `sampling.n` completions of one prompt; one `RequestHandle` per choice, in order.
+        The choices after the first wait for its prefill and restore it from the prefix cache (one
+        prefill for the prompt); choice i of a seeded request draws with seed + i. Arguments as in
+        `submit`."""
         self._check_open()
-        (prompt,), max_new = self._validate([prompt], max_new_tokens)
-        sampling, stops = self._validate_options(sampling, stop_token_ids, return_logits)
-        rid = next(self._ids)
-        handle = RequestHandle(self, rid)
-        seq = self._new_seq(rid, prompt, max_new, sampling, stops, return_logits, handle)
-        self.scheduler.submit(seq)
-        return handle
+        text = isinstance(prompt, str)
+        ids = self._intake().encode([prompt]) if text else [prompt]
+        specs = self._intake().requests(ids, max_new_tokens, sampling, stop_token_ids, return_logits, text=text)
+        if _one and len(specs) > 1:
+            raise ValueError(f"sampling.n={len(specs)} asks for several completions: use Engine.submit_choices")
+        return self._submit_specs(specs)
 
     def step(self) -> bool:
         """Advance every request once: admit waiting requests into free slots (with their prefix
@@ -368,9 +426,9 @@ class Engine:
     def generate_text(
         self,
         texts: Sequence[str],
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         stop: Iterable[str] | None = (),
         stop_token_ids: Sequence[int] | None = None,
         include_stop: bool = False,
@@ -381,27 +439,63 @@ class Engine:
           texts: a non-empty list of strings.
           max_new_tokens, sampling: as in `generate`.
           stop: strings (any iterable; None = none) that end a text's generation as soon as they appear
-            in its decoded output; the request stops there (its slot is freed at once) and its text
-            ends before the stop string (with it when include_stop). Tokens are cut after the one
-            that completed it.
-          stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids.
+            in its decoded output, with each sampling's own `stop`; the request stops there (its slot
+            is freed at once) and its text ends before the stop string (with it when include_stop or
+            `SamplingParams.include_stop_str_in_output`). Tokens are cut after the one that completed it.
+          stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids (unless
+            `SamplingParams.ignore_eos`).
         Returns:
-          one `Generation` per text with `.text` set (finish_reason "stop" for a stop string or id).
-          An id the tokenizer has no token for (a model vocabulary padded past the tokenizer's, as
-          DeepSeek-V4's) stays in `.tokens` and adds no text.
+          one `Generation` per text (and choice) with `.text` set (finish_reason "stop" for a stop
+          string or id; `.stop_string` names the string). An id the tokenizer has no token for (a
+          model vocabulary padded past the tokenizer's, as DeepSeek-V4's) stays in `.tokens` and adds
+          no text.
         """
-        vocab = self.model.vocab_size
-        req = TextRequests.check(self.tokenizer, texts, max_new_tokens, sampling=sampling, stop=stop,
-                                 stop_token_ids=stop_token_ids, max_context=self.layout.config.max_context,
-                                 vocab_size=vocab)  # fmt: skip
-        with self._drive():
-            seqs = [
-                self._new_seq(i, p, req.max_new, req.sampling, req.stop_ids, False) for i, p in enumerate(req.prompts)
-            ]
-            watch = StopWatch(self.tokenizer, req.prompts, req.stop, include_stop, vocab)
-            self.scheduler.queue.extend(seqs)
-            self._run(seqs, lambda: watch.read(seqs))
-        return watch.results(seqs, vocab)
+        intake = self._intake()
+        prompts = intake.encode(texts)
+        stop = check_stop_strings(stop)
+        rows = [dataclasses.replace(s, stop=s.stop + stop, include_stop_str_in_output=s.include_stop_str_in_output
+                                    or bool(include_stop)) for s in per_prompt(sampling, len(prompts))]  # fmt: skip
+        if stop_token_ids is None:
+            specs = intake.requests(prompts, max_new_tokens, rows, (), text=True)
+        else:
+            specs = intake.requests(prompts, max_new_tokens, rows, stop_token_ids)
+        return self._generate(specs)
+
+    def chat(
+        self,
+        messages,
+        max_new_tokens: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        template: ChatTemplate | None = None,
+        **template_kwargs,
+    ) -> list[Generation]:
+        """Continue a conversation: its messages rendered by the chat template, encoded with the
+        engine's tokenizer, and the assistant's reply generated (stopping at the tokenizer's
+        end-of-sequence ids unless `SamplingParams.ignore_eos`).
+
+        Args:
+          messages: one conversation, a list of {"role", "content"} dicts (`hkv.engine.chat.
+            check_messages`), or a list of conversations.
+          max_new_tokens, sampling: as in `generate` (one `SamplingParams`, or one per conversation).
+          template: the `ChatTemplate` to use; None: `Engine(chat_template=...)`'s, or the one of the
+            tokenizer's checkpoint folder.
+          template_kwargs: further template variables (e.g. `tools`).
+        Returns:
+          one `Generation` per conversation (and choice), with `.text` the reply.
+        Raises:
+          ValueError: no tokenizer or template, or a bad message (its index and field named).
+        """
+        template = template or self.chat_template
+        if self.tokenizer is None or template is None:
+            raise ValueError(
+                "chat needs a tokenizer and a chat template: hkv.Engine(..., tokenizer=<checkpoint folder>, "
+                "chat_template=<ChatTemplate or folder>) or chat(..., template=...)"
+            )
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        convs = [messages] if one else list(messages)
+        prompts = [template.encode(self.tokenizer, conv, **template_kwargs) for conv in convs]
+        return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, (), text=True))
 
     def warmup(self, *, logits: bool = False, stop_ids: int = 1) -> dict[str, float]:
         """Compile every step a request can use (or load it from the persistent compilation cache)
@@ -535,20 +629,6 @@ class Engine:
         return architectural_minimum(self.spec, context)
 
     # ------------------------------------------------------------------------------ internals
-    def _validate(self, prompts, max_new_tokens) -> tuple[list[list[int]], int]:
-        """`check_prompts` against this engine's max_context and vocabulary."""
-        return check_prompts(
-            prompts, max_new_tokens, max_context=self.layout.config.max_context, vocab_size=self.model.vocab_size
-        )
-
-    def _validate_options(self, sampling, stop_token_ids, return_logits) -> tuple[Sampling, tuple[int, ...]]:
-        """`check_request_options` against this engine's vocabulary."""
-        return check_request_options(sampling, stop_token_ids, return_logits, vocab_size=self.model.vocab_size)
-
-    def _new_seq(self, index, prompt, max_new, sampling, stops, keep_logits, handle=None) -> LiveRequest:
-        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(0, SEED_RANGE))
-        return LiveRequest(index, prompt, max_new, sampling, seed, stops, bool(keep_logits), handle, shard=self.shard)
-
     @contextlib.contextmanager
     def _exclusive(self):
         """One thread at a time in a call that runs transitions or reads the cache between them

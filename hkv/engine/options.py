@@ -17,6 +17,7 @@ from ..core.layers import default_read_buckets
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.memory import allocated_bytes
 from ..store.tier import DiskTier
+from .chat import ChatTemplate
 from .text import TextCodec
 
 __all__ = ["RESTORE_CHOICES", "EngineOptions", "accepts_read_tokens", "check_fits", "device_bytes", "text_codec"]
@@ -154,6 +155,20 @@ def text_codec(tokenizer, vocab_size: int | None = None):
             f"checkpoint's own tokenizer)"
         )
     return codec
+
+
+def chat_template_of(template, tokenizer):
+    """The engine's `ChatTemplate`: `template` (a `ChatTemplate`, or a folder holding one), else the
+    template of the checkpoint folder `tokenizer` names, else None."""
+    if isinstance(template, ChatTemplate) or (template is None and not isinstance(tokenizer, (str, os.PathLike))):
+        return template
+    folder = Path(template if template is not None else tokenizer)
+    if template is None and not folder.is_dir():
+        return None
+    found = ChatTemplate.from_pretrained(folder)
+    if found is None and template is not None:
+        raise ValueError(f"chat_template={str(template)!r}: the folder holds no chat template")
+    return found
 
 
 def accepts_read_tokens(model) -> bool:

@@ -4,7 +4,7 @@
 engine (`Engine.step`, `run_until_idle`, `generate`); iterating it, or calling `.result()`, drives the
 engine itself when no other thread does, so a single-threaded caller never deadlocks:
 
-    h = engine.submit(prompt, 64, sampling=hkv.Sampling(temperature=0.8, seed=1))
+    h = engine.submit(prompt, 64, sampling=hkv.SamplingParams(temperature=0.8, seed=1))
     for token in h:          # new token ids as they are produced
         print(token)
     gen = h.result()         # the `Generation`
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ..core.plan import RestorePlan
-from ..core.sampling import GREEDY, Sampling
+from ..core.sampling import GREEDY, SamplingParams
 
 
 class EngineBusyError(RuntimeError):
@@ -53,7 +53,11 @@ class Generation:
       logits: float32[len(tokens), vocab] the logits each token was chosen from, only when asked for
         (`return_logits=True`); None otherwise (nothing vocabulary-sized crosses to the host).
       seed: the seed the request's tokens were drawn with (None for greedy requests).
-      text: the decoded new tokens (`Engine.generate_text` only).
+      text: the decoded new tokens, cut at a stop string (engines with a tokenizer; None otherwise).
+      top_logprobs: for each token, the `SamplingParams.logprobs` most likely tokens at its position
+        as (id, logprob) pairs, most likely first (None when the request asked for none).
+      choice: which of the prompt's `SamplingParams.n` completions this is (0 for n = 1).
+      stop_string: the stop string that ended the request, or None.
     """
 
     tokens: list[int]
@@ -62,6 +66,29 @@ class Generation:
     plan: Any = None
     logits: np.ndarray | None = None
     seed: int | None = None
+    text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    choice: int = 0
+    stop_string: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOutput:
+    """One new token of a streamed request (`RequestHandle.events()`).
+
+    Attributes:
+      token: its id.
+      logprob: its log-probability under the model's raw distribution.
+      top_logprobs: the request's `SamplingParams.logprobs` most likely tokens at this position as
+        (id, logprob) pairs (None when it asked for none).
+      text: the text this token made final (engines with a tokenizer; "" while a character or a
+        possible stop string is held back; the last event carries what was held). None without a
+        tokenizer.
+    """
+
+    token: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
     text: str | None = None
 
 
@@ -78,14 +105,16 @@ class RequestHandle:
         self.request_id = request_id
         self._cond = threading.Condition()
         self._tokens: list[int] = []
+        self._events: list[TokenOutput] = []
         self._result: Generation | None = None
         self._error: BaseException | None = None
         self._cancelled = False
 
     # ------------------------------------------------------------------ filled by the engine
-    def _push(self, tokens: list[int]) -> None:
+    def _push(self, events: list[TokenOutput]) -> None:
         with self._cond:
-            self._tokens.extend(tokens)
+            self._events.extend(events)
+            self._tokens.extend(e.token for e in events)
             self._cond.notify_all()
 
     def _finish(self, result: Generation | None, error: BaseException | None = None) -> None:
@@ -143,20 +172,27 @@ class RequestHandle:
     def __iter__(self):
         """Yield new token ids in order as they are produced. Closing the iterator early (break, or
         dropping it) cancels the request."""
+        for event in self.events():
+            yield event.token
+
+    def events(self):
+        """Yield a `TokenOutput` per new token (id, logprob, top logprobs, text delta) in order as
+        they are produced. Closing the iterator early (break, or dropping it) cancels the request;
+        a failed request raises its error after the tokens it produced."""
         seen = 0
         finished = False
         try:
             while True:
                 self._wait(lambda n=seen: len(self._tokens) > n or self._result is not None, None)
                 with self._cond:
-                    new, err, res = self._tokens[seen:], self._error, self._result
+                    new, err, res = self._events[seen:], self._error, self._result
                 seen += len(new)
                 yield from new
                 if err is not None and not isinstance(err, RequestCancelledError):
                     raise err
                 if res is not None or err is not None:
                     with self._cond:
-                        if len(self._tokens) == seen:
+                        if len(self._events) == seen:
                             finished = True
                             return
         finally:
@@ -178,7 +214,7 @@ class LiveRequest:
     index: int  # position in a generate call, or the request id of a submitted request
     prompt: list[int]
     max_new: int
-    sampling: Sampling = GREEDY
+    sampling: SamplingParams = GREEDY
     seed: int = 0  # resolved seed (the request's own, or drawn by the engine)
     stop_ids: tuple[int, ...] = ()
     keep_logits: bool = False
@@ -205,6 +241,11 @@ class LiveRequest:
     prev_len: int | None = None
     record_stopped: bool = False  # refused a record slot: this request caches no more blocks
     shard: int | None = None  # data shard of an `hkv.MeshEngine` (None: a single-device engine)
+    reader: Any = None  # `hkv.engine.text.StopStrings` of an engine with a tokenizer (text, stop strings)
+    stop_at: int | None = None  # tokens kept when a stop string ended the request (later ones were fed)
+    top: list = dataclasses.field(default_factory=list)  # per token: (id, logprob) pairs (logprobs asked)
+    leader: LiveRequest | None = None  # choice 0 of the prompt (n > 1): admitted after its prefill
+    choice: int = 0
 
     @property
     def done(self) -> bool:
@@ -215,17 +256,29 @@ class LiveRequest:
         """Finished, failed or cancelled: nothing more will happen to it."""
         return self.done or self.error is not None or self.cancelled
 
+    @property
+    def waiting(self) -> bool:
+        """A later choice of a prompt whose first choice has not finished its prefill (it restores
+        that prefill from the prefix cache instead of computing it again)."""
+        lead = self.leader
+        return lead is not None and not lead.over and (lead.slot < 0 or lead.fed < len(lead.prompt))
+
     def generation(self, vocab: int) -> Generation:
+        n = len(self.tokens) if self.stop_at is None else self.stop_at
         logits = None
         if self.keep_logits:
-            logits = np.stack(self.logits) if self.logits else np.zeros((0, vocab), np.float32)
+            logits = np.stack(self.logits[:n]) if n else np.zeros((0, vocab), np.float32)
         return Generation(
-            tokens=list(self.tokens),
-            logprobs=np.asarray(self.logprobs, np.float32),
+            tokens=list(self.tokens[:n]),
+            logprobs=np.asarray(self.logprobs[:n], np.float32),
             finish_reason=self.finish_reason or "length",
             plan=dataclasses.replace(self.plan or RestorePlan.cold(len(self.prompt)), shard=self.shard),
             logits=logits,
             seed=None if self.sampling.greedy else self.seed,
+            text=None if self.reader is None else self.reader.text,
+            top_logprobs=None if self.sampling.logprobs is None else [list(t) for t in self.top[:n]],
+            choice=self.choice,
+            stop_string=None if self.reader is None else self.reader.stop_string,
         )
 
 
@@ -295,7 +348,7 @@ def check_prompts(prompts, max_new_tokens, *, max_context: int, vocab_size: int)
 
 def check_request_options(
     sampling, stop_token_ids, return_logits, *, vocab_size: int
-) -> tuple[Sampling, tuple[int, ...]]:
+) -> tuple[SamplingParams, tuple[int, ...]]:
     """Check a request's options (`Engine.generate`'s rules).
 
     Returns:
@@ -305,8 +358,8 @@ def check_request_options(
     """
     if sampling is None:
         sampling = GREEDY
-    if not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling={sampling!r} must be an hkv.Sampling or None")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling={sampling!r} must be an hkv.SamplingParams or None")
     if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray, set)):
         raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids")
     vocab = vocab_size

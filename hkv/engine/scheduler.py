@@ -27,14 +27,14 @@ import numpy as np
 
 from ..core import prefix as px
 from ..core.layout import CacheLayout, Status
-from ..core.sampling import GREEDY, SamplingParams
+from ..core.sampling import GREEDY, RowHistory, SamplingBatch
 from .compile_plan import CompilePlan, EngineSteps, pow2, stop_width
 from .compiled import step_name, unpack_decode
 from .hooks import EngineHooks
 from .options import EngineOptions
 from .prefix_manager import PrefixManager
 from .progress import Bars
-from .requests import LiveRequest, RequestCancelledError
+from .requests import LiveRequest, RequestCancelledError, TokenOutput
 
 __all__ = ["CacheCapacityError", "Chunk", "Scheduler", "SchedulerStats", "cancelled"]
 
@@ -58,6 +58,7 @@ class Chunk(NamedTuple):
       ids: int32[b] the token sampled for each row.
       logprobs: float32[b] its log-probability.
       logits: float32[b, vocab] each row's last logits, or None when no row keeps them.
+      tops: (ids int32[b, N], logprobs float32[b, N]) each row's top-N, or None when no row asks.
       fed: int32[b] tokens fed per row.
       seconds: the step's wall time.
       compiled: whether the call built (traced and compiled, or loaded) its program.
@@ -67,13 +68,17 @@ class Chunk(NamedTuple):
     ids: np.ndarray
     logprobs: np.ndarray
     logits: np.ndarray | None
+    tops: tuple | None
     fed: np.ndarray
     seconds: float
     compiled: bool
 
-    def row(self, j: int) -> tuple[list[int], list[float], np.ndarray | None]:
-        """Row `j`'s token, logprob and last logits [1, vocab] (or None), as `Engine._emit` takes them."""
-        return [int(self.ids[j])], [float(self.logprobs[j])], None if self.logits is None else self.logits[j : j + 1]
+    def row(self, j: int) -> tuple:
+        """Row `j`'s token, logprob, last logits [1, vocab] (or None) and top-N ([1, N] ids and
+        logprobs, or None), as `Scheduler._emit` takes them."""
+        tops = None if self.tops is None else (self.tops[0][j : j + 1], self.tops[1][j : j + 1])
+        return ([int(self.ids[j])], [float(self.logprobs[j])],
+                None if self.logits is None else self.logits[j : j + 1], tops)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -269,15 +274,17 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         """Claim a slot for each waiting request while slots are free, and restore its prefix."""
         while self.queue and len(self.prefilling) + len(self.running) < self.layout.slots:
-            seq = self.queue[0]
+            seq = next((q for q in self.queue if not (self.prefix.enabled and q.waiting)), None)
+            if seq is None:  # only later choices waiting for their first one's prefill
+                return
             if seq.done:
-                self.queue.popleft()
+                self.queue.remove(seq)
                 self.close(seq)
                 continue
             slot, status = self.hooks.tx(self.steps.claim)  # interrupted here, seq is still queued
             if int(status) != Status.OK:  # no free slot after all (should not happen): try later
                 return
-            self.queue.popleft()
+            self.queue.remove(seq)
             self.clock += 1
             seq.slot, seq.fed, seq.keys, seq.parent_record = int(slot), 0, [], -1
             seq.ids, seq.admitted_at, seq.t_admit = seq.prompt + seq.tokens, self.clock, time.perf_counter()
@@ -346,13 +353,11 @@ class Scheduler:
             for j, seq in enumerate(rows):
                 ids = chunk(seq)
                 tokens[j, : len(ids)], slots[j], n_valid[j] = ids, seq.slot, len(ids)
-            params = SamplingParams.stack(
-                [q.sampling for q in rows] + [GREEDY] * (b - len(rows)), [q.seed for q in rows] + [0] * (b - len(rows))
-            )
+            params = self.sampling_batch(rows + [None] * (b - len(rows)))
             if variant is None:
                 fed = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
                 read = self.plan.read_bound(max(fed))
-            name = step_name("prefill", f"{b}x{c}", logits=keep, read=read)
+            name = step_name("prefill", f"{b}x{c}", logits=keep, read=read, variant=params.variant)
             out, dt, fresh = self.plan.timed(
                 self.steps.prefill, self.hooks.weights(), tokens, slots, n_valid, params, keep, read, name=name
             )
@@ -360,7 +365,8 @@ class Scheduler:
             if status == Status.OK:
                 self.plan.prefill_variants.add((b, c, read, keep))
                 tok, lp = jax.device_get((out[0], out[1]))  # [b] ids and logprobs: all that crosses by default
-                return Chunk(rows, tok, lp, np.asarray(out[3]) if keep else None, n_valid, dt, fresh)
+                tops = tuple(np.asarray(a) for a in jax.device_get(out[-2:])) if params.top_n else None
+                return Chunk(rows, tok, lp, np.asarray(out[3]) if keep else None, tops, n_valid, dt, fresh)
             if status == Status.NO_PAGES and self.prefix.make_room():
                 continue
             if status != Status.NO_PAGES:
@@ -392,10 +398,11 @@ class Scheduler:
         """Up to `decode_steps` tokens for every decoding request, in one on-device loop; one token
         each through the prefill step while the decode step is still building (`_decode_via_prefill`)."""
         rows, args, name = self.decode_inputs()
-        if self.hooks.while_building() and self._decode_via_prefill(rows, args, name):
+        plain = not args[3].variant  # (the prefill variants decoding through prefill reuses sample plainly)
+        if plain and self.hooks.while_building() and self._decode_via_prefill(rows, args, name):
             return
         out, dt, fresh = self.plan.timed(self.steps.decode, *args, name=name)
-        host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps)
+        host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
         self._dispatch_ahead(rows, args, host)
         self.decode_outputs(rows, host, out[1], dt, fresh)
 
@@ -404,7 +411,7 @@ class Scheduler:
         sending the next one when it may)."""
         rows, args, out, t0 = self.ahead
         self.ahead = None
-        host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps)
+        host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
         dt = time.perf_counter() - t0
         self._dispatch_ahead(rows, args, host)
         # a request cancelled since (its handle, or `generate_text`'s stop string) would not have run
@@ -421,15 +428,18 @@ class Scheduler:
         Only when the next step would run nothing but this decode: the same requests, none ending
         here (its slot is released first), nothing waiting to be admitted or prefilled, no
         cancellation, a successful step, no logits kept, no block boundary reached with the prefix
-        cache on (its record reads the cache at the boundary), the same stop-id width. Inputs are
+        cache on (its record reads the cache at the boundary), the same stop-id width, no penalty
+        or min_tokens row (their sampling inputs change with every token). Inputs are
         computed as `_decode_inputs` would after `_decode_outputs`, so tokens, logprobs, finish
         reasons and compiled programs are those of one dispatch at a time, and so is the order of
         the cache's transitions unless a request arrives or is cancelled while a dispatch is ahead
         (it is admitted, or released, after that dispatch: other page ids, same tokens)."""
-        toks, _, n_new, stopped, status = host
+        toks, _, n_new, stopped, status, _ = host
         weights, tokens, slots, params, last_budget, stop_ids, k, keep = args
         if not self.pipeline or status != Status.OK or keep or self.queue or self.prefilling:
             return
+        if params.counts.shape[1] or params.ban_ids.shape[1]:
+            return  # penalties count the tokens this dispatch made; min_tokens counts down: new params
         with self.inbox_lock:
             if self.inbox:
                 return
@@ -517,24 +527,34 @@ class Scheduler:
         rows = list(self.running.values())
         tokens = np.zeros((s,), np.int32)
         budget = np.zeros((s,), np.int32)
-        sampling, seeds = [GREEDY] * s, [0] * s
+        by_slot: list[LiveRequest | None] = [None] * s
         n_stop = stop_width(rows)
         stop_ids = np.full((s, n_stop), -1, np.int32)
         for q in rows:
             tokens[q.slot], budget[q.slot] = q.tokens[-1], self._decode_budget(q, len(q.tokens), q.fed)
-            sampling[q.slot], seeds[q.slot] = q.sampling, q.seed
+            by_slot[q.slot] = q
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
-        name = step_name("decode", str(k), stops=n_stop, logits=keep)
-        params = SamplingParams.stack(sampling, seeds)
+        params = self.sampling_batch(by_slot)
+        name = step_name("decode", str(k), stops=n_stop, logits=keep, variant=params.variant)
         args = (self.hooks.weights(), tokens, np.arange(s, dtype=np.int32), params, budget,
                 stop_ids, k, keep)  # fmt: skip
         return rows, args, name
 
+    def sampling_batch(self, rows: list[LiveRequest | None]) -> SamplingBatch:
+        """The `SamplingBatch` of a step's rows (None: an idle row, greedy). Penalized rows pass their
+        prompt and tokens so far; rows under `min_tokens` their stop ids."""
+        settings = [GREEDY if q is None else q.sampling for q in rows]
+        seeds = [0 if q is None else q.seed for q in rows]
+        hist = None
+        if any(s.penalized or s.min_tokens for s in settings):
+            hist = [RowHistory() if q is None else RowHistory(q.prompt, q.tokens, q.stop_ids) for q in rows]
+        return SamplingBatch.stack(settings, seeds, hist, self.vocab_size)
+
     def decode_outputs(self, rows: list[LiveRequest], host: tuple, lg, dt: float, fresh: bool) -> None:
         """Hand a decode step's results to its requests: `host` = (tokens, logprobs, n_new, stopped,
-        status) on the host, `lg` its logits (device; used only when a row keeps them)."""
-        toks, lps, n_new, _, status = host
+        status, tops) on the host, `lg` its logits (device; used only when a row keeps them)."""
+        toks, lps, n_new, _, status, tops = host
         keep = any(q.keep_logits for q in rows)
         status = int(status)
         produced = int(np.sum(n_new))
@@ -546,7 +566,10 @@ class Scheduler:
         for q in rows:
             n = int(n_new[q.slot])
             if n:  # fed: its last token and the first n - 1 new ones
-                self._emit(q, toks[q.slot, :n].tolist(), lps[q.slot, :n].tolist(), lg[q.slot, :n] if keep else None)
+                top = None if tops is None else (tops[0][q.slot, :n], tops[1][q.slot, :n])
+                self._emit(
+                    q, toks[q.slot, :n].tolist(), lps[q.slot, :n].tolist(), lg[q.slot, :n] if keep else None, top
+                )
                 q.fed += n
                 self.prefix.after_step(q)
             if q.done:
@@ -557,23 +580,40 @@ class Scheduler:
         elif status not in (Status.OK, Status.NO_PAGES):
             raise CacheCapacityError(f"decode step failed: {Status(status).name}")
 
-    def _emit(self, seq: LiveRequest, tokens: list[int], logprobs: list[float], logits) -> None:
-        """Append new tokens (the stop id that ends a request is kept as its last token)."""
+    def _emit(self, seq: LiveRequest, tokens: list[int], logprobs: list[float], logits, tops=None) -> None:
+        """Append new tokens and hand them to the request's handle as `TokenOutput`s. A stop id, the
+        budget or a stop string in the decoded text (`LiveRequest.reader`) ends the request; tokens
+        the device produced after a stop string are kept as fed (the prefix manager records what the
+        cache holds) but never reported (`LiveRequest.stop_at`)."""
+        events = []
+        reader = seq.reader
         for j, t in enumerate(tokens):
             seq.tokens.append(t)
             seq.logprobs.append(logprobs[j])
             if seq.keep_logits:
                 seq.logits.append(np.asarray(logits[j], np.float32))
+            n_top = seq.sampling.logprobs
+            top = None
+            if n_top is not None:
+                top = tuple((int(i), float(v)) for i, v in zip(tops[0][j][:n_top], tops[1][j][:n_top], strict=True))
+                seq.top.append(top)
+            if seq.finish_reason:  # after a stop string earlier in this dispatch
+                continue
+            text = None
+            if reader is not None:
+                text = reader.feed(t).text
+                if reader.stopped:
+                    seq.finish_reason, seq.stop_at = "stop", len(seq.tokens)
             if t in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.max_new:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                tokens = tokens[: j + 1]
-                break
-        self.stats.generated_tokens += len(tokens)
+                seq.finish_reason = seq.finish_reason or "length"
+            if seq.finish_reason and reader is not None and not reader.stopped:
+                text += reader.finish().text
+            events.append(TokenOutput(t, float(logprobs[j]), top, text))
+        self.stats.generated_tokens += len(events)
         if seq.handle is not None:
-            seq.handle._push(tokens)
+            seq.handle._push(events)
 
     def _preempt(self, seq: LiveRequest) -> None:
         """Release seq's slot and re-queue it first, with the tokens it has (recomputed exactly later)."""

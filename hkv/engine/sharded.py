@@ -49,7 +49,7 @@ from pallas_kernels import numerics as nm
 
 from ..core import prefix as px
 from ..core.layout import CacheConfig, CacheLayout
-from ..core.sampling import SEED_RANGE, Sampling
+from ..core.sampling import SEED_RANGE, SamplingBatch, SamplingParams
 from ..core.state import HybridCache, init_cache
 from ..core.weights import weights_digest
 from .checkpoint import EngineCheckpointError, restore_mesh_engine, save_mesh_engine
@@ -62,10 +62,11 @@ from .compiled import (
     unpack_decode,
 )
 from .engine import Engine
+from .intake import Intake, link_choices, per_prompt
 from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
-from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts, check_request_options
-from .text import StopWatch, TextRequests
+from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts
+from .text import check_stop_strings
 
 # the CompiledSteps transitions that run on one shard (under lax.cond); prefill and decode run on all
 ONE_SHARD = (
@@ -518,69 +519,77 @@ class MeshEngine:
     def generate(
         self,
         prompts,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
     ) -> list[Generation]:
         """As `hkv.Engine.generate`; each prompt runs on the shard `route` picks (in order, so
-        prompts of one call spread over the shards), and its `plan.shard` says which."""
-        cap, vocab = self.layout.config.max_context, self.model.vocab_size
-        prompts, max_new_tokens = check_prompts(prompts, max_new_tokens, max_context=cap, vocab_size=vocab)
-        sampling, stops = check_request_options(sampling, stop_token_ids, return_logits, vocab_size=vocab)
-        with self._drive():
-            seqs = self._enqueue(prompts, max_new_tokens, sampling, stops, return_logits)
-            self._run(seqs)
-        return [s.generation(self.model.vocab_size) for s in seqs]
+        prompts of one call spread over the shards; a prompt's choices share its shard), and its
+        `plan.shard` says which."""
+        specs = self._intake().requests(prompts, max_new_tokens, sampling, stop_token_ids, return_logits)
+        return self._generate(specs)
 
     def generate_text(
         self,
         texts: Sequence[str],
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         stop: Iterable[str] | None = (),
         stop_token_ids: Sequence[int] | None = None,
         include_stop: bool = False,
     ) -> list[Generation]:
         """As `hkv.Engine.generate_text` (needs `tokenizer=`); each text runs on the shard `route`
         picks."""
-        tok, vocab = self.shards[0].tokenizer, self.model.vocab_size
-        req = TextRequests.check(tok, texts, max_new_tokens, sampling=sampling, stop=stop,
-                                 stop_token_ids=stop_token_ids, max_context=self.layout.config.max_context,
-                                 vocab_size=vocab, engine="hkv.MeshEngine")  # fmt: skip
-        with self._drive():
-            seqs = self._enqueue(req.prompts, req.max_new, req.sampling, req.stop_ids, False)
-            watch = StopWatch(tok, req.prompts, req.stop, include_stop, vocab)
-            self._run(seqs, lambda: watch.read(seqs))
-        return watch.results(seqs, vocab)
+        intake = self._intake()
+        prompts = intake.encode(texts)
+        stop = check_stop_strings(stop)
+        rows = [dataclasses.replace(s, stop=s.stop + stop, include_stop_str_in_output=s.include_stop_str_in_output
+                                    or bool(include_stop)) for s in per_prompt(sampling, len(prompts))]  # fmt: skip
+        if stop_token_ids is None:
+            return self._generate(intake.requests(prompts, max_new_tokens, rows, (), text=True))
+        return self._generate(intake.requests(prompts, max_new_tokens, rows, stop_token_ids))
 
-    def _enqueue(self, prompts, max_new: int, sampling: Sampling, stops, keep: bool) -> list[LiveRequest]:
-        """Queue one request per prompt on the shard `route` picks for it, in order."""
-        seqs = []
-        for i, p in enumerate(prompts):
-            e = self.shards[self.route(p)]
-            sampled = self._seeded(sampling)
-            seed = sampled.seed if sampled.seed is not None else 0  # (greedy: no draw)
-            seq = LiveRequest(i, p, max_new, sampled, seed, stops, keep, shard=e.shard)
-            e.scheduler.queue.append(seq)
-            seqs.append(seq)
-        return seqs
+    def _intake(self) -> Intake:
+        """The mesh's `Intake`: a sampled request without a seed gets one from the mesh engine's
+        generator (as `Engine` draws them), so a `MeshEngine(seed=s)` samples what an `Engine(seed=s)` does."""
+        draw = lambda s: 0 if s.greedy else int(self._seeds.integers(0, SEED_RANGE))
+        cap, vocab = self.layout.config.max_context, self.model.vocab_size
+        return Intake(max_context=cap, vocab_size=vocab, tokenizer=self.shards[0].tokenizer, draw_seed=draw,
+                      engine="hkv.MeshEngine")  # fmt: skip
+
+    def _generate(self, specs) -> list[Generation]:
+        """Queue each request on the shard `route` picks for its prompt, in order, and run them all."""
+        intake, shard_of = self._intake(), {}
+        with self._drive():
+            seqs = []
+            for i, spec in enumerate(specs):
+                if spec.source not in shard_of:
+                    shard_of[spec.source] = self.shards[self.route(spec.prompt)]
+                e = shard_of[spec.source]
+                seq = intake.live(spec, i, shard=e.shard)
+                e.scheduler.queue.append(seq)
+                seqs.append(seq)
+            link_choices(specs, seqs)
+            self._run(seqs)
+        return [s.generation(self.model.vocab_size) for s in seqs]
 
     def submit(
         self,
         prompt,
         max_new_tokens: int,
         *,
-        sampling: Sampling | None = None,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
     ) -> RequestHandle:
         """As `hkv.Engine.submit` (thread-safe): routed now, run by `step` / `run_until_idle`."""
+        ids = self._intake().encode([prompt])[0] if isinstance(prompt, str) else prompt
         cap, vocab = self.layout.config.max_context, self.model.vocab_size
-        (prompt,), _ = check_prompts([prompt], max_new_tokens, max_context=cap, vocab_size=vocab)
-        e = self.shards[self.route(prompt)]
+        (ids,), _ = check_prompts([ids], max_new_tokens or 0, max_context=cap, vocab_size=vocab)
+        e = self.shards[self.route(ids)]
         return e.submit(
             prompt, max_new_tokens, sampling=self._seeded(sampling), stop_token_ids=stop_token_ids,
             return_logits=return_logits,
@@ -603,7 +612,7 @@ class MeshEngine:
         """Requests submitted or queued and not yet finished, over every shard."""
         return sum(e.pending for e in self.shards)
 
-    def _seeded(self, sampling: Sampling | None) -> Sampling | None:
+    def _seeded(self, sampling: SamplingParams | None) -> SamplingParams | None:
         """A sampled request without a seed gets one from the mesh engine's generator (as `Engine`
         draws them), so a `MeshEngine(seed=s)` samples what an `Engine(seed=s)` does."""
         if sampling is None or sampling.greedy or sampling.seed is not None:
@@ -660,8 +669,10 @@ class MeshEngine:
                 params.append(prm)
             else:
                 params.append(next(iter(todo.values()))[2][3])
+        params = SamplingBatch.widen_all(params)  # one compiled variant for every shard
+        variant, top_n = params[0].variant, params[0].top_n
         params = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *params)
-        name = step_name("decode", str(k), stops=width, logits=keep)
+        name = step_name("decode", str(k), stops=width, logits=keep, variant=variant)
         steps = self._sharded(self.layout)
         fresh = steps.traces[name] == 0
         for e, _, _, _ in todo.values():
@@ -675,7 +686,7 @@ class MeshEngine:
             if fresh:
                 e.compile_plan.compile_seconds += dt
             lg = local_shard(out[2], d) if keep else None
-            e.scheduler.decode_outputs(rows, unpack_decode(host[d], k), lg, dt, fresh)
+            e.scheduler.decode_outputs(rows, unpack_decode(host[d], k, top_n), lg, dt, fresh)
         if self._interrupt is not None:  # a point between two transitions of the mesh's cache
             self._interrupt.deliver()
 

@@ -27,8 +27,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .requests import check_prompts, check_request_options
-
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
 
@@ -485,26 +483,33 @@ class StopStrings:
         return 0
 
 
-def encode_texts(codec: TextCodec, texts, stop) -> tuple[list[list[int]], tuple[str, ...]]:
-    """Check and encode `Engine.generate_text`'s inputs.
-
-    Args:
-      codec: the engine's tokenizer; texts: a non-empty list of strings; stop: stop strings (any
-        iterable of non-empty strings, or None).
-    Returns:
-      (each text's token ids, the stop strings as a tuple).
-    Raises:
-      ValueError: naming the bad value (a text that encodes to no tokens included).
-    """
-    if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
-        raise ValueError(f"texts must be a non-empty list of strings; got {type(texts).__name__}")
+def check_stop_strings(stop) -> tuple[str, ...]:
+    """Stop strings (any iterable of non-empty strings, or None) as a tuple; `ValueError` otherwise."""
     if stop is None:
-        stop = ()
+        return ()
     if isinstance(stop, str) or not isinstance(stop, Iterable):
         raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
     stop = tuple(stop)  # once: a generator would be used up by the check below and read empty after
     if any(not isinstance(x, str) or not x for x in stop):
         raise ValueError(f"stop={stop!r} must be a list of non-empty strings (or None)")
+    return stop
+
+
+def encode_texts(codec: TextCodec, texts) -> list[list[int]]:
+    """Check and encode text prompts.
+
+    Args:
+      codec: the engine's tokenizer; texts: a non-empty list of strings.
+    Returns:
+      each text's token ids.
+    Raises:
+      ValueError: naming the bad value (a text that encodes to no tokens included).
+    """
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+        raise ValueError(f"texts must be a non-empty list of strings; got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{i}] is a {type(text).__name__}; it must be a string")
     encoded = codec.encode(list(texts))
     for i, (text, p) in enumerate(zip(texts, encoded, strict=True)):
         if not p:
@@ -512,74 +517,7 @@ def encode_texts(codec: TextCodec, texts, stop) -> tuple[list[list[int]], tuple[
                 f"texts[{i}]={text!r:.60} encodes to no tokens (this tokenizer adds no BOS); every prompt "
                 "needs >= 1 token"
             )
-    return encoded, stop
-
-
-@dataclasses.dataclass(frozen=True)
-class TextRequests:
-    """`Engine.generate_text`'s inputs, checked: each text's prompt ids, the new-token budget, the
-    sampling, the stop ids (the tokenizer's end-of-sequence ids unless given) and the stop strings."""
-
-    prompts: list[list[int]]
-    max_new: int
-    sampling: Any
-    stop_ids: tuple[int, ...]
-    stop: tuple[str, ...]
-
-    @classmethod
-    def check(cls, codec, texts, max_new_tokens, *, sampling, stop, stop_token_ids, max_context: int,
-              vocab_size: int, engine: str = "hkv.Engine") -> TextRequests:  # fmt: skip
-        """Encode and check (`ValueError` naming the bad value; `engine` names the class in the
-        error for a missing tokenizer)."""
-        if codec is None:
-            raise ValueError(f"generate_text needs a tokenizer: {engine}(..., tokenizer=<checkpoint folder>)")
-        encoded, stop = encode_texts(codec, texts, stop)
-        prompts, max_new = check_prompts(encoded, max_new_tokens, max_context=max_context, vocab_size=vocab_size)
-        ids = codec.eos_token_ids if stop_token_ids is None else stop_token_ids
-        sampling, stop_ids = check_request_options(sampling, ids, False, vocab_size=vocab_size)
-        return cls(prompts, max_new, sampling, stop_ids, stop)
-
-
-class StopWatch:
-    """`Engine.generate_text`'s readers: one `StopStrings` per request, fed the tokens each step
-    produced; a request whose stop string appeared is cancelled at once (its slot is freed at the
-    next step) and its `Generation` is cut after the token that completed it.
-
-    Args:
-      codec: the tokenizer; prompts: each request's prompt ids (the context of its first token).
-      stop: the stop strings; include_stop: keep the stop string at the end of the text.
-      vocab_size: the model's vocabulary (ids past the tokenizer's decode to no text).
-    """
-
-    def __init__(self, codec: TextCodec, prompts: list[list[int]], stop: tuple[str, ...], include_stop: bool,
-                 vocab_size: int):  # fmt: skip
-        self.readers = [
-            StopStrings(codec, list(stop), include_stop=include_stop, vocab_size=vocab_size, context=p) for p in prompts
-        ]
-        self.fed = [0] * len(prompts)
-
-    def read(self, requests: list) -> None:
-        """Feed each request's new tokens (`LiveRequest`s, in prompt order); cancel the stopped ones."""
-        for j, s in enumerate(requests):
-            reader = self.readers[j]
-            if len(s.tokens) > self.fed[j] and not reader.stopped:
-                reader.feed(s.tokens[self.fed[j] :])
-                self.fed[j] = len(s.tokens)
-                if reader.stopped and not s.done:
-                    s.cancelled = True  # a stop string: free the slot now
-
-    def results(self, requests: list, vocab_size: int) -> list:
-        """Each request's `Generation` with `.text` set, cut at its stop string (finish_reason "stop")."""
-        out = []
-        for s, r in zip(requests, self.readers, strict=True):
-            r.finish()
-            s.cancelled = False
-            g = s.generation(vocab_size)
-            if r.stopped:
-                g.tokens, g.logprobs, g.finish_reason = g.tokens[: r.consumed], g.logprobs[: r.consumed], "stop"
-            g.text = r.text
-            out.append(g)
-        return out
+    return encoded
 
 
 def _bytes_to_unicode() -> dict[int, str]:

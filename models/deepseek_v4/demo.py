@@ -102,7 +102,7 @@ def main() -> None:
         raise SystemExit("the third turn's prefix did not come from the disk tier")
     print(f"disk tier: {engine.disk.stats()['stored_bytes']:,} bytes stored")
     # sampling, streamed token by token as the engine produces them; the same seed reproduces it
-    hot = hkv.Sampling(temperature=0.8, top_p=0.9, seed=7)
+    hot = hkv.SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     print(f"sampled continuation of prompt 1 ({hot}), streamed:\n  ", end="", flush=True)
     engine.progress = None  # keep the stream on one line
     handle = engine.submit(prompts[1], 16, sampling=hot, return_logits=True)  # the compiled steps above

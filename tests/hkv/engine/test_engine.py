@@ -158,7 +158,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(model, monkeypatch):
     pages[csa[0]] = 12
     pressed = hkv.CacheConfig(slots=2, max_context=320, page_size=8, pool_pages=tuple(pages), prefix_records=0)
     want = [greedy_stateless(model, [p], n) for p, n in ((short, 100), (PROMPTS[0], NEW))]
-    hot = hkv.Sampling(temperature=1.0, top_k=20, seed=3)
+    hot = hkv.SamplingParams(temperature=1.0, top_k=20, seed=3)
     roomy = hkv.Engine(model, config, prefill_chunk=32)
     hot_want = [
         g.tokens for g in roomy.generate([short], 100, sampling=hot) + roomy.generate([PROMPTS[0]], NEW, sampling=hot)

@@ -32,7 +32,7 @@ A = RNG.integers(0, CFG.vocab_size, 70).tolist()
 B = RNG.integers(0, CFG.vocab_size, 41).tolist()
 C = RNG.integers(0, CFG.vocab_size, 100).tolist()
 CONFIG = hkv.CacheConfig(slots=2, max_context=160, page_size=8, prefix_records=32)
-HOT = hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1234)
+HOT = hkv.SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +99,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
     assert alone.tokens == with_b.tokens == later.tokens and alone.seed == 1234
     greedy = engine.generate([A], 10)[0]
     assert alone.tokens != greedy.tokens  # temperature 1.3 over 128 ids: a greedy match is vanishingly rare
-    other_seed = engine.generate([A], 10, sampling=hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1))[0]
+    other_seed = engine.generate([A], 10, sampling=hkv.SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=1))[0]
     assert other_seed.tokens != alone.tokens
     np.testing.assert_allclose(alone.logprobs, with_b.logprobs, atol=1e-5)
 
 
 def test_unseeded_requests_get_a_seed_that_reproduces_them(model):
     engine = _engine(model, seed=0)
-    g = engine.generate([B], 6, sampling=hkv.Sampling(temperature=1.0))[0]
+    g = engine.generate([B], 6, sampling=hkv.SamplingParams(temperature=1.0))[0]
     assert g.seed is not None
-    again = engine.generate([B], 6, sampling=hkv.Sampling(temperature=1.0, seed=g.seed))[0]
+    again = engine.generate([B], 6, sampling=hkv.SamplingParams(temperature=1.0, seed=g.seed))[0]
     assert again.tokens == g.tokens
 
 
@@ -117,7 +117,7 @@ def test_sample_truncation_rules():
     pos = jnp.arange(512, dtype=jnp.int32)
 
     def draw(**kw):
-        params = hkv.SamplingParams.broadcast(hkv.Sampling(temperature=1.0, seed=3, **kw), 512)
+        params = hkv.SamplingBatch.broadcast(hkv.SamplingParams(temperature=1.0, seed=3, **kw), 512)
         return set(np.asarray(hkv.core.sampling.sample(logits, params, pos)[0]).tolist())
 
     assert draw(top_k=1) == {0}
@@ -125,7 +125,7 @@ def test_sample_truncation_rules():
     assert draw(top_p=0.6) == {0, 1}  # 0.5 < 0.6: the second token is needed to reach it
     assert draw(min_p=0.5) == {0, 1}  # 0.15 < 0.5 * 0.5
     assert draw() == {0, 1, 2, 3}
-    toks, lps = hkv.core.sampling.sample(logits, hkv.SamplingParams.broadcast(None, 512), pos, vocab_size=3)
+    toks, lps = hkv.core.sampling.sample(logits, hkv.SamplingBatch.broadcast(None, 512), pos, vocab_size=3)
     assert set(np.asarray(toks).tolist()) == {0}
     np.testing.assert_allclose(lps, np.log(0.5 / 0.95), rtol=1e-5)  # vocab_size=3: the 4th id is padding
 
@@ -176,7 +176,7 @@ def test_truncation_without_a_sort_keeps_what_the_sorted_definition_keeps():
 )
 def test_sampling_rejects_bad_values_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
-        hkv.Sampling(**kw)
+        hkv.SamplingParams(**kw)
 
 
 # ----------------------------------------------------------------- submit, step, streaming
@@ -363,7 +363,7 @@ def test_calls_between_steps_drop_abandoned_streams_and_refuse_while_the_engine_
     assert not (tmp_path / "x").exists()
 
 
-def test_a_second_driving_thread_gets_engine_busy_while_submit_still_works(model, truth):
+def test_a_second_driving_thread_gets_engine_busy_while_submit_and_generate_queue(model, truth):
     entered, release = threading.Event(), threading.Event()
 
     def progress(msg):
@@ -377,14 +377,19 @@ def test_a_second_driving_thread_gets_engine_busy_while_submit_still_works(model
     worker.start()
     assert entered.wait(60)
     with pytest.raises(hkv.EngineBusyError):
-        engine.generate([B], 2)
-    with pytest.raises(hkv.EngineBusyError):
         engine.step()
     h = engine.submit(B, 8)  # thread-safe while the worker drives
+    # a second generate joins the worker's queue and waits for it (issue 44: no EngineBusyError)
+    queued = threading.Thread(target=lambda: results.setdefault("c", engine.generate([C], 8)))
+    queued.start()
+    queued.join(0.5)
+    assert queued.is_alive()
     release.set()
     worker.join(60)
+    queued.join(60)
     engine.progress = None
     assert results["a"][0].tokens == truth[tuple(A)][0]
+    assert results["c"][0].tokens == truth[tuple(C)][0]
     assert h.result().tokens == truth[tuple(B)][0]
     _idle_ok(engine)
 
@@ -674,7 +679,7 @@ def test_generate_text_with_a_tokenizer_smaller_than_the_model_vocabulary(model)
 
     codec = tiny_tokenizer(110)  # the model has 128 ids: 110 .. 127 have no token
     engine = _engine(model, tokenizer=codec)
-    hot = hkv.Sampling(temperature=8.0, seed=11)  # nearly uniform: padded ids are drawn
+    hot = hkv.SamplingParams(temperature=8.0, seed=11)  # nearly uniform: padded ids are drawn
     (g,) = engine.generate_text(["the quick brown fox"], 24, sampling=hot, stop_token_ids=[])
     assert any(t >= codec.vocab_size for t in g.tokens)  # the case under test happened
     assert g.finish_reason == "length" and len(g.tokens) == 24

@@ -35,8 +35,8 @@ CONFIG = hkv.CacheConfig(slots=2, max_context=160, page_size=8, prefix_records=3
 PROMPTS = [tuple(A[:33]), tuple(A), tuple(A + [1, 2, 3]), tuple(A[:48] + [5, 6, 7, 8, 9]), tuple(B)]
 SAMPLINGS = [
     None,
-    hkv.Sampling(temperature=1.3, top_k=40, top_p=0.95, seed=1234),
-    hkv.Sampling(temperature=0.9, seed=7),
+    hkv.SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=1234),
+    hkv.SamplingParams(temperature=0.9, seed=7),
 ]
 HOOKS = ["prefill", "decode", "claim", "release", "record_many", "restore"]  # `engine.steps` transitions
 WAIT_S = 120.0

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 import hkv
-from hkv.core.sampling import GREEDY, SamplingParams
+from hkv.core.sampling import GREEDY, SamplingBatch
 from hkv.engine.sharded import shard_config, weight_shardings
 from hkv.engine.text import tiny_tokenizer
 from hkv.store.tier import DiskTier
@@ -37,7 +37,7 @@ CONF = hkv.CacheConfig(slots=8, max_context=160, page_size=8, prefix_records=32)
 OPTS = {"block_tokens": BT, "prefill_chunk": 32}
 _rng = np.random.default_rng(1)
 PROMPTS = [_rng.integers(0, CFG.vocab_size, n).tolist() for n in (40, 57, 33, 70)]
-SEEDED = hkv.Sampling(temperature=0.9, top_k=20, seed=1234)
+SEEDED = hkv.SamplingParams(temperature=0.9, top_k=20, seed=1234)
 NEW = 6
 
 
@@ -179,7 +179,7 @@ def test_a_decode_step_moves_no_cache_bytes_between_devices(mesh_engine):
     e = mesh_engine.shards[0]
     s = mesh_engine.layout.slots
     z = np.zeros((s,), np.int32)
-    args = (mesh_engine._weights, z, np.arange(s, dtype=np.int32), SamplingParams.stack([GREEDY] * s), z,
+    args = (mesh_engine._weights, z, np.arange(s, dtype=np.int32), SamplingBatch.stack([GREEDY] * s), z,
             np.full((s, 1), -1, np.int32), e.decode_steps, False)  # fmt: skip
     hlo = e.steps.decode.lower(e.layout, mesh_engine.cache, *args).compile().as_text()
     ops = re.findall(
