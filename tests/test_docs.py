@@ -122,12 +122,27 @@ def _check_bring_your_own_model(scope):
     assert "snapshot" in routes and "disk" in routes and "window_refused" in routes
 
 
+def _check_serving(scope):
+    # greedy streamed == whole, n seeded choices with top logprobs, the stop string, a 400 naming its field,
+    # the chat template, the metrics read, and the server stopped
+    whole, cut = scope["whole"].choices[0], scope["cut"].choices[0]
+    assert scope["streamed"] == whole.text and cut.finish_reason == "stop"
+    assert whole.text.startswith(cut.text + scope["stop"])
+    assert len(scope["chat"].choices) == 2 and len(scope["chat"].choices[0].logprobs.content[0].top_logprobs) == 3
+    assert scope["error"]["param"] == "max_tokens" and scope["error"]["type"] == "invalid_request_error"
+    assert scope["prompt"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert "messages[1].role='robot'" in scope["bad_message"]
+    assert scope["served"] >= 4 and scope["hits"] >= scope["restored"] >= 0
+    assert not scope["thread"].is_alive()
+
+
 CHECKS = {
     "README.md": _check_readme,
     "generation.md": _check_generation,
     "prefix-reuse.md": _check_prefix_reuse,
     "disk-tier.md": _check_disk_tier,
     "bring-your-own-model.md": _check_bring_your_own_model,
+    "serving.md": _check_serving,
 }
 
 
