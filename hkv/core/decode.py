@@ -31,7 +31,7 @@ from flax import struct
 from pallas_kernels import index_math as im
 
 from .layout import CacheLayout, Status
-from .sampling import SamplingBatch, SamplingParams, count_tokens, sample, top_logprobs
+from .sampling import SamplingBatch, SamplingParams, count_tokens, prompt_logprobs, sample, top_logprobs
 from .state import HybridCache
 
 
@@ -102,7 +102,8 @@ def step_and_sample(
 
     Returns:
       (cache, next_tokens int32[B], logprobs float32[B], status) — then the logits when keep_logits,
-      then (top_ids int32[B, N], top_logprobs float32[B, N]) when the batch's `top_n` is N > 0.
+      then (top_ids int32[B, N], top_logprobs float32[B, N]) when the batch's `top_n` is N > 0, then
+      the chunk's prompt logprobs (`hkv.core.sampling.prompt_logprobs`) when the batch asks for them.
       Rows with n_valid 0, and every row when status is not OK, carry token 0 and logprob 0.
     """
     tokens, slots, n_valid = (jnp.asarray(a, jnp.int32) for a in (tokens, slots, n_valid))
@@ -123,6 +124,8 @@ def step_and_sample(
     if params.top_n:
         ids, lps = top_logprobs(last, params.top_n, model.vocab_size)
         out += (jnp.where(emit[:, None], ids, 0), jnp.where(emit[:, None], lps, 0.0))
+    if params.prompt_next.shape[1]:
+        out += prompt_logprobs(logits, tokens, jnp.where(status == Status.OK, n_valid, 0), params, model.vocab_size)
     return out
 
 

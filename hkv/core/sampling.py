@@ -129,6 +129,10 @@ class SamplingParams:
       logprobs: None, or how many of the most likely tokens to report with their log-probabilities
         for each generated token, in [0, 20] (`Generation.top_logprobs`; the chosen token's own
         logprob is always in `Generation.logprobs`).
+      prompt_logprobs: None, or how many of the most likely tokens to report at each prompt position,
+        in [0, 20]: `Generation.prompt_logprobs` holds each prompt token's log-probability given the
+        tokens before it (None for the first), `Generation.prompt_top_logprobs` the top N. Such a
+        request computes its whole prompt (a cached prefix would skip the positions it needs).
       max_tokens: the request's new-token budget when the call gives none (None: the call's).
       skip_special_tokens: leave special tokens out of decoded text.
 
@@ -153,6 +157,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     max_tokens: int | None = None
     skip_special_tokens: bool = True
 
@@ -175,6 +180,7 @@ class SamplingParams:
         put("stop_token_ids", _token_ids(self.stop_token_ids))
         put("include_stop_str_in_output", _flag("include_stop_str_in_output", self.include_stop_str_in_output))
         put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, none=True))
+        put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, none=True))
         put("max_tokens", _integer("max_tokens", self.max_tokens, 0, none=True))
         put("skip_special_tokens", _flag("skip_special_tokens", self.skip_special_tokens))
 
@@ -235,7 +241,10 @@ class SamplingBatch:
       counts: int32[B, P] each token's count among the generated tokens; P = vocab when a row is
         penalized, else 0.
       seen: bool[B, P] the tokens of each row's prompt.
+      prompt_next: int32[B, 1] the prompt token after each row's chunk (-1: none) when a row asks
+        for prompt logprobs, else int32[B, 0] (a prefill step then skips them).
       top_n: static, how many top logprobs to report per token (0: none).
+      prompt_top: static, how many top logprobs to report per prompt position.
     """
 
     temperature: jax.Array
@@ -252,7 +261,9 @@ class SamplingBatch:
     bias_vals: jax.Array
     counts: jax.Array
     seen: jax.Array
+    prompt_next: jax.Array
     top_n: int = struct.field(pytree_node=False, default=0)
+    prompt_top: int = struct.field(pytree_node=False, default=0)
 
     @property
     def variant(self) -> str:
@@ -261,7 +272,8 @@ class SamplingBatch:
         v = "+pen" if self.counts.shape[1] else ""
         v += f"+bias{self.bias_ids.shape[1]}" if self.bias_ids.shape[1] else ""
         v += f"+ban{self.ban_ids.shape[1]}" if self.ban_ids.shape[1] else ""
-        return v + (f"+top{self.top_n}" if self.top_n else "")
+        v += f"+top{self.top_n}" if self.top_n else ""
+        return v + (f"+prompt{self.prompt_top}" if self.prompt_next.shape[1] else "")
 
     @classmethod
     def stack(
@@ -270,6 +282,7 @@ class SamplingBatch:
         seeds: Sequence[int] | None = None,
         histories: Sequence[RowHistory] | None = None,
         vocab_size: int | None = None,
+        prompt_next: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """One row per `SamplingParams` (host arrays; jit moves them).
 
@@ -279,6 +292,8 @@ class SamplingBatch:
             seed); a row without either gets 0.
           histories: each row's `RowHistory` (needed when a row is penalized or has min_tokens).
           vocab_size: the model's vocabulary (needed when a row is penalized).
+          prompt_next: each row's prompt token after its chunk (-1: none), for rows that ask for
+            prompt logprobs (a prefill step's; None: no prompt logprobs).
         """
         seeds = [s.seed if s.seed is not None else 0 for s in rows] if seeds is None else list(seeds)
         if len(seeds) != len(rows):
@@ -322,7 +337,9 @@ class SamplingBatch:
             bias_vals=bias_vals,
             counts=counts,
             seen=seen,
+            prompt_next=np.asarray([] if prompt_next is None else prompt_next, np.int32).reshape(b, -1),
             top_n=width(max((s.logprobs or 0 for s in rows), default=0)),
+            prompt_top=0 if prompt_next is None else width(max((s.prompt_logprobs or 0 for s in rows), default=0)),
         )
 
     @staticmethod
@@ -333,6 +350,7 @@ class SamplingBatch:
         nb = max(b.bias_ids.shape[1] for b in batches)
         p = max(b.counts.shape[1] for b in batches)
         top = max(b.top_n for b in batches)
+        pn, ptop = max(b.prompt_next.shape[1] for b in batches), max(b.prompt_top for b in batches)
 
         def pad(x, n, value):
             x = np.asarray(x)
@@ -345,7 +363,9 @@ class SamplingBatch:
                 bias_vals=pad(b.bias_vals, nb, 0.0),
                 counts=pad(b.counts, p, 0),
                 seen=pad(b.seen, p, False),
+                prompt_next=pad(b.prompt_next, pn, -1),
                 top_n=top,
+                prompt_top=ptop,
             )
             for b in batches
         ]
@@ -389,6 +409,7 @@ class SamplingBatch:
             bias_vals=jnp.broadcast_to(jnp.asarray(bias_vals), (batch, nb)),
             counts=jnp.zeros((batch, 0), jnp.int32),
             seen=jnp.zeros((batch, 0), bool),
+            prompt_next=jnp.zeros((batch, 0), jnp.int32),
             top_n=width(s.logprobs or 0),
         )
 
@@ -506,6 +527,34 @@ def top_logprobs(logits: jax.Array, n: int, vocab_size: int | None = None) -> tu
     lps = jax.nn.log_softmax(logits, axis=-1)
     vals, ids = jax.lax.top_k(lps, n)
     return ids.astype(jnp.int32), vals
+
+
+def prompt_logprobs(
+    logits: jax.Array, tokens: jax.Array, n_valid: jax.Array, params: SamplingBatch, vocab_size: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each chunk position's log-probability of the prompt token that follows it, and the top N.
+
+    Args:
+      logits: float[B, C, V] the chunk's logits; tokens: int32[B, C] the chunk (row b's first
+        n_valid[b] are real); params: the batch (`prompt_next`: the token after each row's chunk).
+    Returns:
+      (logprobs float32[B, C]: position t's logprob of token t + 1 of the prompt (0 where none follows),
+      top ids int32[B, C, N], top logprobs float32[B, C, N]) with N = params.prompt_top.
+    """
+    logits = logits.astype(jnp.float32)
+    b, c, v = logits.shape
+    if vocab_size is not None and vocab_size < v:
+        logits = jnp.where(jnp.arange(v) < vocab_size, logits, -jnp.inf)
+    lps = jax.nn.log_softmax(logits, axis=-1)
+    t = jnp.arange(c)[None, :]
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    nxt = jnp.where(t + 1 < n_valid[:, None], shifted, params.prompt_next[:, :1])
+    nxt = jnp.where(t < n_valid[:, None], nxt, -1)
+    got = jnp.take_along_axis(lps, jnp.clip(nxt, 0, v - 1)[..., None], axis=-1)[..., 0]
+    got = jnp.where(nxt >= 0, got, 0.0)
+    top_lps, top_ids = jax.lax.top_k(lps, params.prompt_top) if params.prompt_top else (
+        jnp.zeros((b, c, 0), jnp.float32), jnp.zeros((b, c, 0), jnp.int32))  # fmt: skip
+    return got, top_ids.astype(jnp.int32), top_lps
 
 
 def sample(

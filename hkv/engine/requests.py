@@ -56,6 +56,10 @@ class Generation:
       text: the decoded new tokens, cut at a stop string (engines with a tokenizer; None otherwise).
       top_logprobs: for each token, the `SamplingParams.logprobs` most likely tokens at its position
         as (id, logprob) pairs, most likely first (None when the request asked for none).
+      prompt_logprobs: each prompt token's log-probability given the tokens before it (None for the
+        first), when the request asked (`SamplingParams.prompt_logprobs`); else None.
+      prompt_top_logprobs: at each prompt position, the N most likely tokens as (id, logprob) pairs
+        (None for the first position), when the request asked for N; else None.
       choice: which of the prompt's `SamplingParams.n` completions this is (0 for n = 1).
       stop_string: the stop string that ended the request, or None.
     """
@@ -68,6 +72,8 @@ class Generation:
     seed: int | None = None
     text: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     choice: int = 0
     stop_string: str | None = None
 
@@ -244,6 +250,7 @@ class LiveRequest:
     reader: Any = None  # `hkv.engine.text.StopStrings` of an engine with a tokenizer (text, stop strings)
     stop_at: int | None = None  # tokens kept when a stop string ended the request (later ones were fed)
     top: list = dataclasses.field(default_factory=list)  # per token: (id, logprob) pairs (logprobs asked)
+    prompt_lps: dict = dataclasses.field(default_factory=dict)  # prompt position -> (logprob, top pairs)
     leader: LiveRequest | None = None  # choice 0 of the prompt (n > 1): admitted after its prefill
     choice: int = 0
 
@@ -263,6 +270,16 @@ class LiveRequest:
         lead = self.leader
         return lead is not None and not lead.over and (lead.slot < 0 or lead.fed < len(lead.prompt))
 
+    def _prompt_fields(self) -> dict:
+        """`Generation.prompt_logprobs` / `prompt_top_logprobs` from `prompt_lps`."""
+        if self.sampling.prompt_logprobs is None:
+            return {}
+        got = [self.prompt_lps.get(i) for i in range(1, len(self.prompt))]
+        return {
+            "prompt_logprobs": [None] + [None if g is None else g[0] for g in got],
+            "prompt_top_logprobs": [None] + [None if g is None else list(g[1]) for g in got],
+        }
+
     def generation(self, vocab: int) -> Generation:
         n = len(self.tokens) if self.stop_at is None else self.stop_at
         logits = None
@@ -277,6 +294,7 @@ class LiveRequest:
             seed=None if self.sampling.greedy else self.seed,
             text=None if self.reader is None else self.reader.text,
             top_logprobs=None if self.sampling.logprobs is None else [list(t) for t in self.top[:n]],
+            **self._prompt_fields(),
             choice=self.choice,
             stop_string=None if self.reader is None else self.reader.stop_string,
         )

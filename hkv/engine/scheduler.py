@@ -289,7 +289,7 @@ class Scheduler:
             seq.slot, seq.fed, seq.keys, seq.parent_record = int(slot), 0, [], -1
             seq.ids, seq.admitted_at, seq.t_admit = seq.prompt + seq.tokens, self.clock, time.perf_counter()
             self.prefilling[seq.slot] = seq  # pinned while it restores (`_make_room`)
-            if self.prefix.enabled:
+            if self.prefix.enabled and seq.sampling.prompt_logprobs is None:  # (those compute every position)
                 before = seq.slot
                 seq.fed = self.prefix.admit(seq).restored_tokens
                 if seq.slot != before:  # a window rebuild re-claimed the slot
@@ -353,7 +353,12 @@ class Scheduler:
             for j, seq in enumerate(rows):
                 ids = chunk(seq)
                 tokens[j, : len(ids)], slots[j], n_valid[j] = ids, seq.slot, len(ids)
-            params = self.sampling_batch(rows + [None] * (b - len(rows)))
+            prompt_next = None
+            if any(q.sampling.prompt_logprobs is not None and q.fed < len(q.prompt) for q in rows):
+                ends = [q.fed + int(n) for q, n in zip(rows, n_valid, strict=False)]
+                prompt_next = [q.prompt[e] if e < len(q.prompt) else -1 for q, e in zip(rows, ends, strict=True)]
+                prompt_next += [-1] * (b - len(rows))
+            params = self.sampling_batch(rows + [None] * (b - len(rows)), prompt_next)
             if variant is None:
                 fed = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
                 read = self.plan.read_bound(max(fed))
@@ -365,7 +370,10 @@ class Scheduler:
             if status == Status.OK:
                 self.plan.prefill_variants.add((b, c, read, keep))
                 tok, lp = jax.device_get((out[0], out[1]))  # [b] ids and logprobs: all that crosses by default
-                tops = tuple(np.asarray(a) for a in jax.device_get(out[-2:])) if params.top_n else None
+                at = 4 if keep else 3
+                tops = tuple(np.asarray(a) for a in jax.device_get(out[at : at + 2])) if params.top_n else None
+                if prompt_next is not None:
+                    self._prompt_logprobs(rows, n_valid, jax.device_get(out[at + (2 if tops else 0) :]))
                 return Chunk(rows, tok, lp, np.asarray(out[3]) if keep else None, tops, n_valid, dt, fresh)
             if status == Status.NO_PAGES and self.prefix.make_room():
                 continue
@@ -390,6 +398,21 @@ class Scheduler:
             self._preempt(victim)
             rows = [q for q in rows if q is not victim]
         return None
+
+    @staticmethod
+    def _prompt_logprobs(rows: list[LiveRequest], n_valid: np.ndarray, got: tuple) -> None:
+        """Keep what a prefill step computed of its rows' prompt logprobs (`LiveRequest.prompt_lps`:
+        prompt position -> (logprob, top pairs)), for the rows that asked."""
+        lps, ids, tops = (np.asarray(a) for a in got)
+        for j, q in enumerate(rows):
+            n_top = q.sampling.prompt_logprobs
+            if n_top is None:
+                continue
+            for t in range(int(n_valid[j])):
+                pos = q.fed + t + 1
+                if pos < len(q.prompt):
+                    top = tuple((int(i), float(v)) for i, v in zip(ids[j, t, :n_top], tops[j, t, :n_top], strict=True))
+                    q.prompt_lps[pos] = (float(lps[j, t]), top)
 
     def _live_prefilling(self) -> list[LiveRequest]:
         return sorted(self.prefilling.values(), key=lambda q: q.admitted_at)
@@ -541,15 +564,16 @@ class Scheduler:
                 stop_ids, k, keep)  # fmt: skip
         return rows, args, name
 
-    def sampling_batch(self, rows: list[LiveRequest | None]) -> SamplingBatch:
+    def sampling_batch(self, rows: list[LiveRequest | None], prompt_next: list[int] | None = None) -> SamplingBatch:
         """The `SamplingBatch` of a step's rows (None: an idle row, greedy). Penalized rows pass their
-        prompt and tokens so far; rows under `min_tokens` their stop ids."""
+        prompt and tokens so far; rows under `min_tokens` their stop ids; a prefill whose rows ask for
+        prompt logprobs the prompt token after each row's chunk (`prompt_next`)."""
         settings = [GREEDY if q is None else q.sampling for q in rows]
         seeds = [0 if q is None else q.seed for q in rows]
         hist = None
         if any(s.penalized or s.min_tokens for s in settings):
             hist = [RowHistory() if q is None else RowHistory(q.prompt, q.tokens, q.stop_ids) for q in rows]
-        return SamplingBatch.stack(settings, seeds, hist, self.vocab_size)
+        return SamplingBatch.stack(settings, seeds, hist, self.vocab_size, prompt_next)
 
     def decode_outputs(self, rows: list[LiveRequest], host: tuple, lg, dt: float, fresh: bool) -> None:
         """Hand a decode step's results to its requests: `host` = (tokens, logprobs, n_new, stopped,

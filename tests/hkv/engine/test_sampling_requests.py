@@ -188,3 +188,18 @@ def test_chat_renders_the_template_and_stops_at_eos(engine):
         engine.chat(msgs, 2)
     with pytest.raises(ValueError, match=r"messages\[0\].role='bot' must be one of"):
         engine.chat([{"role": "bot", "content": "x"}], 2, template=template)
+
+
+def test_prompt_logprobs_equal_the_stateless_forward(engine, model):
+    prompt = list(range(3, 3 + 40))  # three prefill chunks of 16: positions across chunk ends
+    engine.generate([prompt], 2)  # cached now; a prompt-logprobs request computes every position anyway
+    g = engine.generate([prompt], 2, sampling=hkv.SamplingParams(prompt_logprobs=2))[0]
+    assert g.plan.restored_tokens == 0 and g.top_logprobs is None
+    full = np.asarray(jax.nn.log_softmax(forward_fn(model)(np.asarray([prompt], np.int32))[0], axis=-1))
+    assert g.prompt_logprobs[0] is None and g.prompt_top_logprobs[0] is None and len(g.prompt_logprobs) == 40
+    want = [full[t, prompt[t + 1]] for t in range(39)]
+    np.testing.assert_allclose(g.prompt_logprobs[1:], want, rtol=1e-5, atol=1e-6)
+    for t in range(39):
+        order = np.argsort(-full[t], kind="stable")[:2]
+        assert [i for i, _ in g.prompt_top_logprobs[t + 1]] == order.tolist()
+    assert engine.generate([prompt], 2)[0].prompt_logprobs is None
