@@ -29,14 +29,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hkv import EngineBusyError, Generation, RequestCancelledError, RequestHandle
-from hkv.engine.requests import TokenOutput
+from hkv import EngineBusyError, Generation, RequestCancelledError, RequestHandle, SamplingParams, TokenOutput
+from hkv.core.sampling import SEED_RANGE
 
 from .metrics import ServeMetrics
 from .params import Job
 from .protocol import ApiError
 
-__all__ = ["ChoiceUpdate", "EngineDriver", "Ticket"]
+__all__ = ["ChoiceUpdate", "EngineDriver", "Ticket", "submit_choices"]
 
 log = logging.getLogger("hkv.serve")
 MAX_STEP_FAILURES = 3  # consecutive failing steps after which the driver gives up (health answers 503)
@@ -62,6 +62,20 @@ class ChoiceUpdate:
     def finished(self) -> bool:
         """True for a choice's last update."""
         return self.generation is not None or self.error is not None
+
+
+def submit_choices(engine: Any, prompt: list[int], budget: int, sampling: SamplingParams) -> list[RequestHandle]:
+    """Queue `sampling.n` completions of one prompt; one handle per choice, in order.
+
+    `Engine.submit_choices` where the engine has it; otherwise (an `hkv.MeshEngine`) one `submit` per
+    choice with n=1, choice i of a seeded request seeded seed + i, as `submit_choices` seeds them (each
+    choice prefills the prompt itself).
+    """
+    if hasattr(engine, "submit_choices"):
+        return engine.submit_choices(prompt, budget, sampling=sampling)
+    one = dataclasses.replace(sampling, n=1)
+    seeds = [None if one.seed is None else (one.seed + i) % SEED_RANGE for i in range(sampling.n)]
+    return [engine.submit(prompt, budget, sampling=dataclasses.replace(one, seed=s)) for s in seeds]
 
 
 class _Choice:
@@ -199,7 +213,7 @@ class EngineDriver:
             handles: list[RequestHandle] = []
             try:
                 for prompt, budget in zip(job.prompts, job.max_tokens, strict=True):
-                    handles += self.engine.submit_choices(prompt, budget, sampling=job.sampling)
+                    handles += submit_choices(self.engine, prompt, budget, job.sampling)
             except ValueError as e:
                 for h in handles:
                     h.cancel()

@@ -329,3 +329,19 @@ def test_queue_full_429_and_shutdown_drains(loaded):
         assert finals[-1]["choices"][0]["finish_reason"] == "length"
     with pytest.raises(hkv.EngineClosedError):
         engine.submit([1, 2, 3], 1)
+
+
+@pytest.mark.slow
+def test_serves_a_mesh_engine(served, loaded):
+    """`hkv serve --mesh 2x1`: an hkv.MeshEngine (2 data shards) behind the same API answers greedy
+    requests with the single-device engine's text, and n seeded choices as submit_choices seeds them."""
+    from hkv.serve.cli import parse_mesh
+
+    mesh = hkv.Engine(loaded.model, CONFIG, mesh=parse_mesh("2x1"), tokenizer=loaded.tokenizer)
+    app = create_app(mesh, model_name=MODEL, tokenizer=loaded.tokenizer, chat_template=loaded.chat_template)
+    body = {"model": MODEL, "prompt": "Hello the world", "max_tokens": 8, "temperature": 0}
+    seeded = {**body, "temperature": 1.0, "seed": 5, "n": 2}
+    want = [served.post("/v1/completions", b).json()["choices"] for b in (body, seeded)]
+    with running(app) as url:
+        got = [httpx.post(f"{url}/v1/completions", json=b, timeout=TIMEOUT).json()["choices"] for b in (body, seeded)]
+    assert [[c["text"] for c in g] for g in got] == [[c["text"] for c in w] for w in want]
