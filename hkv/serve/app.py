@@ -11,8 +11,9 @@ error body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input 
 validation error, a range `hkv.SamplingParams` refuses, a bad message, too long a prompt), 404 for
 another model's name, 429 when more than `max_queue` choices wait or run, 503 while shutting down.
 
-A client that disconnects cancels its request: a stream when its connection closes, a plain request
-when its wait notices (every `DISCONNECT_POLL` seconds). On shutdown (uvicorn's SIGTERM handling) the
+A client that disconnects cancels its request as soon as its connection closes (a stream's through
+Starlette, a plain request's through a listener of its own; `request.is_disconnected()` is checked
+every `DISCONNECT_POLL` seconds besides). On shutdown (uvicorn's SIGTERM handling) the
 server stops accepting, lets running requests finish (`drain_timeout`), stops the driver and closes
 the engine.
 """
@@ -169,18 +170,37 @@ async def _answer(request: Request, driver: EngineDriver, served: ServedModel, m
     return JSONResponse(responder.body(gens))
 
 
-async def _updates(ticket: Ticket, request: Request) -> AsyncIterator[ChoiceUpdate]:
-    """The ticket's updates until every choice finished; `ClientGone` when the client disconnects."""
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects. (The body has been read: the next ASGI message the server
+    sends this request is the disconnection.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _updates(ticket: Ticket, request: Request, *, watch: bool) -> AsyncIterator[ChoiceUpdate]:
+    """The ticket's updates until every choice finished; `ClientGone` when the client disconnects.
+
+    watch: listen for the disconnection (a plain request; a stream's is Starlette's to notice, which
+    cancels the stream). Either way `request.is_disconnected()` is checked every `DISCONNECT_POLL` s.
+    """
     left = ticket.job.choices
-    while left:
-        try:
-            update = await asyncio.wait_for(ticket.queue.get(), DISCONNECT_POLL)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone() from None
-            continue
-        left -= update.finished
-        yield update
+    gone = asyncio.ensure_future(_disconnected(request)) if watch else None
+    try:
+        while left:
+            get = asyncio.ensure_future(ticket.queue.get())
+            waits = {get} if gone is None else {get, gone}
+            done, _ = await asyncio.wait(waits, timeout=DISCONNECT_POLL, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()  # (asyncio.Queue keeps an item a cancelled get did not take)
+                if (gone is not None and gone.done()) or await request.is_disconnected():
+                    raise ClientGone()
+                continue
+            update = get.result()
+            left -= update.finished
+            yield update
+    finally:
+        if gone is not None:
+            gone.cancel()
 
 
 def _engine_error(error: BaseException) -> ApiError:
@@ -195,7 +215,7 @@ def _engine_error(error: BaseException) -> ApiError:
 async def _collect(ticket: Ticket, request: Request) -> dict[int, Generation]:
     """Every choice's `Generation` (a failed choice raises its `ApiError`)."""
     gens = {}
-    async for u in _updates(ticket, request):
+    async for u in _updates(ticket, request, watch=True):
         if u.error is not None:
             raise _engine_error(u.error)
         if u.generation is not None:
@@ -212,7 +232,7 @@ async def _stream(ticket: Ticket, request: Request, driver: EngineDriver, respon
         if responder.chat:
             for i in range(job.choices):
                 yield sse(responder.role_chunk(i))
-        async for u in _updates(ticket, request):
+        async for u in _updates(ticket, request, watch=False):
             if u.error is not None:
                 yield sse(_engine_error(u.error).body())
                 break

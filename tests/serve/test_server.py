@@ -245,6 +245,15 @@ def test_a_client_disconnecting_mid_stream_frees_its_slot(served):
     assert greedy(served, max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_a_client_giving_up_on_a_whole_answer_frees_its_slot(served):
+    before = _cancelled(served)
+    body = {"model": MODEL, "prompt": "Wait", "max_tokens": 250, "temperature": 0, "n": 16}  # 4 waves of 4 slots
+    with pytest.raises(httpx.ReadTimeout):  # the client closes its connection after 0.2 s
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.2))
+    assert served.idle(), "the abandoned request still holds the engine"
+    assert _cancelled(served) > before  # its choices still running were cancelled, not run to the end
+
+
 def test_64_concurrent_requests_equal_one(served):
     body = {"model": MODEL, "prompt": "Many users say", "max_tokens": 8, "temperature": 0}
     want = served.post("/v1/completions", body).json()["choices"][0]["text"]
