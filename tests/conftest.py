@@ -143,6 +143,7 @@ HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 w
     "test_step_store.py",  # 47
     "test_scan_layers.py",  # 41
     "test_demo.py",  # 39: the demo compiles at the default codegen
+    "test_server.py",  # 35: tests/serve, an HTTP server over a tiny Gemma 3 engine (measured alone)
     "test_gemma3_engine.py",  # 34
     "test_engine_safety.py",  # 34
     "test_random_specs.py",  # 26
