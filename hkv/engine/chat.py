@@ -29,10 +29,9 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .text import TextCodec
+from .text import TextCodec, read_json, token_string
 
 __all__ = ["ROLES", "TINY_CHAT_TEMPLATE", "ChatTemplate", "check_messages", "tiny_chat_template"]
 
@@ -270,8 +269,8 @@ class ChatTemplate:
         if raw is None:
             return None
         source = _pick(raw, origin, name)
-        bos = _special(config.get("bos_token"), "bos_token", origin)
-        eos = _special(config.get("eos_token"), "eos_token", origin)
+        bos = token_string(config.get("bos_token"), "bos_token", origin)
+        eos = token_string(config.get("eos_token"), "eos_token", origin)
         return cls(source, bos_token=bos, eos_token=eos, origin=origin)
 
     @classmethod
@@ -296,7 +295,7 @@ class ChatTemplate:
         if not folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
         cfg_path = folder / TOKENIZER_CONFIG_FILE
-        config = _read_json(cfg_path) if cfg_path.is_file() else {}
+        config = read_json(cfg_path) if cfg_path.is_file() else {}
         jinja_path = folder / TEMPLATE_FILE
         if jinja_path.is_file():
             try:
@@ -328,25 +327,6 @@ def _pick(raw: Any, origin: str, name: str) -> str:
     if name not in named:
         raise ValueError(f"{origin}: no chat template named {name!r}; the file has {sorted(named)}")
     return named[name]
-
-
-def _special(value: Any, what: str, origin: str) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, {"content": str, ...}, or null."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise ValueError(f"{origin}: {what} must be a string, {{'content': string}} or null, got {value!r:.60}")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def tiny_chat_template(bos_token: str | None = "<s>", eos_token: str | None = "</s>") -> ChatTemplate:

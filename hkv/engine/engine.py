@@ -65,7 +65,7 @@ from .checkpoint import restore_engine, save_engine
 from .compile_plan import CompilePlan, EngineSteps
 from .compiled import compiled_steps, enable_compilation_cache
 from .hooks import EngineHooks, Forward
-from .intake import Intake, RequestSpec, link_choices, per_prompt
+from .intake import Intake, RequestSpec, chat_prompts, link_choices, per_prompt
 from .interrupts import DeferredInterrupt
 from .metrics import metrics_text
 from .options import EngineOptions, accepts_read_tokens, chat_template_of, check_fits, text_codec
@@ -486,15 +486,7 @@ class Engine:
         Raises:
           ValueError: no tokenizer or template, or a bad message (its index and field named).
         """
-        template = template or self.chat_template
-        if self.tokenizer is None or template is None:
-            raise ValueError(
-                "chat needs a tokenizer and a chat template: hkv.Engine(..., tokenizer=<checkpoint folder>, "
-                "chat_template=<ChatTemplate or folder>) or chat(..., template=...)"
-            )
-        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
-        convs = [messages] if one else list(messages)
-        prompts = [template.encode(self.tokenizer, conv, **template_kwargs) for conv in convs]
+        prompts = chat_prompts(template or self.chat_template, self.tokenizer, messages, **template_kwargs)
         return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, (), text=True))
 
     def warmup(self, *, logits: bool = False, stop_ids: int = 1) -> dict[str, float]:

@@ -10,11 +10,12 @@ turns a spec into the scheduler's `LiveRequest` with its text reader (engines wi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..core.sampling import GREEDY, SEED_RANGE, SamplingParams
+from .chat import ChatTemplate
 from .requests import LiveRequest, RequestHandle, check_prompts
 from .text import StopStrings, TextCodec, encode_texts
 
@@ -183,3 +184,20 @@ def link_choices(specs: list[RequestSpec], seqs: list[LiveRequest]) -> None:
             first[spec.source] = seq
         else:
             seq.leader = first.get(spec.source)
+
+
+def chat_prompts(template: ChatTemplate | None, codec: TextCodec | None, messages, **template_kwargs) -> list:
+    """The prompt ids of one conversation (a list of message dicts) or of several (a list of them),
+    rendered by `template` and encoded with `codec` (`Engine.chat`).
+
+    Raises:
+      ValueError: no tokenizer or template, or a bad message (its index and field named).
+    """
+    if codec is None or template is None:
+        raise ValueError(
+            "chat needs a tokenizer and a chat template: hkv.Engine(..., tokenizer=<checkpoint folder>, "
+            "chat_template=<ChatTemplate or folder>) or chat(..., template=...)"
+        )
+    one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], Mapping))
+    convs = [messages] if one else list(messages)
+    return [template.encode(codec, conv, **template_kwargs) for conv in convs]

@@ -144,6 +144,12 @@ class RequestHandle:
         with self._cond:
             return list(self._tokens)
 
+    def outputs(self, start: int = 0) -> list[TokenOutput]:
+        """The `TokenOutput`s produced so far from index `start` on (a copy), without waiting or
+        driving the engine: what a thread that only reads (a server's driver) polls."""
+        with self._cond:
+            return self._events[start:]
+
     def cancel(self) -> None:
         """Stop the request; its slot and pages are freed at the engine's next step. No-op once done."""
         with self._cond:

@@ -62,7 +62,7 @@ from .compiled import (
     unpack_decode,
 )
 from .engine import Engine
-from .intake import Intake, link_choices, per_prompt
+from .intake import Intake, chat_prompts, link_choices, per_prompt
 from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts
@@ -579,21 +579,55 @@ class MeshEngine:
     def submit(
         self,
         prompt,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         *,
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
         return_logits: bool = False,
     ) -> RequestHandle:
         """As `hkv.Engine.submit` (thread-safe): routed now, run by `step` / `run_until_idle`."""
+        e = self._route_one(prompt)
+        return e.submit(prompt, max_new_tokens, sampling=self._seeded(sampling), stop_token_ids=stop_token_ids,
+                        return_logits=return_logits)  # fmt: skip
+
+    def submit_choices(
+        self,
+        prompt,
+        max_new_tokens: int | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        return_logits: bool = False,
+    ) -> list[RequestHandle]:
+        """As `hkv.Engine.submit_choices`: the prompt's `sampling.n` choices on the shard `route` picks
+        (the later ones restore the first one's prefill there)."""
+        e = self._route_one(prompt)
+        return e.submit_choices(prompt, max_new_tokens, sampling=self._seeded(sampling),
+                                stop_token_ids=stop_token_ids, return_logits=return_logits)  # fmt: skip
+
+    def _route_one(self, prompt) -> Engine:
+        """The shard a submitted prompt (ids, or text with a tokenizer) runs on."""
         ids = self._intake().encode([prompt])[0] if isinstance(prompt, str) else prompt
         cap, vocab = self.layout.config.max_context, self.model.vocab_size
-        (ids,), _ = check_prompts([ids], max_new_tokens or 0, max_context=cap, vocab_size=vocab)
-        e = self.shards[self.route(ids)]
-        return e.submit(
-            prompt, max_new_tokens, sampling=self._seeded(sampling), stop_token_ids=stop_token_ids,
-            return_logits=return_logits,
-        )  # fmt: skip
+        (ids,), _ = check_prompts([ids], 0, max_context=cap, vocab_size=vocab)
+        return self.shards[self.route(ids)]
+
+    @property
+    def tokenizer(self):
+        """The shards' `TextCodec` (`tokenizer=`), or None."""
+        return self.shards[0].tokenizer
+
+    @property
+    def chat_template(self):
+        """The shards' `ChatTemplate` (`chat_template=`, or the tokenizer folder's), or None."""
+        return self.shards[0].chat_template
+
+    def chat(self, messages, max_new_tokens: int | None = None, *, sampling=None, template=None, **template_kwargs):
+        """As `hkv.Engine.chat` (needs `tokenizer=` and a chat template); each conversation runs on the
+        shard `route` picks."""
+        prompts = chat_prompts(template or self.chat_template, self.tokenizer, messages,
+                               **template_kwargs)  # fmt: skip
+        return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, (), text=True))
 
     def step(self) -> bool:
         """As `hkv.Engine.step`, for every shard: admissions and prefill chunks per shard, then one

@@ -48,7 +48,7 @@ def _tokenizers():
     return tokenizers
 
 
-def _token_string(value: Any, what: str, source: str) -> str | None:
+def token_string(value: Any, what: str, source: str) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, {"content": str, ...}, or null."""
     if value is None or isinstance(value, str):
         return value
@@ -57,7 +57,8 @@ def _token_string(value: Any, what: str, source: str) -> str | None:
     raise ValueError(f"{source}: {what} must be a string, {{'content': string}} or null, got {value!r}")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from a file (`ValueError` naming the file when unreadable or not an object)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -194,9 +195,9 @@ class TextCodec:
         bos, eos, add_bos, eos_ids = None, [], False, []
         cfg_path = folder / TOKENIZER_CONFIG_FILE
         if cfg_path.is_file():
-            cfg = _read_json(cfg_path)
-            bos = _token_string(cfg.get("bos_token"), "bos_token", str(cfg_path))
-            e = _token_string(cfg.get("eos_token"), "eos_token", str(cfg_path))
+            cfg = read_json(cfg_path)
+            bos = token_string(cfg.get("bos_token"), "bos_token", str(cfg_path))
+            e = token_string(cfg.get("eos_token"), "eos_token", str(cfg_path))
             eos = [e] if e is not None else []
             add_bos = cfg.get("add_bos_token", False)
             if not isinstance(add_bos, bool):
@@ -204,7 +205,7 @@ class TextCodec:
             add_bos = add_bos and bos is not None
         gen_path = folder / GENERATION_CONFIG_FILE
         if gen_path.is_file():
-            e = _read_json(gen_path).get("eos_token_id")
+            e = read_json(gen_path).get("eos_token_id")
             eos_ids = [] if e is None else list(e) if isinstance(e, list) else [e]
         try:
             return cls.from_file(path, bos_token=bos, eos_tokens=eos, eos_token_ids=eos_ids, add_bos=add_bos)
@@ -520,7 +521,7 @@ def encode_texts(codec: TextCodec, texts) -> list[list[int]]:
     return encoded
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the alphabet of `tokenizers`' ByteLevel)."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = list(bs)
@@ -560,7 +561,7 @@ _TINY_MERGES = (  # in ByteLevel characters: "Ġ" is a space
 
 
 def _tiny_base() -> list[str]:
-    m = _bytes_to_unicode()
+    m = bytes_to_unicode()
     base = [m[b] for b in range(32, 127)] + [m[10]] + [m[b] for b in TINY_MULTIBYTE.encode()]
     return list(dict.fromkeys(base))
 
@@ -605,7 +606,7 @@ def tiny_tokenizer(vocab_size: int = 128, *, add_bos: bool = False) -> TextCodec
 
     for a, b in _TINY_MERGES:
         merge(a, b)
-    for c in _bytes_to_unicode().values():
+    for c in bytes_to_unicode().values():
         if len(vocab) < vocab_size and c not in vocab:
             vocab[c] = len(vocab)
     letters = "abcdefghijklmnopqrstuvwxyz"

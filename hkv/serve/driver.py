@@ -26,17 +26,16 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from hkv import EngineBusyError, Generation, RequestCancelledError, RequestHandle, SamplingParams, TokenOutput
-from hkv.core.sampling import SEED_RANGE
+from hkv import EngineBusyError, Generation, RequestCancelledError, RequestHandle, TokenOutput
 
 from .metrics import ServeMetrics
 from .params import Job
 from .protocol import ApiError
 
-__all__ = ["ChoiceUpdate", "EngineDriver", "Ticket", "submit_choices"]
+__all__ = ["ChoiceUpdate", "EngineDriver", "Ticket"]
 
 log = logging.getLogger("hkv.serve")
 MAX_STEP_FAILURES = 3  # consecutive failing steps after which the driver gives up (health answers 503)
@@ -64,26 +63,11 @@ class ChoiceUpdate:
         return self.generation is not None or self.error is not None
 
 
-def submit_choices(engine: Any, prompt: list[int], budget: int, sampling: SamplingParams) -> list[RequestHandle]:
-    """Queue `sampling.n` completions of one prompt; one handle per choice, in order.
-
-    `Engine.submit_choices` where the engine has it; otherwise (an `hkv.MeshEngine`) one `submit` per
-    choice with n=1, choice i of a seeded request seeded seed + i, as `submit_choices` seeds them (each
-    choice prefills the prompt itself).
-    """
-    if hasattr(engine, "submit_choices"):
-        return engine.submit_choices(prompt, budget, sampling=sampling)
-    one = dataclasses.replace(sampling, n=1)
-    seeds = [None if one.seed is None else (one.seed + i) % SEED_RANGE for i in range(sampling.n)]
-    return [engine.submit(prompt, budget, sampling=dataclasses.replace(one, seed=s)) for s in seeds]
-
-
 class _Choice:
     """The driver's reading position in one handle's event stream."""
 
     def __init__(self, index: int, handle: RequestHandle):
         self.index, self.handle = index, handle
-        self.events: Iterator[TokenOutput] = handle.events()
         self.seen = 0
         self.finished = False
         self.t_last: float | None = None  # when its last token reached the driver
@@ -92,15 +76,13 @@ class _Choice:
         """The new tokens and, once done, the result: read without blocking (only events that are
         there already are asked for, and a finished handle's stream ends at once)."""
         h = self.handle
-        outs = []
-        while self.seen < len(h.tokens):
-            outs.append(next(self.events))
-            self.seen += 1
+        outs = h.outputs(self.seen)
+        self.seen += len(outs)
         if not h.done:
             return ChoiceUpdate(self.index, tuple(outs)) if outs else None
         self.finished = True
         try:
-            outs.extend(self.events)  # the handle is done: this ends at once (raising a failure)
+            outs += h.outputs(self.seen)  # (what arrived since the read above)
             return ChoiceUpdate(self.index, tuple(outs), generation=h.result())
         except Exception as e:  # cancelled, or failed alone (e.g. CacheCapacityError)
             return ChoiceUpdate(self.index, tuple(outs), error=e)
@@ -213,7 +195,7 @@ class EngineDriver:
             handles: list[RequestHandle] = []
             try:
                 for prompt, budget in zip(job.prompts, job.max_tokens, strict=True):
-                    handles += submit_choices(self.engine, prompt, budget, job.sampling)
+                    handles += self.engine.submit_choices(prompt, budget, sampling=job.sampling)
             except ValueError as e:
                 for h in handles:
                     h.cancel()

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hkv import Generation
-from hkv.engine.text import TextCodec
+from hkv.engine.text import TextCodec, bytes_to_unicode
 
 from .params import Job
 
@@ -56,19 +56,7 @@ class TokenLogprob:
         ]
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's printable character -> byte map, inverted (the alphabet of `tokenizers`' ByteLevel)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_LEVEL = _byte_level_decoder()
+_BYTE_LEVEL = {c: b for b, c in bytes_to_unicode().items()}  # ByteLevel character -> byte
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Gemma)
 
 

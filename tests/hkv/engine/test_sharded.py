@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import hkv
 from hkv.core.sampling import GREEDY, SamplingBatch
+from hkv.engine.chat import tiny_chat_template
 from hkv.engine.sharded import shard_config, weight_shardings
 from hkv.engine.text import tiny_tokenizer
 from hkv.store.tier import DiskTier
@@ -345,6 +346,23 @@ def test_mesh_submit_streams_and_an_interrupt_leaves_every_shard_usable(mesh_eng
     assert [g.tokens for g in mesh_engine.generate(PROMPTS, NEW)] == reference["greedy"]
 
 
+def test_mesh_submit_choices_and_chat(mesh_engine):
+    """A mesh's `submit_choices` gives the choices `generate` gives (one shard, the later choices
+    restoring the first's prefill there), and `chat` renders and stops as `Engine.chat` does."""
+    prompt, s = list(range(3, 43)), hkv.SamplingParams(n=2, temperature=1.0, seed=5)
+    want = mesh_engine.generate([prompt], 4, sampling=s)
+    handles = mesh_engine.submit_choices(prompt, 4, sampling=s)
+    mesh_engine.run_until_idle()
+    got = [h.result() for h in handles]
+    assert [g.tokens for g in got] == [g.tokens for g in want] and len({g.plan.shard for g in got}) == 1
+    template = tiny_chat_template()
+    msgs = [{"role": "user", "content": "the fox"}]
+    (reply,) = mesh_engine.chat(msgs, 4, template=template)
+    ids = template.encode(mesh_engine.shards[0].tokenizer, msgs)
+    eos = mesh_engine.shards[0].tokenizer.eos_token_ids
+    assert reply.tokens == mesh_engine.generate([ids], 4, stop_token_ids=eos)[0].tokens
+
+
 def test_mesh_generate_text_equals_the_single_device_engine(model, mesh_engine):
     """`generate_text` on a mesh: texts routed to shards, stop strings cut each text as on one device."""
     one = hkv.Engine(model, CONF, tokenizer=tiny_tokenizer(CFG.vocab_size), **OPTS)
@@ -354,7 +372,7 @@ def test_mesh_generate_text_equals_the_single_device_engine(model, mesh_engine):
     got = mesh_engine.generate_text(texts, NEW, **kw)
     assert [(g.tokens, g.text, g.finish_reason) for g in got] == [(g.tokens, g.text, g.finish_reason) for g in want]
     assert {g.plan.shard for g in got} <= set(range(4)) and None not in {g.plan.shard for g in got}
-    with pytest.raises(ValueError, match="generate_text needs a tokenizer"):
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), **OPTS).generate_text(texts, 1)
 
 
