@@ -453,8 +453,8 @@ class LayerCache:
         (the `transitions` write paths take a static layer)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
-        page, off, _ = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
-        pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
+        page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
+        pool = tr.put_rows(g.pool, li, page, off, values, ok)
         groups = list(cache.groups)
         groups[gi] = g.replace(pool=pool)
         return cache.replace(groups=tuple(groups))

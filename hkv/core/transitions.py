@@ -285,13 +285,45 @@ def locate_rows(layout: CacheLayout, g, slots: jax.Array, rows: jax.Array, valid
     return jnp.where(ok, page, g.pool.shape[1]), im.rem(rows, ps), ok
 
 
+def put_rows(pool: jax.Array, layer, page: jax.Array, off: jax.Array, values: jax.Array, ok: jax.Array) -> jax.Array:
+    """pool[layer, page[i], off[i]] = values[i] for the rows where ok[i], in row order, touching
+    only those rows.
+
+    A scatter whose updates may fall outside the pool (how a masked row is dropped) is expanded by
+    XLA into a select over the whole pool per update (`select(in_bounds, dynamic_update_slice(...),
+    pool)`), so a decode step that wrote one row per layer read and wrote every pool once per row:
+    its cost grew with the pools (max_context, slots and the prefix cache's pages), not with the
+    rows written. Here each row is an in-place `dynamic_update_slice` at an index clamped into the
+    pool, writing back the value already there when the row is masked.
+
+    Args:
+      pool: [L, P, page_size, D]; layer: the layer index (int or traced int32).
+      page, off: int32[...] page (P or more: masked) and row within it; values: [..., D]; ok: bool[...].
+    Returns:
+      the pool with the rows written.
+    """
+    d = pool.shape[-1]
+    page, off, ok = page.reshape(-1), off.reshape(-1), ok.reshape(-1)
+    vals = values.reshape(-1, d).astype(pool.dtype)
+    last = pool.shape[1] - 1
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def one(i, pool):
+        at = (layer, jnp.clip(page[i], 0, last), off[i], jnp.int32(0))
+        cur = jax.lax.dynamic_slice(pool, at, (1, 1, 1, d))
+        return jax.lax.dynamic_update_slice(pool, jnp.where(ok[i], vals[i].reshape(1, 1, 1, d), cur), at)
+
+    n = page.shape[0]
+    return jax.lax.fori_loop(0, n, one, pool, unroll=n <= 16)
+
+
 def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
     gi = layout.spec.group_of(kind, layer)
     grp = layout.groups[gi]
     g = cache.groups[gi]
     li = grp.layers.index(layer)
-    page, off, _ = locate_rows(layout, g, slots, rows, valid)
-    pool = g.pool.at[li, page, off].set(values.astype(g.pool.dtype), mode="drop", wrap_negative_indices=False)
+    page, off, ok = locate_rows(layout, g, slots, rows, valid)
+    pool = put_rows(g.pool, li, page, off, values, ok)
     groups = list(cache.groups)
     groups[gi] = g.replace(pool=pool)
     return cache.replace(groups=tuple(groups))
