@@ -65,31 +65,35 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
-import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-# Before torch loads: idle OpenMP threads sleep instead of spinning. On a shared CPU the default
-# (spin) made transformers' 2-thread decode 20-60x slower (threads spin at barriers while their partner
-# waits for a core); PASSIVE keeps its figures close to a quiet machine's. Set it yourself to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
+import _sidebyside  # noqa: F401  (benchmarks/_sidebyside.py: sets OMP_WAIT_POLICY=PASSIVE before torch loads)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from _sidebyside import (
+    BLOCK,
+    CHUNK,
+    SHARED,
+    TIE_MARGIN,
+    extrapolate,
+    fmt_s,
+    log,
+    run_context,
+    say,
+    tree_state,
+)
 from transformers import DeepseekV4Config as HFConfig
 from transformers import DeepseekV4ForCausalLM
 
-import hkv
 from models.deepseek_v4 import load
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -120,34 +124,6 @@ HF_CONFIG = {
     "max_position_embeddings": 65536,
     "mlp_layer_types": ["hash_moe"] + ["moe"] * 7,
 }
-BLOCK, CHUNK = 64, 512  # the tuned engine
-BUCKETS = (64, 128, 256)  # its narrower widths for a prompt's last prefill step (a warm suffix)
-SHARED = 0.95  # share of the warm prompt taken from the cold prompt
-TIE_MARGIN = 0.05  # transformers top-1/top-2 logit margin below which a first difference counts as a near-tie
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", file=sys.stderr, flush=True)
-
-
-def say(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def tree_state() -> str:
-    """Whether the hkv / models sources this process imported differ from the commit it names."""
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--", "hkv", "models"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        ).stdout.split("\n")
-    except OSError:
-        return "git status unavailable"
-    files = [line[3:] for line in out if line.strip()]
-    return "clean" if not files else f"plus uncommitted changes in {', '.join(files)}"
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -172,227 +148,7 @@ def nonzero_summary(model: DeepseekV4ForCausalLM) -> str:
     return ", ".join(out)
 
 
-# ------------------------------------------------------------------------------------ transformers
-def hf_generate(model, prompt: list[int], new: int) -> dict:
-    """Greedy with transformers' cache: timed prefill (first token) and per-token decode forwards."""
-    toks, margins, runners = [], [], []
-
-    def pick(logits: torch.Tensor) -> int:
-        top = torch.topk(logits[0, -1].float(), 2)
-        margins.append(float(top.values[0] - top.values[1]))
-        runners.append(int(top.indices[1]))
-        return int(top.indices[0])
-
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        toks.append(pick(out.logits))
-        prefill = time.perf_counter() - t0
-        cache = out.cache
-        t0 = time.perf_counter()
-        steps = []
-        for _ in range(new - 1):
-            ts = time.perf_counter()
-            out = model(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True)
-            cache = out.cache
-            toks.append(pick(out.logits))
-            steps.append(time.perf_counter() - ts)
-        decode = time.perf_counter() - t0
-    return {
-        "tokens": toks,
-        "margins": margins,
-        "runners": runners,
-        "prefill": prefill,
-        "decode_ms": 1e3 * float(np.median(steps)) if steps else float("nan"),
-        "decode_mean_ms": 1e3 * decode / max(new - 1, 1),
-        "load": os.getloadavg()[0],
-    }
-
-
-# ------------------------------------------------------------------------------------ hkv
-def tuned_config(model, max_context: int) -> hkv.CacheConfig:
-    """One slot; pools: the live slot + one full cached history (+2 pages for copy-on-write) in the
-    compressed groups, and the slot's window + one snapshot per chunk end (+4) in the SWA group."""
-    spec = model.cache_spec(block_tokens=BLOCK)
-    base = hkv.CacheLayout(spec, hkv.CacheConfig(slots=1, max_context=max_context, prefix_records=0))
-    pools = []
-    for g, grp in enumerate(base.groups):
-        if grp.kind == hkv.ObjectKind.SWA:
-            per = -(-(grp.keep or 1) // base.page_size) + 1
-            pools.append(base.pool_pages(g) + per * (max_context // CHUNK + 4))
-        else:
-            pools.append(2 * base.pool_pages(g) + 2)
-    return hkv.CacheConfig(
-        slots=1, max_context=max_context, pool_pages=tuple(pools), prefix_records=2 * (max_context // BLOCK) + 8
-    )
-
-
-def defaults_config(max_context: int) -> hkv.CacheConfig:
-    return hkv.CacheConfig(max_context=max_context)
-
-
-def hkv_request(engine: hkv.Engine, prompt: list[int], new: int) -> dict:
-    """One request, driven with `submit` + `step()` so each decode dispatch is timed on its own."""
-    before = engine.stats()
-    t0 = time.perf_counter()
-    h = engine.submit(prompt, new)
-    per_token = []  # seconds per token of each step that only decoded (a token existed before it)
-    while not h.done:
-        had = len(h.tokens)
-        ts = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - ts
-        got = len(h.tokens) - had
-        if had and got:
-            per_token.append(dt / got)
-    wall = time.perf_counter() - t0
-    g = h.result()
-    after = engine.stats()
-    ttft = after["ttft_seconds"][-1]
-    compiled = after["compile_seconds"] - before["compile_seconds"]
-    if compiled > 0:
-        log(f"  note: {compiled:.1f} s of compilation inside this timed request")
-    p = g.plan
-    return {
-        "tokens": list(g.tokens),
-        "ttft": ttft,
-        "wall": wall,
-        "decode_ms": 1e3 * float(np.median(per_token)) if per_token else float("nan"),
-        "decode_mean_ms": 1e3 * (wall - ttft) / max(new - 1, 1),
-        "prefill_seconds": after["prefill_seconds"] - before["prefill_seconds"],
-        "compiled_in_request": compiled,
-        "restored": 0 if p is None else int(p.restored_tokens),
-        "window_recomputed": bool(p is not None and getattr(p, "window_recomputed", False)),
-        "plan": p,
-        "load": os.getloadavg()[0],
-    }
-
-
-def hkv_engine(model, config: hkv.CacheConfig, label: str, **kw) -> tuple[hkv.Engine, dict]:
-    """An engine with every step compiled (`warmup()`; no persistent compilation cache, so the
-    compile figures are real compilations). Returns it and {"wall": warm-up seconds, "compile":
-    stats()["compile_seconds"] (summed over the parallel compile threads)}."""
-    t0 = time.perf_counter()
-    engine = hkv.Engine(model, config, model_id="e2e-random", compilation_cache=False, **kw)
-    engine.warmup()
-    out = {"wall": time.perf_counter() - t0, "compile": engine.stats()["compile_seconds"]}
-    log(f"  hkv {label}: warmup {out['wall']:.1f} s wall, compile_seconds {out['compile']:.1f} ({config})")
-    return engine, out
-
-
-def release_programs() -> None:
-    """Free the compiled programs of engines no longer referenced before the next engine compiles its
-    own: XLA's CPU code maps memory regions per program, and a process holding every program of the
-    runs (each context's engines compile one prefill per width and read size) passed Linux's
-    vm.max_map_count (65,530) and aborted inside LLVM ("Cannot allocate memory") at 8K."""
-    gc.collect()
-    hkv.engine.compiled.clear()
-
-
-def prompts_for(ctx: int, vocab: int, rng) -> tuple[list[int], list[int], int]:
-    cold = rng.integers(0, vocab, ctx).tolist()
-    shared = int(SHARED * ctx)
-    warm = cold[:shared] + rng.integers(0, vocab, ctx - shared).tolist()
-    return cold, warm, shared
-
-
-def compare_tokens(label: str, got: list[int], ref: dict) -> str:
-    """Compare one hkv continuation with transformers' (`hf_generate`'s dict): "equal", "near-tie" (the
-    first difference is transformers' runner-up with a top-1/top-2 margin below TIE_MARGIN; later
-    tokens follow different prefixes) or "mismatch". Differences are logged."""
-    want, margins, runners = ref["tokens"], ref["margins"], ref["runners"]
-    if got == want:
-        return "equal"
-    i = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]), min(len(got), len(want)))
-    if i < len(got) and i < len(want) and got[i] == runners[i] and margins[i] < TIE_MARGIN:
-        log(
-            f"  near-tie {label}: first difference at step {i}: hkv {got[i]} = transformers' runner-up, "
-            f"transformers' top-1/top-2 margin {margins[i]:.3g} < {TIE_MARGIN} (not counted)"
-        )
-        return "near-tie"
-    log(
-        f"  MISMATCH {label}: first difference at step {i} (hkv {got[i] if i < len(got) else None}, transformers "
-        f"{want[i] if i < len(want) else None}, transformers' runner-up {runners[i] if i < len(runners) else None}, "
-        f"top-1/top-2 margin {margins[i] if i < len(margins) else float('nan'):.3g})"
-    )
-    log(f"    hkv          {got}")
-    log(f"    transformers {want}")
-    return "mismatch"
-
-
-def run_context(ctx: int, hf, model, args, rng, with_hf: bool) -> dict:
-    vocab = HF_CONFIG["vocab_size"]
-    cold, warm, shared = prompts_for(ctx, vocab, rng)
-    n = args.new_tokens
-    max_context = -(-(ctx + n) // BLOCK) * BLOCK
-    r: dict = {"ctx": ctx, "shared": shared, "mismatches": 0, "ties": 0, "checks": 0}
-    if with_hf:
-        log(f"{ctx}: transformers cold prompt ...")
-        r["hf"] = hf_generate(hf, cold, n)
-        h = r["hf"]
-        log(
-            f"  transformers prefill {h['prefill']:.2f} s, decode {h['decode_ms']:.1f} ms/token (median; mean "
-            f"{h['decode_mean_ms']:.1f})"
-        )
-        log(f"{ctx}: transformers warm prompt (reference tokens) ...")
-        r["hf_warm"] = hf_generate(hf, warm, n)
-        log(f"  transformers prefill {r['hf_warm']['prefill']:.2f} s (second sample)")
-
-    engine, compile_s = hkv_engine(
-        model,
-        tuned_config(model, max_context),
-        f"tuned {ctx}",
-        block_tokens=BLOCK,
-        prefill_chunk=CHUNK,
-        prefill_buckets=BUCKETS,
-        retention=hkv.RetentionPolicy(every_n_blocks=1),
-    )
-    r["compile"] = compile_s
-    r["cold"] = hkv_request(engine, cold, n)
-    c = r["cold"]
-    log(
-        f"  hkv tuned cold: TTFT {c['ttft']:.2f} s, decode {c['decode_ms']:.1f} ms/token "
-        f"(median; mean {c['decode_mean_ms']:.1f})"
-    )
-    r["warm"] = hkv_request(engine, warm, n)
-    log(f"  hkv tuned warm: TTFT {r['warm']['ttft']:.3f} s, plan {r['warm']['plan']}")
-    del engine
-    release_programs()
-    if with_hf and not args.skip_defaults:
-        engine, r["compile_defaults"] = hkv_engine(model, defaults_config(max_context), f"defaults {ctx}")
-        r["cold_defaults"] = hkv_request(engine, cold, n)
-        log(f"  hkv defaults cold: TTFT {r['cold_defaults']['ttft']:.2f} s")
-        r["warm_defaults"] = hkv_request(engine, warm, n)
-        log(f"  hkv defaults warm: TTFT {r['warm_defaults']['ttft']:.3f} s, plan {r['warm_defaults']['plan']}")
-        del engine
-        release_programs()
-    if with_hf:
-        pairs = [("cold", "hf"), ("warm", "hf_warm"), ("cold_defaults", "hf"), ("warm_defaults", "hf_warm")]
-        for ours, ref in pairs:
-            if ours in r:
-                r["checks"] += 1
-                verdict = compare_tokens(f"{ctx} {ours}", r[ours]["tokens"], r[ref])
-                r["mismatches"] += verdict == "mismatch"
-                r["ties"] += verdict == "near-tie"
-    return r
-
-
-def extrapolate(results: list[dict], ctx: int) -> float | None:
-    """Cold prefill seconds at ctx from the two largest measured contexts (power law)."""
-    pts = sorted((r["ctx"], r["cold"]["ttft"]) for r in results)[-2:]
-    if len(pts) < 2:
-        return None if not pts else pts[0][1] * (ctx / pts[0][0]) ** 2
-    (c0, t0), (c1, t1) = pts
-    k = math.log(t1 / t0) / math.log(c1 / c0)
-    return t1 * (ctx / c1) ** k
-
-
 # ------------------------------------------------------------------------------------ report
-def fmt_s(s: float) -> str:
-    return f"{s:.2f} s" if s >= 1 else f"{1e3 * s:.0f} ms"
-
-
 def report(results: list[dict], args) -> int:
     say("\n## Prefill / TTFT (seconds; ratio = transformers / hkv)\n")
     say(
@@ -532,9 +288,10 @@ def main() -> None:
     )
 
     rng = np.random.default_rng(args.seed)
+    run_options = {"vocab": HF_CONFIG["vocab_size"], "new": args.new_tokens, "defaults": not args.skip_defaults}
     results = []
     for ctx in contexts:
-        results.append(run_context(ctx, hf, model, args, rng, with_hf=True))
+        results.append(run_context(ctx, hf, model, rng, with_hf=True, **run_options))
     del hf
     bad = report(results, args)
     say(f"\n(after {time.perf_counter() - t_start:.0f} s)")
@@ -550,7 +307,7 @@ def main() -> None:
             skipped.append(msg)
             continue
         log(f"{ctx}: hkv only (cold prefill extrapolated to {est:.0f} s)" if est else f"{ctx}: hkv only")
-        done.append(run_context(ctx, None, model, args, rng, with_hf=False))
+        done.append(run_context(ctx, None, model, rng, with_hf=False, **run_options))
     if hkv_only:
         say("\n## hkv alone\n")
         say(

@@ -1,0 +1,36 @@
+"""benchmarks/e2e_gemma3.py runs end to end: the tiny Gemma 3 served by transformers and by hkv side by
+side (one short context, no hkv-only context), its tables printed, `--json` written, tokens equal."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_gemma3.py"
+
+pytestmark = pytest.mark.parity
+
+
+@pytest.mark.slow  # a subprocess importing jax, torch and transformers, and one engine's warmup(): ~40-60 s on 2 cores
+def test_side_by_side_benchmark_runs_on_the_tiny_model(tmp_path):
+    out_json = tmp_path / "figures.json"
+    args = ["--tiny", "--contexts", "96", "--hkv-only-contexts", "", "--new-tokens", "4", "--json", str(out_json)]
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    for heading in ("## Side by side", "## hkv decode per context", "## Against the issue's targets (at 96)"):
+        assert heading in run.stdout
+    assert "identical in transformers" in run.stdout
+    assert "0 mismatches (target 0: met)" in run.stdout
+    figures = json.loads(out_json.read_text())
+    (ctx,) = figures["contexts"]
+    assert ctx["ctx"] == 96 and figures["hkv_only"] == []
+    assert ctx["cold"]["tokens"] == ctx["hf"]["tokens"] and len(ctx["hf"]["tokens"]) == 4
+    assert ctx["cold"]["ttft"] > 0 and ctx["hf"]["prefill"] > 0 and ctx["cold"]["decode_ms"] > 0
+    assert figures["meta"]["hkv_revision"] and figures["meta"]["command"].startswith("python benchmarks/e2e_gemma3.py")
