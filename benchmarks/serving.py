@@ -2,7 +2,7 @@
 server (`hkv serve`), and the same requests sent straight to the engine, to show what HTTP costs.
 
     python benchmarks/serving.py                        # 64 users x 4 turns = 256 requests, 64 concurrent, 2 rounds
-                                                        # (~10 min on 2 shared cores)
+                                                        # (~8 min on 2 shared cores)
     python benchmarks/serving.py --quick                # 16 users x 3 turns, 16 concurrent, 1 round (~1-2 min)
     python benchmarks/serving.py --model tiny-gemma3 --json /tmp/serving.json
     python benchmarks/serving.py --server thread        # the server in this process (uvicorn in a thread)
@@ -75,10 +75,9 @@ driver) against the client's: the difference of their means. CPU milliseconds pe
 Checks: the replies of every phase are equal (greedy or seeded: they must be), and the usage's
 cached tokens sum to the engine's restored tokens (a failed check exits 1, as errors do). Programs
 JAX compiles while timed are listed (`jax_log_compiles`; the server's stderr with `--server
-process`): `warmup()` compiles every engine step, but the first prefix restore, eviction and window
-rebuild still build a few small eager programs on the request's path (`jnp.asarray` staging of
-their inputs, `could_match`, indexing; milliseconds each from the persistent compilation cache; a
-new server process builds them again).
+process`); after `warmup()` there should be none (at `9481cf0` the first prefix record, restore,
+eviction and window rebuild of each process built a few small eager programs on the request's
+path: `tests/hkv/engine/test_warmup_gaps.py`).
 
 Absolute times depend on the machine and its load (printed); the ratios are measured in one run.
 """
@@ -717,7 +716,7 @@ def parse_args(argv):
     p.add_argument("--model", default="tiny-deepseek-v4", help=f"{' or '.join(TINY_MODELS)}, or a checkpoint folder")
     p.add_argument("--server", choices=("process", "thread"), default="process",
                    help="process: `python -m hkv serve` (default); thread: uvicorn in this process")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="16 users x 3 turns, 16 concurrent, 2 system prompts")
+    p.add_argument("--quick", action="store_true", help="16 users x 3 turns, 16 concurrent, 2 system prompts, 1 round")
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at most")
@@ -738,8 +737,9 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per phase")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
-    if args.quick:
-        args.users, args.turns, args.concurrency, args.system_prompts, args.rounds = 16, 3, 16, 2, 1
+    if args.quick:  # other defaults; flags given explicitly still win
+        p.set_defaults(users=16, turns=3, concurrency=16, system_prompts=2, rounds=1)
+        args = p.parse_args(argv)
     return args
 
 

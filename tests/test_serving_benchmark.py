@@ -59,6 +59,7 @@ def test_figures_and_the_reusable_bound(serving):
 def test_quick_is_small(serving):
     args = serving.parse_args(["--quick"])
     assert (args.users, args.turns, args.concurrency, args.rounds) == (16, 3, 16, 1)
+    assert serving.parse_args(["--quick", "--rounds", "3"]).rounds == 3  # an explicit flag wins
     full = serving.parse_args([])
     assert (full.users * full.turns, full.concurrency, full.rounds) == (256, 64, 2)
 
