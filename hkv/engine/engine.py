@@ -44,7 +44,7 @@ import dataclasses
 import itertools
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -60,12 +60,11 @@ from ..core.sampling import SEED_RANGE, SamplingParams
 from ..core.state import init_cache
 from ..core.weights import weights_digest
 from ..store.tier import DiskTier, DiskTierClosedError
-from .chat import ChatTemplate
 from .checkpoint import restore_engine, save_engine
 from .compile_plan import CompilePlan, EngineSteps
 from .compiled import compiled_steps, enable_compilation_cache
 from .hooks import EngineHooks, Forward
-from .intake import Intake, RequestSpec, chat_prompts, link_choices, per_prompt
+from .intake import Intake, RequestSpec, link_choices
 from .interrupts import DeferredInterrupt
 from .metrics import metrics_text
 from .options import EngineOptions, accepts_read_tokens, chat_template_of, check_fits, text_codec
@@ -80,7 +79,7 @@ from .requests import (
     RequestHandle,
 )
 from .scheduler import CacheCapacityError, Scheduler
-from .text import check_stop_strings
+from .text_api import TextMethods
 
 __all__ = [
     "CacheCapacityError",
@@ -93,7 +92,7 @@ __all__ = [
 ]
 
 
-class Engine:
+class Engine(TextMethods):
     """Generation with the hybrid cache.
 
     model: see the module docstring (e.g. `models.deepseek_v4.DeepseekV4`).
@@ -423,72 +422,6 @@ class Engine:
             while self.scheduler.step():
                 pass
 
-    def generate_text(
-        self,
-        texts: Sequence[str],
-        max_new_tokens: int | None = None,
-        *,
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        stop: Iterable[str] | None = (),
-        stop_token_ids: Sequence[int] | None = None,
-        include_stop: bool = False,
-    ) -> list[Generation]:
-        """Text in, text out (needs `Engine(tokenizer=...)`): each text is encoded, continued and decoded.
-
-        Args:
-          texts: a non-empty list of strings.
-          max_new_tokens, sampling: as in `generate`.
-          stop: strings (any iterable; None = none) that end a text's generation as soon as they appear
-            in its decoded output, with each sampling's own `stop`; the request stops there (its slot
-            is freed at once) and its text ends before the stop string (with it when include_stop or
-            `SamplingParams.include_stop_str_in_output`). Tokens are cut after the one that completed it.
-          stop_token_ids: ids that end generation; None = the tokenizer's end-of-sequence ids (unless
-            `SamplingParams.ignore_eos`).
-        Returns:
-          one `Generation` per text (and choice) with `.text` set (finish_reason "stop" for a stop
-          string or id; `.stop_string` names the string). An id the tokenizer has no token for (a
-          model vocabulary padded past the tokenizer's, as DeepSeek-V4's) stays in `.tokens` and adds
-          no text.
-        """
-        intake = self._intake()
-        prompts = intake.encode(texts)
-        stop = check_stop_strings(stop)
-        rows = [dataclasses.replace(s, stop=s.stop + stop, include_stop_str_in_output=s.include_stop_str_in_output
-                                    or bool(include_stop)) for s in per_prompt(sampling, len(prompts))]  # fmt: skip
-        if stop_token_ids is None:
-            specs = intake.requests(prompts, max_new_tokens, rows, (), text=True)
-        else:
-            specs = intake.requests(prompts, max_new_tokens, rows, stop_token_ids)
-        return self._generate(specs)
-
-    def chat(
-        self,
-        messages,
-        max_new_tokens: int | None = None,
-        *,
-        sampling: SamplingParams | None = None,
-        template: ChatTemplate | None = None,
-        **template_kwargs,
-    ) -> list[Generation]:
-        """Continue a conversation: its messages rendered by the chat template, encoded with the
-        engine's tokenizer, and the assistant's reply generated (stopping at the tokenizer's
-        end-of-sequence ids unless `SamplingParams.ignore_eos`).
-
-        Args:
-          messages: one conversation, a list of {"role", "content"} dicts (`hkv.engine.chat.
-            check_messages`), or a list of conversations.
-          max_new_tokens, sampling: as in `generate` (one `SamplingParams`, or one per conversation).
-          template: the `ChatTemplate` to use; None: `Engine(chat_template=...)`'s, or the one of the
-            tokenizer's checkpoint folder.
-          template_kwargs: further template variables (e.g. `tools`).
-        Returns:
-          one `Generation` per conversation (and choice), with `.text` the reply.
-        Raises:
-          ValueError: no tokenizer or template, or a bad message (its index and field named).
-        """
-        prompts = chat_prompts(template or self.chat_template, self.tokenizer, messages, **template_kwargs)
-        return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, (), text=True))
-
     def warmup(self, *, logits: bool = False, stop_ids: int = 1) -> dict[str, float]:
         """Compile every step a request can use (or load it from the persistent compilation cache)
         by running each once on the live cache with inputs that change nothing (idle rows, zero
@@ -517,6 +450,7 @@ class Engine:
                 window=bool(self.window_recompute_tokens),
                 disk=self.disk is not None,
             )
+            self.prefix_manager.warm()
             self.cache = self.cache.replace(counters=counters)
             self.scheduler.stats = before
             self._say(f"warmed up {len(times)} steps in {sum(times.values()):.1f}s")

@@ -200,7 +200,7 @@ class PrefixManager:
                 vec = DevicePlan.miss(usable)  # what the device lookup would return, without running it
             else:
                 (vec,) = self.hooks.tx(
-                    self.steps.restore, jnp.int32(seq.slot), jnp.asarray(keys), jnp.asarray(toks), jnp.int32(usable)
+                    self.steps.restore, jnp.int32(seq.slot), np.asarray(keys), np.asarray(toks), jnp.int32(usable)
                 )
                 vec = vec.host()  # one device-to-host transfer per try
             plan = RestorePlan.from_device(vec, self.spec.block_tokens, query.prompt_tokens)
@@ -221,10 +221,10 @@ class PrefixManager:
                 self.steps.restore_window,
                 self.hooks.weights(),
                 jnp.int32(seq.slot),
-                jnp.asarray(query.keys),
-                jnp.asarray(query.tokens),
+                np.asarray(query.keys),
+                np.asarray(query.tokens),
                 jnp.int32(query.n_blocks),
-                jnp.asarray(padded),
+                padded,
             )
             vec = vec.host()
             no_pages = int(st) == Status.NO_PAGES or vec.status == Status.NO_PAGES
@@ -236,6 +236,12 @@ class PrefixManager:
             return with_window_rebuilt(window_plan, self.window_tokens), vec
         self.restart_slot(seq)  # could not map the window: start this sequence cold
         return started_cold(plan, vec)
+
+    def warm(self) -> None:
+        """Compile what a first prefix lookup runs besides the engine's steps (`could_hit`'s small
+        program), so that `Engine.warmup` leaves nothing to compile on a request's path."""
+        if self.enabled:
+            self.could_hit(np.zeros((1, 4), np.uint32), 1)
 
     def could_hit(self, keys: np.ndarray, usable: int) -> bool:
         """Whether the device lookup can find anything for a prompt with block keys `keys` of which
@@ -268,7 +274,7 @@ class PrefixManager:
             seq.admission_set = True
             r0 = seq.parent_record
             seq.prev_use = self.record_stamps.get(r0, -1) if r0 >= 0 else None
-            seq.prev_len = int(self.hooks.view().prefix.length[r0]) if r0 >= 0 else None
+            seq.prev_len = int(np.asarray(self.hooks.view().prefix.length)[r0]) if r0 >= 0 else None
         todo = self._crossed(seq)  # (block number n, retain) of every boundary this step crossed
         if seq.record_stopped or not todo:
             return
@@ -407,7 +413,7 @@ class PrefixManager:
             order = candidates(pinned)
         if self.disk is not None:  # write-behind: host copies now, before the donated eviction step
             self.offload(p, [r for _, r in chosen])
-        self.hooks.tx(self.steps.evict, jnp.asarray(snap), jnp.asarray(snap), jnp.asarray(whole))
+        self.hooks.tx(self.steps.evict, np.asarray(snap), np.asarray(snap), np.asarray(whole))
         if unpinned:
             for q in live:
                 if q.parent_record >= 0 and whole[q.parent_record]:
@@ -424,8 +430,7 @@ class PrefixManager:
         alive = np.asarray(p.state) == px.RecordState.ALIVE
         if self.disk is not None:
             self.offload(p)
-        every = jnp.asarray(alive)
-        self.hooks.tx(self.steps.evict, every, every, every)
+        self.hooks.tx(self.steps.evict, alive, alive, alive)
         return int(alive.sum())
 
     # ---------------------------------------------------------------------------- disk tier
@@ -522,7 +527,7 @@ class PrefixManager:
             k = swap.bucket(len(keys))
             arr = np.zeros((k, 4), np.uint32)
             arr[: len(keys)] = [key_words(x) for x in keys]
-            self.hooks.tx(self.steps.mark_on_disk, jnp.asarray(arr), jax.device_put(np.arange(k) < len(keys)))
+            self.hooks.tx(self.steps.mark_on_disk, arr, np.arange(k) < len(keys))
 
     def flush_disk(self) -> None:
         """Wait for every disk write issued so far (nothing once the tier was closed: `DiskTier.close`

@@ -184,7 +184,6 @@ def pack_records(
     retain = np.zeros((k,), bool)
     for j, (key, ids, length, keep) in enumerate(blocks):
         keys[j], toks[j], lengths[j], retain[j] = key_words(key), ids, length, keep
-    return (
-        jnp.asarray(keys), jnp.asarray(toks), jnp.asarray(retain), jnp.asarray(lengths),
-        jnp.asarray(np.arange(k) < len(blocks)),
-    )  # fmt: skip
+    # host arrays: the jitted record step takes them as they are (`jnp.asarray` of a host array
+    # builds a small program per shape in a fresh process, on the request's path)
+    return keys, toks, retain, lengths, np.arange(k) < len(blocks)

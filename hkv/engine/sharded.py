@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,11 +62,11 @@ from .compiled import (
     unpack_decode,
 )
 from .engine import Engine
-from .intake import Intake, chat_prompts, link_choices, per_prompt
+from .intake import Intake, link_choices
 from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts
-from .text import check_stop_strings
+from .text_api import TextMethods
 
 # the CompiledSteps transitions that run on one shard (under lax.cond); prefill and decode run on all
 ONE_SHARD = (
@@ -364,7 +364,7 @@ class _ShardEngine(Engine):
         )
 
 
-class MeshEngine:
+class MeshEngine(TextMethods):
     """Generation over a `jax.sharding.Mesh`: data-parallel attention over `data_axis`, the model
     tensor/expert-parallel over `model_axis` (see the module docstring).
 
@@ -531,27 +531,6 @@ class MeshEngine:
         specs = self._intake().requests(prompts, max_new_tokens, sampling, stop_token_ids, return_logits)
         return self._generate(specs)
 
-    def generate_text(
-        self,
-        texts: Sequence[str],
-        max_new_tokens: int | None = None,
-        *,
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        stop: Iterable[str] | None = (),
-        stop_token_ids: Sequence[int] | None = None,
-        include_stop: bool = False,
-    ) -> list[Generation]:
-        """As `hkv.Engine.generate_text` (needs `tokenizer=`); each text runs on the shard `route`
-        picks."""
-        intake = self._intake()
-        prompts = intake.encode(texts)
-        stop = check_stop_strings(stop)
-        rows = [dataclasses.replace(s, stop=s.stop + stop, include_stop_str_in_output=s.include_stop_str_in_output
-                                    or bool(include_stop)) for s in per_prompt(sampling, len(prompts))]  # fmt: skip
-        if stop_token_ids is None:
-            return self._generate(intake.requests(prompts, max_new_tokens, rows, (), text=True))
-        return self._generate(intake.requests(prompts, max_new_tokens, rows, stop_token_ids))
-
     def _intake(self) -> Intake:
         """The mesh's `Intake`: a sampled request without a seed gets one from the mesh engine's
         generator (as `Engine` draws them), so a `MeshEngine(seed=s)` samples what an `Engine(seed=s)` does."""
@@ -621,13 +600,6 @@ class MeshEngine:
     def chat_template(self):
         """The shards' `ChatTemplate` (`chat_template=`, or the tokenizer folder's), or None."""
         return self.shards[0].chat_template
-
-    def chat(self, messages, max_new_tokens: int | None = None, *, sampling=None, template=None, **template_kwargs):
-        """As `hkv.Engine.chat` (needs `tokenizer=` and a chat template); each conversation runs on the
-        shard `route` picks."""
-        prompts = chat_prompts(template or self.chat_template, self.tokenizer, messages,
-                               **template_kwargs)  # fmt: skip
-        return self._generate(self._intake().requests(prompts, max_new_tokens, sampling, (), text=True))
 
     def step(self) -> bool:
         """As `hkv.Engine.step`, for every shard: admissions and prefill chunks per shard, then one

@@ -1,12 +1,10 @@
-"""`Engine.warmup()` promises that "the first request pays only its own work", but the first prefix
-restore after it still builds small eager programs on the request's path: `jnp.asarray` of host
-arrays (in this jax, an identity program per new shape and dtype, logged as `jit(stage)`:
-`prefix_tools.pack_records`, `PrefixManager.make_room`'s eviction masks, `_rebuild_window`'s padded
-ids), `prefix_manager._could_match` (a module-level `jax.jit`), eager indexing (`jit(dynamic_slice)`,
-`jit(squeeze)`). Found by benchmarks/serving.py, which lists what compiles while it times. Each is
-milliseconds from the persistent compilation cache and tens of milliseconds cold on CPU (more on
-an accelerator). Marked xfail (strict) until warmup() exercises those paths or they stop compiling
-(e.g. `jax.device_put` for host arrays): the fix removes the marker."""
+"""`Engine.warmup()` promises that "the first request pays only its own work": a first prefix record
+and restore after it compile nothing. They used to build small eager programs on the request's path:
+`jnp.asarray` of host arrays (in this jax, an identity program per new shape and dtype, logged as
+`jit(stage)`: `prefix_tools.pack_records`, the eviction masks, `_rebuild_window`'s padded ids),
+`prefix_manager._could_match` (a module-level `jax.jit`, now compiled by `PrefixManager.warm`), eager
+indexing of a device array (`jit(dynamic_slice)`, `jit(squeeze)`). Found by benchmarks/serving.py,
+which lists what compiles while it times."""
 
 from __future__ import annotations
 
@@ -49,7 +47,6 @@ def compiles():
         logger.propagate = saved[1]
 
 
-@pytest.mark.xfail(strict=True, reason="defect: warmup() leaves the prefix record/restore path's eager programs")
 def test_after_warmup_a_first_prefix_restore_compiles_nothing(compiles):
     engine = hkv.Engine(toy.init(toy.ToyConfig(), seed=3), CONF)
     engine.warmup()
