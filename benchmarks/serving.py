@@ -87,6 +87,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -492,6 +493,13 @@ class Server:
                 log(f"hkv serve did not stop within {STOP_TIMEOUT:.0f} s of SIGTERM: killed")
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.log_path is not None and self.proc.poll() is not None:
+            if self.proc.returncode == 0:  # (kept when the server failed or was killed, for its traceback)
+                with contextlib.suppress(OSError):
+                    os.remove(self.log_path)
+            else:
+                log(f"hkv serve exited with {self.proc.returncode}; its output: {self.log_path}")
+            self.log_path = None
         if self.thread is not None and self.thread.is_alive():
             self.uvicorn.should_exit = True
             self.thread.join(STOP_TIMEOUT)
