@@ -166,6 +166,20 @@ def _ahead(job) -> concurrent.futures.Future:
         return future
 
 
+def abandon_background() -> None:
+    """For a process about to exit (a server that has drained): drop the step store's queued
+    background compiles (the one running finishes; its program is stored) and let speculative
+    builds that have not started return at once, so the interpreter's exit waits for at most one
+    compile instead of every queued one. Calls after this still compile what they need."""
+    _on_exit()
+    with _LOCK:
+        later = _LATER[0] if _LATER else None
+        if later is not None:
+            _LATER.clear()  # a later `_later()` starts a fresh pool
+    if later is not None:
+        later.shutdown(wait=False, cancel_futures=True)
+
+
 def wait_for_ahead() -> None:
     """Block until every build or load started by `_Step.build_ahead` so far is done."""
     with _LOCK:

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from hkv.engine.compiled import abandon_background
 from hkv.store.cli import main as store_main
 
 from .loading import DTYPES, TINY_MODELS, LoadedModel, load_model
@@ -148,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda s, _frame: stopped_by.append(s))
     _say(f"serving {loaded.name} on http://{args.host}:{args.port}/v1 (SIGTERM or Ctrl-C to stop)")
     server.run()
+    abandon_background()  # the store's queued compiles would hold the exit for minutes
     _say("stopped")
     return EXIT_INTERRUPTED if signal.SIGINT in stopped_by else EXIT_OK
 

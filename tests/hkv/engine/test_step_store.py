@@ -204,3 +204,24 @@ def test_graph_key_changes_with_the_source_of_the_models_package(tmp_path, monke
     for name in [m for m in sys.modules if m.startswith("hkv_probe_pkg")]:
         del sys.modules[name]
     ss._package_digest.cache_clear()
+
+
+def test_abandon_background_drops_queued_store_compiles():
+    """A server that has drained calls `abandon_background` so that its exit waits for at most the
+    store compile already running, not every queued one (`hkv serve` took minutes to exit after
+    SIGTERM on a first run after a source change)."""
+    import threading
+
+    from hkv.engine import compiled
+
+    started, release = threading.Event(), threading.Event()
+    pool = compiled._later()
+    running = pool.submit(lambda: (started.set(), release.wait(30)))
+    queued = pool.submit(lambda: None)
+    assert started.wait(30)
+    compiled.abandon_background()
+    assert queued.cancelled()
+    release.set()
+    running.result(30)
+    assert compiled._later() is not pool  # a later compile gets a fresh pool
+    compiled._EXITING.clear()  # (this process goes on: speculative builds may wait again)
