@@ -18,10 +18,11 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_gemma
 pytestmark = pytest.mark.parity
 
 
-@pytest.mark.slow  # a subprocess importing jax, torch and transformers, and one engine's warmup(): ~40-60 s on 2 cores
 def test_side_by_side_benchmark_runs_on_the_tiny_model(tmp_path):
+    """~15 s on 2 cores: a subprocess importing jax, torch and transformers, one engine's warmup() (the
+    suite's fast-compile XLA_FLAGS reach it through the environment)."""
     out_json = tmp_path / "figures.json"
-    args = ["--tiny", "--contexts", "96", "--hkv-only-contexts", "", "--new-tokens", "4", "--json", str(out_json)]
+    args = ["--tiny", "--contexts", "96", "--hkv-only-contexts", "", "--new-tokens", "12", "--json", str(out_json)]
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     for heading in ("## Side by side", "## hkv decode per context", "## Against the issue's targets (at 96)"):
@@ -31,6 +32,6 @@ def test_side_by_side_benchmark_runs_on_the_tiny_model(tmp_path):
     figures = json.loads(out_json.read_text())
     (ctx,) = figures["contexts"]
     assert ctx["ctx"] == 96 and figures["hkv_only"] == []
-    assert ctx["cold"]["tokens"] == ctx["hf"]["tokens"] and len(ctx["hf"]["tokens"]) == 4
+    assert ctx["cold"]["tokens"] == ctx["hf"]["tokens"] and len(ctx["hf"]["tokens"]) == 12
     assert ctx["cold"]["ttft"] > 0 and ctx["hf"]["prefill"] > 0 and ctx["cold"]["decode_ms"] > 0
     assert figures["meta"]["hkv_revision"] and figures["meta"]["command"].startswith("python benchmarks/e2e_gemma3.py")
