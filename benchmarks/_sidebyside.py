@@ -178,6 +178,7 @@ def hkv_request(engine: hkv.Engine, prompt: list[int], new: int) -> dict:
         "wall": wall,
         "decode_ms": 1e3 * float(np.median(per_token)) if per_token else float("nan"),
         "decode_mean_ms": 1e3 * (wall - ttft) / max(new - 1, 1),
+        "decode_dispatches": len(per_token),
         "prefill_seconds": after["prefill_seconds"] - before["prefill_seconds"],
         "compiled_in_request": compiled,
         "restored": 0 if p is None else int(p.restored_tokens),
