@@ -3,9 +3,10 @@
 prefill / TTFT, decode ms/token, warm TTFT on a prompt sharing 95% of its tokens, token agreement.
 The Gemma 3 counterpart of `benchmarks/e2e.py` (DeepSeek-V4); what both do is `benchmarks/_sidebyside.py`.
 
-    python benchmarks/e2e_gemma3.py --quick          # 1K only (~1-2 min on 2 quiet cores)
-    python benchmarks/e2e_gemma3.py                  # 1K / 4K / 8K vs transformers, 32K hkv alone
+    python benchmarks/e2e_gemma3.py --quick          # 1K only (~40 s on 2 quiet cores, ~100 s at load 4)
+    python benchmarks/e2e_gemma3.py                  # 1K / 4K / 8K vs transformers, 32K hkv alone (6-8 min quiet)
     python benchmarks/e2e_gemma3.py --contexts 1024,8192 --hkv-only-contexts '' --json /tmp/g3.json
+    python benchmarks/e2e_gemma3.py --new-tokens 64  # decode from 7 dispatches of 8 tokens per context, not 1
 
 Measuring another tree (hkv is an editable install of the main checkout, so PYTHONPATH must name the
 tree measured; the header's "hkv at" line says which tree was imported):
@@ -189,6 +190,12 @@ def report(results: list[dict], done: list[dict], skipped: list[str], args) -> N
             say(
                 f"| {r['ctx']} | {c['decode_ms']:.1f} ({c['decode_mean_ms']:.1f}) | {c['decode_dispatches']} "
                 f"| {c['decode_ms'] / low['cold']['decode_ms']:.2f} | {hf_cells} |"
+            )
+        few = min(r["cold"]["decode_dispatches"] for r in everything)
+        if few < 3:
+            say(
+                f"\n(hkv's decode figures rest on {few} dispatch{'es' if few != 1 else ''} each: noisy; "
+                "--new-tokens 64 gives 7)"
             )
 
     if done or skipped:
