@@ -23,7 +23,11 @@ XLA hands dots to YNNPACK, which picks a kernel by shape; different kernels sum 
 With `compiler_options()` (YNNPACK's consistent-arithmetic mode, dots only), a bfloat16 x bfloat16
 -> float32 product is the same for any row count >= 2, and a batched product (attention) is the same
 for any batch count and any row count >= 2. A float32 x float32 non-batched product still changes
-kernel below ~50 rows, so float32 `matmul` pads to `F32_MIN_ROWS` rows. Programs that call these
+kernel with the row count (at K=256, N=1024: one order for 2..50 rows, another from 51), so float32
+`matmul` / `linear` follow `matmul_rows.row_plan`, measured per shape: at most a block of rows (<= 32)
+per product, more rows a block at a time, and a single row padded to 2 (a decode step multiplies 2
+rows, not 64). Batched float32 products whose row count varies (DeepSeek-V4's expert tiles) still
+pad to `F32_MIN_ROWS` (`min_rows`). Programs that call these
 functions must be compiled with `compiler_options()` (the engine, the stateless forward and
 `hkv.jit` do); a program compiled without them still runs, without the contract.
 
@@ -42,12 +46,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import matmul_rows
+
 # Keys per attention tile. Tiles sit at absolute positions (tile j holds positions [64 j, 64 j + 64)),
 # so every path cuts the same keys into the same tiles.
 KEY_TILE = 64
 
-# Rows a float32 non-batched matmul is padded to (YNNPACK's small-row kernels sum in another order).
-F32_MIN_ROWS = 64
+# Rows a float32 batched product whose row count varies is padded to (YNNPACK's small-row kernels sum in
+# another order), and a float32 matmul where `matmul_rows` finds no block.
+F32_MIN_ROWS = matmul_rows.FALLBACK_ROWS
 # Rows any matmul is padded to (a single row takes XLA's matrix-vector emitter, another order).
 MIN_ROWS = 2
 
@@ -231,24 +238,30 @@ def min_rows(*dtypes) -> int:
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N], accumulated in float32 by a kernel whose per-element
-    order does not depend on the number of rows (rows padded with zeros up to `MIN_ROWS`, float32 up to
-    `F32_MIN_ROWS`). The operands must share a dtype."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = 1
-    for d in lead:
-        rows *= d
-    x2 = x.reshape(rows, k)
-    floor = min_rows(x.dtype, w.dtype)
-    if rows < floor:
-        x2 = jnp.pad(x2, ((0, floor - rows), (0, 0)))
-    y = lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return y[:rows].reshape(*lead, w.shape[1])
+    order does not depend on the number of rows (`matmul_rows`: rows padded to `MIN_ROWS`; a float32
+    product cut into row blocks where the backend's kernels change order with the row count). The
+    operands must share a dtype."""
+    return _rows_matmul(x, w, rhs_transposed=False)
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype
     (float32 accumulation, one rounding; see `matmul`)."""
-    return matmul(x, weight.astype(x.dtype).T).astype(x.dtype)
+    return _rows_matmul(x, weight.astype(x.dtype), rhs_transposed=True).astype(x.dtype)
+
+
+def _rows_matmul(x: jax.Array, w: jax.Array, rhs_transposed: bool) -> jax.Array:
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    n = w.shape[0] if rhs_transposed else w.shape[1]
+    if min_rows(x.dtype, w.dtype) == F32_MIN_ROWS:
+        plan = matmul_rows.row_plan(k, n)
+    else:
+        plan = matmul_rows.RowPlan(block=None, floor=MIN_ROWS)
+    y = matmul_rows.rows_product(x.reshape(rows, k), w, rhs_transposed, plan)
+    return y.reshape(*lead, n)
 
 
 # ------------------------------------------------------------------------------------ attention

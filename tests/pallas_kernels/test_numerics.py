@@ -22,7 +22,7 @@ def _f32(x):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("k,n", [(64, 128), (256, 384), (512, 1024), (128, 8)])
+@pytest.mark.parametrize("k,n", [(64, 128), (256, 384), (512, 1024), (128, 8), (256, 1024), (1024, 256)])
 def test_linear_rows_do_not_change_a_row(dtype, k, n):
     """A row of `linear` is the same bits for 1..100 rows, 3-D inputs and 1000 rows."""
     x = jnp.asarray(RNG.normal(0, 1, (1000, k)), dtype)
@@ -32,6 +32,39 @@ def test_linear_rows_do_not_change_a_row(dtype, k, n):
     for rows in (1, 2, 3, 7, 16, 33, 63, 64, 100):
         np.testing.assert_array_equal(_f32(f(x[:rows], w)), full[:rows], err_msg=f"{rows} rows")
     np.testing.assert_array_equal(_f32(f(x[:96].reshape(6, 16, k), w)).reshape(96, n), full[:96])
+
+
+@pytest.mark.parametrize("k,n", [(256, 1024), (1024, 256), (64, 128)])
+def test_matmul_rows_do_not_change_a_row_in_float32(k, n):
+    """`matmul` (w [K, N], not transposed) keeps a row's bits for 1..1000 rows, where the row plan cuts
+    large products into blocks (K=256, N=1024 at jaxlib 0.10.2: small-row kernels up to 50 rows)."""
+    x = jnp.asarray(RNG.normal(0, 1, (1000, k)), jnp.float32)
+    w = jnp.asarray(RNG.normal(0, 0.05, (k, n)), jnp.float32)
+    f = nm.jit(nm.matmul)
+    full = _f32(f(x, w))
+    for rows in (1, 2, 5, 31, 32, 33, 64, 65, 300):
+        np.testing.assert_array_equal(_f32(f(x[:rows], w)), full[:rows], err_msg=f"{rows} rows")
+
+
+def test_row_plan_is_measured_per_shape_on_cpu_and_pads_elsewhere():
+    """On CPU a float32 shape whose small-row kernels stop agreeing with larger counts gets a block of
+    8..32 rows (or none when every count agrees); other backends pad to FALLBACK_ROWS."""
+    from pallas_kernels import matmul_rows
+
+    plan = matmul_rows.row_plan(256, 1024, "cpu")
+    assert plan.floor == 2 and (plan.block is None or 8 <= plan.block <= 32)
+    assert matmul_rows.row_plan(256, 1024, "cpu") is plan  # measured once per shape
+    assert matmul_rows.row_plan(256, 1024, "gpu") == matmul_rows.RowPlan(None, matmul_rows.FALLBACK_ROWS)
+    with pytest.raises(ValueError, match="k=0"):
+        matmul_rows.row_plan(0, 8)
+
+
+def test_row_plan_is_available_while_a_program_is_traced():
+    """A model's matmul asks for the plan inside jit: the probe runs as a program of its own."""
+    x = jnp.asarray(RNG.normal(0, 1, (3, 192)), jnp.float32)
+    w = jnp.asarray(RNG.normal(0, 0.05, (192, 700)), jnp.float32)
+    got = jax.jit(lambda a, b: jax.jit(nm.matmul)(a, b))(x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
