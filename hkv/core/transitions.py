@@ -206,7 +206,7 @@ def reserve(
                     page_gen=_set_rows(g.page_gen, slots, mask, new_gen),
                     refcount=g.refcount.at[tgt].add(1, mode="drop", wrap_negative_indices=False),
                     # newly mapped pages are cleared: a freed page never shows its previous occupant's rows
-                    pool=g.pool.at[:, tgt].set(0, mode="drop", wrap_negative_indices=False),
+                    pool=zero_pages(g.pool, pages.reshape(-1), need.reshape(-1)),
                 )
             )
         return tuple(out)
@@ -315,6 +315,33 @@ def put_rows(pool: jax.Array, layer, page: jax.Array, off: jax.Array, values: ja
 
     n = page.shape[0]
     return jax.lax.fori_loop(0, n, one, pool, unroll=n <= 16)
+
+
+def zero_pages(pool: jax.Array, pages: jax.Array, need: jax.Array) -> jax.Array:
+    """pool[:, pages[i]] = 0 for every i where need[i], touching only those pages.
+
+    A scatter of zeros over every (page table entry) index, masked ones dropped, is expanded by XLA
+    into a loop over all the indices that selects over the whole pool at each: a step that mapped
+    one page paid for slots x pages_per_seq passes over the pool (at 8K context, more than the rest
+    of a decode step). Here the needed entries are compacted first and the loop runs once per page
+    actually mapped, each an in-place `dynamic_update_slice`.
+
+    Args:
+      pool: [L, P, page_size, D]; pages: int32[N] page ids (read where need); need: bool[N].
+    Returns:
+      the pool with those pages zeroed in every layer.
+    """
+    n = need.shape[0]
+    at = jnp.nonzero(need, size=n, fill_value=0)[0]  # the needed entries first, in order
+    count = jnp.sum(need.astype(jnp.int32))
+    zeros = jnp.zeros((pool.shape[0], 1) + pool.shape[2:], pool.dtype)
+    last = pool.shape[1] - 1
+
+    def one(i, pool):
+        page = jnp.clip(pages[at[i]], 0, last)
+        return jax.lax.dynamic_update_slice(pool, zeros, (jnp.int32(0), page, jnp.int32(0), jnp.int32(0)))
+
+    return jax.lax.fori_loop(0, count, one, pool)
 
 
 def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
