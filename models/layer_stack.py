@@ -17,6 +17,11 @@ sees it), calling it runs the layer. Parameter paths are those of the stacked mo
 (`layers.groups.G.J.<name>`, leading axis = repetition), which `hkv.weights_digest` and tensor
 parallel rules (negative dims) see.
 
+Whether a model is held stacked at all is `LayerStack(stack=)` / `STACK_LAYERS`, by default
+`stack_by_default`: deep models (compile time) and models of small layers are stacked; a shallow model
+of large layers is held one module per layer, so that its decode steps read each weight where it lies
+instead of copying it out of a stack at every step.
+
 `scan_layers` (every `scan_layers=None` argument defers to `SCAN_LAYERS`, default True) only chooses
 how a step runs the stacked runs: under a scan, or one layer at a time (`scan_layers=False`: the
 Python loop, each layer's weights sliced out of its stack inside jit).
@@ -39,6 +44,9 @@ from hkv.core.state import HybridCache
 
 __all__ = [
     "SCAN_LAYERS",
+    "STACK_DEPTH",
+    "STACK_LAYERS",
+    "STACK_SMALL_BYTES",
     "LayerStack",
     "LayerView",
     "VariableView",
@@ -46,10 +54,34 @@ __all__ = [
     "layer_runs",
     "run_cached_layers",
     "run_layers",
+    "stack_by_default",
     "use_scan",
 ]
 
 SCAN_LAYERS: bool = True  # the default of every `scan_layers=None`: False runs the layers one at a time
+
+# Whether `LayerStack` holds repeating runs stacked: True / False for every model built after it is set,
+# None (default) for `stack_by_default`'s rule.
+STACK_LAYERS: bool | None = None
+# `stack_by_default`: stack when a model has more layers than this ...
+STACK_DEPTH = 16
+# ... or when one layer's weights are smaller than this many bytes.
+STACK_SMALL_BYTES = 1 << 20
+
+
+def stack_by_default(n_layers: int, layer_bytes: int) -> bool:
+    """Whether a model of `n_layers` decoder layers of `layer_bytes` bytes of weights each is held
+    stacked when neither `LayerStack(stack=)` nor `STACK_LAYERS` says.
+
+    Stacking buys compile time: a step's program holds one period of layers however deep the model.
+    It costs at every step a copy of each layer's weights out of its stack (XLA:CPU hands a dot its
+    operands as buffers of their own; a slice of a stacked weight is copied first): at batch 1 a decode
+    token then moves each weight three times instead of reading it once (on the issue-48 small Gemma 3,
+    8 layers of 4.4 MB, 3.8 ms per token stacked against 2.5 unstacked at 1K). So a model is stacked
+    when it is deep (more than `STACK_DEPTH` layers: compile time grows with the unrolled depth) or its
+    layers are small (under `STACK_SMALL_BYTES` each: nothing measurable to copy), else held one module
+    per layer."""
+    return n_layers > STACK_DEPTH or layer_bytes < STACK_SMALL_BYTES
 
 
 def use_scan(scan_layers: bool | None) -> bool:
@@ -219,15 +251,26 @@ class LayerStack(nnx.Module):
         axis [run.count] (repetition r of position j is layer run.start + r * run.period + j).
     """
 
-    def __init__(self, layers: list[nnx.Module]):
+    def __init__(self, layers: list[nnx.Module], stack: bool | None = None):
         """Args:
         layers: the decoder layers in order. A list is consumed: each stacked module's entries are set
           to None once stacked, so their weights are freed as stacking proceeds (peak memory: the
           layers plus one period position's stacked copy).
+        stack: hold repeating runs stacked (True) or every layer as its own module (False); None:
+          `STACK_LAYERS`, and when that is None too `stack_by_default` (depth and layer size).
         """
         if not isinstance(layers, list):
             layers = list(layers)
-        runs = plan_layer_runs([layer_key(m) for m in layers])
+        if stack is None:
+            stack = STACK_LAYERS
+        if stack is None:
+            first = nnx.state(layers[0]) if layers else {}
+            size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(first))
+            stack = stack_by_default(len(layers), size)
+        if stack:
+            runs = plan_layer_runs([layer_key(m) for m in layers])
+        else:
+            runs = tuple(LayerRun(i, 1, 1) for i in range(len(layers)))
         groups = []
         for run in runs:
             if run.count == 1:

@@ -271,3 +271,36 @@ def test_gemma3_27b_pattern_traces_seven_layer_bodies():
 
     cfg = gemma3.gemma3_27b_config()
     assert plan_layer_runs(list(cfg.layer_types)) == (LayerRun(0, 1, 2), LayerRun(2, 6, 10))
+
+
+# ------------------------------------------------------------------------- stacked or not
+def test_stack_by_default_stacks_deep_models_and_small_layers_only():
+    from models.layer_stack import STACK_DEPTH, STACK_SMALL_BYTES, stack_by_default
+
+    assert stack_by_default(STACK_DEPTH + 1, 10 * STACK_SMALL_BYTES)  # deep: compile time
+    assert stack_by_default(8, STACK_SMALL_BYTES - 1)  # small layers: nothing to copy
+    assert not stack_by_default(8, 4 * STACK_SMALL_BYTES)  # shallow, large layers: one module each
+
+
+def test_an_unstacked_model_holds_one_module_per_layer_and_computes_as_the_stacked_one(monkeypatch):
+    """`STACK_LAYERS = False` (or large shallow layers by default): no run is stacked, layer i is a
+    plain module, and the stateless forward and cached steps agree with the stacked model's."""
+    from models import gemma3
+    from models import layer_stack as ls
+
+    stacked = gemma3.init(gemma3.tiny_config(), 0)
+    monkeypatch.setattr(ls, "STACK_LAYERS", False)
+    flat = gemma3.init(gemma3.tiny_config(), 0)
+    assert flat.layers.runs == tuple(LayerRun(i, 1, 1) for i in range(6))
+    assert not isinstance(flat.layers[3], ls.LayerView)
+    np.testing.assert_array_equal(
+        np.asarray(flat.layers[3].attn.q_proj.value), np.asarray(stacked.layers[3].attn.q_proj.value)
+    )
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 512, (2, 40)), jnp.int32)
+    a, b = np.asarray(jax.jit(lambda t: stacked(t))(tokens)), np.asarray(jax.jit(lambda t: flat(t))(tokens))
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+    chunks = [(tokens[:, :16], [16, 16]), (tokens[:, 16:32], [16, 9]), (tokens[:, 32:33], [1, 1])]
+    for s, u in zip(_run_cached(stacked, True, chunks)[1], _run_cached(flat, True, chunks)[1], strict=True):
+        np.testing.assert_allclose(s, u, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(s.argmax(-1), u.argmax(-1))
