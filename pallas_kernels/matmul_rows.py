@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.xla_options import compiler_options
+
 # Rows padded to when the small-row kernels disagree (and for float32 off the CPU backend): the
 # large-row kernel that XLA:CPU picks from ~50 rows on serves every count from there.
 FALLBACK_ROWS = 64
@@ -100,7 +102,6 @@ def _probe(k: int, n: int) -> RowPlan:
     cpu = jax.devices("cpu")[0]
     x = rng.standard_normal((_PROBE_ROWS, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-    from pallas_kernels.numerics import compiler_options  # (numerics imports this module)
 
     def run() -> RowPlan:
         args = [jax.device_put(a, cpu) for a in (x, np.ascontiguousarray(x.T), w, np.ascontiguousarray(w.T))]
