@@ -117,6 +117,15 @@ def rsqrt(x: jax.Array) -> jax.Array:
     return 1.0 / jnp.sqrt(x)
 
 
+def tanh(x: jax.Array) -> jax.Array:
+    """float32 tanh as sign(x) (1 - e) / (1 + e) with e = `exp`(-2 |x|): the same bits in any program
+    (XLA's own tanh rounds differently inside a loop body than outside one at low optimization levels,
+    which a blocked attention's soft cap would see)."""
+    x = jnp.asarray(x, jnp.float32)
+    e = exp(-2.0 * jnp.abs(x))
+    return jnp.sign(x) * div(1.0 - e, 1.0 + e)
+
+
 def sigmoid(x: jax.Array) -> jax.Array:
     """1 / (1 + e**-x) in float32 through `exp`."""
     return 1.0 / (1.0 + exp(-jnp.asarray(x, jnp.float32)))
@@ -383,15 +392,12 @@ def attend(
     same bits, however many other (invisible) tiles it holds.
     """
     _, _, h, g, _ = q.shape
-    scores = []
-    for src in sources:
-        s = mul(_scores(q, src), jnp.float32(scale))
-        if softcap is not None:
-            s = mul(jnp.float32(softcap), jnp.tanh(s / jnp.float32(softcap)))
-        scores.append(jnp.where(src.valid[:, :, :, None, None, :], s, -jnp.inf))
+    sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
+    if sum(_score_elements(q, src) for src in sources) > BLOCKED_SCORES:
+        return _attend_blocked(q, sources, scale=scale, sink=sink, softcap=softcap)
+    scores = [_masked_scores(q, src, scale, softcap) for src in sources]
     m = functools.reduce(jnp.maximum, [jnp.max(s, axis=(2, 5)) for s in scores])  # [N, Q, H, G]
-    if sinks is not None:
-        sink = jnp.asarray(sinks, jnp.float32).reshape(h, g)
+    if sink is not None:
         m = jnp.maximum(m, sink)
     shift = jnp.where(jnp.isfinite(m), m, 0.0)
     l_parts, o_parts = [], []
@@ -401,10 +407,92 @@ def attend(
         o_parts.append(_values(p.astype(src.v.dtype), src))  # [N, Q, T, H, G, D]
     l = ordered_sum(jnp.concatenate(l_parts, axis=2), axis=2)
     o = ordered_sum(jnp.concatenate(o_parts, axis=2), axis=2)
-    if sinks is not None:
+    return _normalized(q, l, o, shift, sink)
+
+
+# Scores ([N, Q, T, H, G, KEY_TILE] float32 elements) above which `attend` walks the key tiles in blocks
+# instead of materializing every score at once (a 512-query prefill chunk at 8K context: 35M scores,
+# several passes over ~140 MB each). The bits are the same either way.
+BLOCKED_SCORES = 1 << 22
+# Scores per block of the blocked walk (a block holds at least one tile).
+BLOCK_SCORES = 1 << 21
+
+
+def _score_elements(q: jax.Array, src: KeyTiles) -> int:
+    n, nq, h, g, _ = q.shape
+    return n * nq * h * g * src.k.shape[2] * src.k.shape[3]
+
+
+def _masked_scores(q: jax.Array, src: KeyTiles, scale: float, softcap: float | None) -> jax.Array:
+    """Scaled (and soft-capped) scores [N, Q, T, H, G, KT], -inf where a key is not visible."""
+    s = mul(_scores(q, src), jnp.float32(scale))
+    if softcap is not None:
+        s = mul(jnp.float32(softcap), tanh(s / jnp.float32(softcap)))
+    return jnp.where(src.valid[:, :, :, None, None, :], s, -jnp.inf)
+
+
+def _normalized(q: jax.Array, l: jax.Array, o: jax.Array, shift: jax.Array, sink: jax.Array | None) -> jax.Array:
+    if sink is not None:
         l = l + exp(sink - shift)
     out = jnp.where(l[..., None] > 0, div(o, jnp.where(l > 0, l, 1.0)[..., None]), 0.0)
     return out.astype(q.dtype)
+
+
+def _tile_blocks(src: KeyTiles, per: int) -> tuple[int, object]:
+    """src's T tiles in blocks of `per` (the last padded with invisible zero tiles, which add exact
+    zeros): (number of blocks, block(i) -> KeyTiles of tiles [i * per, (i + 1) * per))."""
+    t = src.k.shape[2]
+    count = -(-t // per)
+    pad = count * per - t
+
+    def padded(x):
+        return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)) if pad else x
+
+    k, valid = padded(src.k), padded(src.valid)
+    v = k if src.v is src.k else padded(src.v)
+
+    def block(i):
+        take = functools.partial(lax.dynamic_slice_in_dim, start_index=i * per, slice_size=per, axis=2)
+        kb = take(k)
+        return KeyTiles(kb, kb if v is k else take(v), take(valid))
+
+    return count, block
+
+
+def _attend_blocked(q, sources, *, scale, sink, softcap):
+    """`attend` over blocks of key tiles, two passes (bit for bit the same result): the max over every
+    visible score, block by block (exact in any order); then per block p = exp(s - max) and each tile's
+    sum and value product, added to running totals tile after tile — the `ordered_sum` order."""
+    n, nq, h, g, d = q.shape
+    walks = []
+    for src in sources:
+        per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
+        walks.append(_tile_blocks(src, per))
+    m = jnp.full((n, nq, h, g), -jnp.inf, jnp.float32)
+    for count, block in walks:
+
+        def top(i, m, block=block):
+            return jnp.maximum(m, jnp.max(_masked_scores(q, block(i), scale, softcap), axis=(2, 5)))
+
+        m = lax.fori_loop(0, count, top, m)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    totals = (jnp.zeros((n, nq, h, g), jnp.float32), jnp.zeros((n, nq, h, g, d), jnp.float32))
+    for count, block in walks:
+
+        def add(i, totals, block=block):
+            blk = block(i)
+            p = exp(_masked_scores(q, blk, scale, softcap) - shift[:, :, None, :, :, None])
+            lt = settle(fixed_sum(p, axis=-1))  # [N, Q, per, H, G]
+            ot = settle(_values(p.astype(blk.v.dtype), blk))  # [N, Q, per, H, G, D]
+            l, o = totals
+            for j in range(lt.shape[2]):
+                l, o = l + lt[:, :, j], o + ot[:, :, j]
+            return l, o
+
+        totals = lax.fori_loop(0, count, add, totals)
+    return _normalized(q, *totals, shift, sink)
 
 
 def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:

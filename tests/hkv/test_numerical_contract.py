@@ -91,6 +91,25 @@ def test_decoding_through_the_prefill_step_gives_the_decode_steps_bits():
     assert runs[0].tokens == runs[1].tokens == toks[0]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_attention_walked_in_blocks_of_tiles_keeps_the_bits(monkeypatch, family):
+    """Large scores make `attend` walk the key tiles in blocks (a long prefill chunk): forced here on
+    every attention of the engine's steps (blocks of 1 tile), its logits equal the stateless forward
+    computed with every score at once, in float32."""
+    from pallas_kernels import numerics as nm
+
+    build = {"gemma3": gemma3, "deepseek_v4": deepseek_v4}[family]
+    model = build.init(build.tiny_config(), seed=11)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in (70, 45)]
+    ref = _reference(model, prompts, NEW)
+    monkeypatch.setattr(nm, "BLOCKED_SCORES", 0)
+    monkeypatch.setattr(nm, "BLOCK_SCORES", 1)
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=128, page_size=16), prefill_chunk=32)
+    engine.decode_while_building = False
+    _assert_bitwise(engine.generate(prompts, NEW, return_logits=True), prompts, ref, "blocked attention")
+
+
 def _toy_layer(kind: str, window: int | None, kv_heads: int):
     if kind == "attn":
         return toy.Attn(window=window, num_kv_heads=kv_heads)

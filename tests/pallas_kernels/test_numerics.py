@@ -178,6 +178,37 @@ def test_attention_ignores_invisible_tiles_and_their_order_of_arrival():
     np.testing.assert_array_equal(_f32(three), _f32(one))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-tiles", "per-query-tiles"])
+def test_attention_in_blocks_of_tiles_gives_the_bits_of_attention_at_once(monkeypatch, dtype, shared):
+    """`attend` walks the key tiles in blocks when the scores are large (two passes: the max, then the
+    per-tile sums added in order): the same bits as all scores at once, with two sources, a sink and a
+    soft cap, whatever the block size (here 1, 2 and 3 tiles over 7 + 2 tiles)."""
+    n, nq, h, g, d = 2, 5, 2, 3, 8
+    q = jnp.asarray(RNG.normal(0, 1, (n, nq, h, g, d)), dtype)
+    qk = 1 if shared else nq
+
+    def source(t):
+        k = jnp.asarray(RNG.normal(0, 1, (n, qk, t, nm.KEY_TILE, h, d)), dtype)
+        v = jnp.asarray(RNG.normal(0, 1, (n, qk, t, nm.KEY_TILE, h, d)), dtype)
+        valid = jnp.asarray(RNG.uniform(size=(n, nq, t, nm.KEY_TILE)) < 0.5)
+        return nm.KeyTiles(jnp.where(valid[:, :1, ..., None, None], k, 0) if shared else k, v, valid)
+
+    sources = [source(7), source(2)]
+    sinks = jnp.asarray(RNG.normal(0, 1, (h * g,)), jnp.float32)
+
+    def run():
+        f = nm.jit(lambda q, s: nm.attend(q, s, scale=0.4, sinks=sinks, softcap=5.0))
+        return _f32(f(q, sources))
+
+    at_once = run()
+    monkeypatch.setattr(nm, "BLOCKED_SCORES", 0)
+    per_tile = n * nq * h * g * nm.KEY_TILE
+    for tiles in (1, 2, 3):
+        monkeypatch.setattr(nm, "BLOCK_SCORES", tiles * per_tile)
+        np.testing.assert_array_equal(run(), at_once, err_msg=f"blocks of {tiles} tiles")
+
+
 def test_compiler_options_are_for_cpu_only():
     assert nm.compiler_options("gpu") is None and nm.compiler_options("tpu") is None
     opts = nm.compiler_options("cpu")
