@@ -396,7 +396,7 @@ def attend(
     if sum(_score_elements(q, src) for src in sources) > BLOCKED_SCORES:
         return _attend_blocked(q, sources, scale=scale, sink=sink, softcap=softcap)
     scores = [_masked_scores(q, src, scale, softcap) for src in sources]
-    m = functools.reduce(jnp.maximum, [jnp.max(s, axis=(2, 5)) for s in scores])  # [N, Q, H, G]
+    m = functools.reduce(jnp.maximum, [_tile_max(s) for s in scores])  # [N, Q, H, G]
     if sink is not None:
         m = jnp.maximum(m, sink)
     shift = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -459,6 +459,22 @@ def _tile_blocks(src: KeyTiles, per: int) -> tuple[int, object]:
     return count, block
 
 
+def _tile_max(s: jax.Array) -> jax.Array:
+    """max of scores [N, Q, T, H, G, KT] over T and KT, as halvings of elementwise maxima (one loop
+    fusion; XLA:CPU lowers the two-axis `jnp.max` to a slow reduce-window). Exact in any order."""
+    for axis in (5, 2):
+        while s.shape[axis] > 1:
+            n = s.shape[axis]
+            h = n // 2
+            lo = lax.slice_in_dim(s, 0, h, axis=axis)
+            hi = lax.slice_in_dim(s, h, 2 * h, axis=axis)
+            top = jnp.maximum(lo, hi)
+            if n % 2:
+                top = jnp.concatenate([top, lax.slice_in_dim(s, 2 * h, n, axis=axis)], axis=axis)
+            s = top
+    return s.reshape(s.shape[:2] + s.shape[3:5])
+
+
 def _attend_blocked(q, sources, *, scale, sink, softcap):
     """`attend` over blocks of key tiles, two passes (bit for bit the same result): the max over every
     visible score, block by block (exact in any order); then per block p = exp(s - max) and each tile's
@@ -472,7 +488,7 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
     for count, block in walks:
 
         def top(i, m, block=block):
-            return jnp.maximum(m, jnp.max(_masked_scores(q, block(i), scale, softcap), axis=(2, 5)))
+            return jnp.maximum(m, _tile_max(_masked_scores(q, block(i), scale, softcap)))
 
         m = lax.fori_loop(0, count, top, m)
     if sink is not None:
