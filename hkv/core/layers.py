@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 import pallas_kernels as pk
@@ -330,6 +331,38 @@ def _compressed_source(entries: jax.Array, limit: jax.Array | None, picks: jax.A
     got, bias = gather_picks(entries, picks)  # [B, C, k, 1, D]
     rows = nm.pad_tiles(jnp.where((bias == 0)[..., None, None], got, jnp.zeros((), got.dtype)), 2)
     return nm.KeyTiles(rows, rows, nm.pad_tiles(bias == 0, 2))  # rows [B, C, T, KT, 1, D]
+
+
+def _attend_banded(q, k_tiles, v_tiles, valid, window: int, *, scale, sinks, softcap) -> jax.Array:
+    """`_attend_tiles` of a sliding-window layer's chunk, its queries in blocks of KEY_TILE: block j
+    (queries j * KT .. j * KT + KT - 1) attends only tiles j .. j + W - 1 of the run (W = the tiles one
+    block's windows span), the only tiles holding keys its queries see; the others hold invisible keys
+    only, which `attend` ignores bit for bit. A 512-query chunk at window 128 then scores 4 tiles per
+    query instead of 11. The run's tiles start at the tile boundary below `start - (window - 1)`, so
+    block j's first visible key is in tile j whatever the alignment (`tiles_from_rows`).
+
+    q [B, C, H, D]; k/v tiles [B, T, KT, Hkv, D] with T = tile_count(window - 1 + C); valid [B, C, T, KT].
+    Falls back to `_attend_tiles` when C is not a multiple of KT or the band covers every tile."""
+    b, c, h, d = q.shape
+    kt = nm.KEY_TILE
+    t = k_tiles.shape[1]
+    band = -(-(kt + window - 1) // kt) + 1
+    if c % kt or band >= t:
+        return _attend_tiles(q, k_tiles, v_tiles, valid, None, scale=scale, sinks=sinks, softcap=softcap)
+    nb = c // kt
+    idx = np.arange(nb)[:, None] + np.arange(band)[None, :]  # [nb, band] tile of each block's band
+    assert idx[-1, -1] < t, (c, window, t)  # tile_count(window - 1 + C) = nb - 1 + band
+
+    def per_block(x):  # [B, T, ...] -> [B * nb, band, ...]
+        return x[:, idx].reshape((b * nb, band) + x.shape[2:])
+
+    v_band = None if v_tiles is k_tiles else per_block(v_tiles)
+    k_band = per_block(k_tiles)
+    vis = valid.reshape(b, nb, kt, t, kt)[:, np.arange(nb)[:, None], :, idx]  # [nb, band, B, KT(q), KT]
+    vis = jnp.moveaxis(vis, (2, 3), (0, 2)).reshape(b * nb, kt, band, kt)
+    out = _attend_tiles(q.reshape(b * nb, kt, h, d), k_band, k_band if v_band is None else v_band, vis, None,
+                        scale=scale, sinks=sinks, softcap=softcap)  # fmt: skip
+    return out.reshape(b, c, h, d)
 
 
 def _attend_tiles(q, k_tiles, v_tiles, valid, extra, *, scale, sinks, softcap) -> jax.Array:
@@ -699,6 +732,8 @@ class LayerCache:
         if compressed:
             entries, limit = self._entries(cache, ObjectKind.COMPRESSED)
             extra = _compressed_source(entries.astype(rows.dtype), limit, None if picks is None else picks)
+        if extra is None and self.window is not None:
+            return _attend_banded(q, k_tiles, v_tiles, valid, self.window, scale=scale, sinks=sinks, softcap=softcap)
         return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
 
     def _split_tiles(self, tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
