@@ -99,7 +99,7 @@ def _plan_of(outs: list[np.ndarray]) -> RowPlan:
 @functools.cache
 def _probe(k: int, n: int) -> RowPlan:
     rng = np.random.default_rng(k * 100003 + n)
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # (with several processes, one of this process)
     x = rng.standard_normal((_PROBE_ROWS, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
 
