@@ -32,6 +32,7 @@ from .compile_plan import CompilePlan, EngineSteps, pow2, stop_width
 from .compiled import step_name, unpack_decode
 from .hooks import EngineHooks
 from .options import EngineOptions
+from .page_budget import short_of_pages
 from .prefix_manager import PrefixManager
 from .progress import Bars
 from .requests import LiveRequest, RequestCancelledError, TokenOutput
@@ -362,6 +363,12 @@ class Scheduler:
             if variant is None:
                 fed = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
                 read = self.plan.read_bound(max(fed))
+                # room first: a step short of pages computes the whole chunk before it reports NO_PAGES
+                view = self.hooks.view
+                slots_now = slots[: len(rows)]
+                while self.prefix.enabled and short_of_pages(self.layout, view(), slots_now, fed):
+                    if not self.prefix.make_room():
+                        break
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read, variant=params.variant)
             out, dt, fresh = self.plan.timed(
                 self.steps.prefill, self.hooks.weights(), tokens, slots, n_valid, params, keep, read, name=name

@@ -1,0 +1,41 @@
+"""Whether a step's `reserve` would find enough free pages, decided on the host before the step runs.
+
+A prefill step that reserves more pages than a pool has free fails with NO_PAGES after computing the
+whole chunk (the status is known only at the end of the program); the scheduler then makes room and
+runs the chunk again. With the prefix cache holding the pools (its normal state once warm), every
+chunk paid for two prefills. `short_of_pages` reads only page bookkeeping (page tables and
+refcounts, a few KB) and counts what `hkv.core.transitions.reserve` would map.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from hkv.core.layout import CacheLayout
+from hkv.core.state import HybridCache
+
+
+def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) -> bool:
+    """True when some pool has fewer free pages than `reserve(layout, cache, slots, new_lengths)`
+    would map: for each slot, the unmapped pages of the rows [lo, hi) its group must hold at the new
+    length (`transitions.required_rows`).
+
+    Args:
+      layout, cache: the engine's (only page tables and refcounts are read, copied to the host).
+      slots: the slots of the step's rows; new_lengths: their lengths after it (same length).
+    Returns:
+      whether the step would fail with NO_PAGES.
+    """
+    tables, refcounts = jax.device_get(([g.page_table for g in cache.groups], [g.refcount for g in cache.groups]))
+    ps = layout.page_size
+    for gi, grp in enumerate(layout.groups):
+        table = np.asarray(tables[gi])
+        need = 0
+        for slot, length in zip(slots, new_lengths, strict=True):
+            hi = int(length) // grp.unit
+            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
+            need += int((table[int(slot), lo // ps : -(-hi // ps)] < 0).sum())
+        if need > int((np.asarray(refcounts[gi]) == 0).sum()):
+            return True
+    return False
