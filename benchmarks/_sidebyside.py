@@ -310,5 +310,24 @@ def extrapolate(results: list[dict], ctx: int) -> float | None:
     return t1 * (ctx / c1) ** k
 
 
+def run_hkv_only(contexts, results: list[dict], model, rng, budget: float, run_options: dict) -> tuple[list, list]:
+    """hkv alone at each of `contexts` (`run_context` without transformers), skipping a context whose
+    cold prefill, extrapolated from everything measured so far, exceeds `budget` seconds. Returns
+    (the contexts' results, the skip messages)."""
+    done, skipped = [], []
+    for ctx in contexts:
+        est = extrapolate(results + done, ctx)
+        if est is not None and est > budget:
+            msg = (
+                f"{ctx} (hkv only): skipped, cold prefill extrapolated to {est:.0f} s > --hkv-only-budget {budget:.0f}"
+            )
+            log(msg)
+            skipped.append(msg)
+            continue
+        log(f"{ctx}: hkv only (cold prefill extrapolated to {est:.0f} s)" if est else f"{ctx}: hkv only")
+        done.append(run_context(ctx, None, model, rng, with_hf=False, **run_options))
+    return done, skipped
+
+
 def fmt_s(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{1e3 * s:.0f} ms"

@@ -84,10 +84,10 @@ from _sidebyside import (
     CHUNK,
     SHARED,
     TIE_MARGIN,
-    extrapolate,
     fmt_s,
     log,
     run_context,
+    run_hkv_only,
     say,
     tree_state,
 )
@@ -295,19 +295,7 @@ def main() -> None:
     del hf
     bad = report(results, args)
     say(f"\n(after {time.perf_counter() - t_start:.0f} s)")
-    done, skipped = [], []
-    for ctx in hkv_only:
-        est = extrapolate(results + done, ctx)
-        if est is not None and est > args.hkv_only_budget:
-            msg = (
-                f"{ctx} (hkv only): skipped, cold prefill extrapolated to {est:.0f} s "
-                f"> --hkv-only-budget {args.hkv_only_budget:.0f}"
-            )
-            log(msg)
-            skipped.append(msg)
-            continue
-        log(f"{ctx}: hkv only (cold prefill extrapolated to {est:.0f} s)" if est else f"{ctx}: hkv only")
-        done.append(run_context(ctx, None, model, rng, with_hf=False, **run_options))
+    done, skipped = run_hkv_only(hkv_only, results, model, rng, args.hkv_only_budget, run_options)
     if hkv_only:
         say("\n## hkv alone\n")
         say(

@@ -69,11 +69,11 @@ from _sidebyside import (
     SHARED,
     TIE_MARGIN,
     agreeing,
-    extrapolate,
     fmt_s,
     log,
     measured_tree,
     run_context,
+    run_hkv_only,
     say,
     tree_state,
 )
@@ -348,19 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     run_options = {"vocab": cfg.vocab_size, "new": args.new_tokens, "defaults": args.defaults}
     results = [run_context(ctx, hf, model, rng, with_hf=True, **run_options) for ctx in contexts]
     del hf
-    done, skipped = [], []
-    for ctx in hkv_only:
-        est = extrapolate(results + done, ctx)
-        if est is not None and est > args.hkv_only_budget:
-            msg = (
-                f"{ctx} (hkv only): skipped, cold prefill extrapolated to {est:.0f} s "
-                f"> --hkv-only-budget {args.hkv_only_budget:.0f}"
-            )
-            log(msg)
-            skipped.append(msg)
-            continue
-        log(f"{ctx}: hkv only (cold prefill extrapolated to {est:.0f} s)" if est else f"{ctx}: hkv only")
-        done.append(run_context(ctx, None, model, rng, with_hf=False, **run_options))
+    done, skipped = run_hkv_only(hkv_only, results, model, rng, args.hkv_only_budget, run_options)
     report(results, done, skipped, args)
     meta["seconds"] = time.perf_counter() - t_start
     meta["load_end"] = os.getloadavg()[0]
