@@ -14,13 +14,12 @@ import numpy as np
 
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
-from hkv.core.transitions import required_rows
 
 
 def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) -> bool:
     """True when some pool has fewer free pages than `reserve(layout, cache, slots, new_lengths)`
     would map: for each slot, the unmapped pages of the rows [lo, hi) its group must hold at the new
-    length (`transitions.required_rows`, as `reserve` counts them).
+    length (`transitions.required_rows`).
 
     Args:
       layout, cache: the engine's (only page tables and refcounts are read, copied to the host).
@@ -30,11 +29,12 @@ def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) 
     """
     tables, refcounts = jax.device_get(([g.page_table for g in cache.groups], [g.refcount for g in cache.groups]))
     ps = layout.page_size
-    for gi in range(len(layout.groups)):
+    for gi, grp in enumerate(layout.groups):
         table = np.asarray(tables[gi])
         need = 0
         for slot, length in zip(slots, new_lengths, strict=True):
-            lo, hi = (int(r) for r in required_rows(layout, gi, np.int32(length)))
+            hi = int(length) // grp.unit
+            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
             need += int((table[int(slot), lo // ps : -(-hi // ps)] < 0).sum())
         if need > int((np.asarray(refcounts[gi]) == 0).sum()):
             return True
