@@ -32,6 +32,8 @@ def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) 
     for gi, grp in enumerate(layout.groups):
         table = np.asarray(tables[gi])
         need = 0
+        # reserve's row range (`transitions.required_rows`) restated in numpy: that function is jnp
+        # code, which would dispatch (and compile) small programs on every request's path
         for slot, length in zip(slots, new_lengths, strict=True):
             hi = int(length) // grp.unit
             lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
