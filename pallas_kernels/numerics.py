@@ -475,27 +475,43 @@ def _tile_max(s: jax.Array) -> jax.Array:
     return s.reshape(s.shape[:2] + s.shape[3:5])
 
 
+def _live_blocks(valid: jax.Array, per: int) -> tuple[jax.Array, jax.Array]:
+    """The blocks of `per` tiles (of valid [N, Q, T, KT]) that hold a visible key: int32 (first, end),
+    first == end when none does. Blocks outside hold invisible keys only, whose terms are exact zeros
+    (and -inf to the max), so walking [first, end) gives the bits of walking every block."""
+    t = valid.shape[2]
+    seen = jnp.any(valid, axis=(0, 1, 3))  # [T]
+    any_seen = jnp.any(seen)
+    first_tile = jnp.argmax(seen).astype(jnp.int32)
+    end_tile = (t - jnp.argmax(seen[::-1])).astype(jnp.int32)
+    first = jnp.where(any_seen, first_tile // per, 0)
+    end = jnp.where(any_seen, (end_tile + per - 1) // per, 0)
+    return first, end
+
+
 def _attend_blocked(q, sources, *, scale, sink, softcap):
     """`attend` over blocks of key tiles, two passes (bit for bit the same result): the max over every
     visible score, block by block (exact in any order); then per block p = exp(s - max) and each tile's
-    sum and value product, added to running totals tile after tile — the `ordered_sum` order."""
+    sum and value product, added to running totals tile after tile — the `ordered_sum` order. Only the
+    blocks holding a visible key are walked (`_live_blocks`): a prefill chunk that reads a bucket of
+    8192 keys of which it sees 4608 scores 4608."""
     n, nq, h, g, d = q.shape
     walks = []
     for src in sources:
         per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
-        walks.append(_tile_blocks(src, per))
+        walks.append(_tile_blocks(src, per) + _live_blocks(src.valid, per))
     m = jnp.full((n, nq, h, g), -jnp.inf, jnp.float32)
-    for count, block in walks:
+    for _, block, first, end in walks:
 
         def top(i, m, block=block):
             return jnp.maximum(m, _tile_max(_masked_scores(q, block(i), scale, softcap)))
 
-        m = lax.fori_loop(0, count, top, m)
+        m = lax.fori_loop(first, end, top, m)
     if sink is not None:
         m = jnp.maximum(m, sink)
     shift = jnp.where(jnp.isfinite(m), m, 0.0)
     totals = (jnp.zeros((n, nq, h, g), jnp.float32), jnp.zeros((n, nq, h, g, d), jnp.float32))
-    for count, block in walks:
+    for _, block, first, end in walks:
 
         def add(i, totals, block=block):
             blk = block(i)
@@ -507,7 +523,7 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
                 l, o = l + lt[:, :, j], o + ot[:, :, j]
             return l, o
 
-        totals = lax.fori_loop(0, count, add, totals)
+        totals = lax.fori_loop(first, end, add, totals)
     return _normalized(q, *totals, shift, sink)
 
 

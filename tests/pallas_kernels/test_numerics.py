@@ -209,6 +209,33 @@ def test_attention_in_blocks_of_tiles_gives_the_bits_of_attention_at_once(monkey
         np.testing.assert_array_equal(run(), at_once, err_msg=f"blocks of {tiles} tiles")
 
 
+def test_blocked_attention_walks_only_the_blocks_with_visible_keys_bit_for_bit(monkeypatch):
+    """The blocked walk skips the blocks before the first and after the last visible key (a prefill
+    chunk reading a bucket of keys larger than it sees; a sliding window's early tiles): the bits of
+    attention at once, also for a source with no visible key at all (zeros from it)."""
+    n, nq, h, g, d, t = 2, 5, 2, 3, 8, 9
+    q = jnp.asarray(RNG.normal(0, 1, (n, nq, h, g, d)), jnp.float32)
+
+    def source(lo, hi):
+        k = jnp.asarray(RNG.normal(0, 1, (n, 1, t, nm.KEY_TILE, h, d)), jnp.float32)
+        v = jnp.asarray(RNG.normal(0, 1, (n, 1, t, nm.KEY_TILE, h, d)), jnp.float32)
+        tile = np.arange(t)[None, None, :, None]
+        valid = jnp.asarray((RNG.uniform(size=(n, nq, t, nm.KEY_TILE)) < 0.5) & (tile >= lo) & (tile < hi))
+        return nm.KeyTiles(k, v, valid)
+
+    def run(sources):  # traced anew: the block sizes are read at trace time
+        return _f32(nm.jit(lambda q, s: nm.attend(q, s, scale=0.4, softcap=5.0))(q, sources))
+
+    for sources in ([source(3, 7)], [source(1, 3), source(7, 9)], [source(5, 6), source(0, 0)]):
+        monkeypatch.setattr(nm, "BLOCKED_SCORES", 1 << 30)
+        at_once = run(sources)
+        monkeypatch.setattr(nm, "BLOCKED_SCORES", 0)
+        for tiles in (1, 2, 4):
+            monkeypatch.setattr(nm, "BLOCK_SCORES", tiles * n * nq * h * g * nm.KEY_TILE)
+            np.testing.assert_array_equal(run(sources), at_once, err_msg=f"blocks of {tiles} tiles")
+    np.testing.assert_array_equal(run([source(0, 0)]), np.zeros(q.shape, np.float32))
+
+
 def test_compiler_options_are_for_cpu_only():
     assert nm.compiler_options("gpu") is None and nm.compiler_options("tpu") is None
     opts = nm.compiler_options("cpu")
