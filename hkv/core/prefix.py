@@ -278,8 +278,13 @@ def record(
     groups, pages, gens = _record_pages(layout, cache, d)
     new_px = _record_index(cache, d, key, parent, tokens, pages, gens)
     new = cache.replace(groups=groups, prefix=new_px)
-    csum = _snapshot_checksum(layout, new, tuple(p[d.r] for p in new_px.pages), d.length, d.t)
-    new_px = new_px.replace(checksum=new_px.checksum.at[d.r].set(jnp.where(d.snap_now, csum, new_px.checksum[d.r])))
+    # summed only when this boundary takes a snapshot (a prefill chunk records 8 boundaries, 1 snapshot)
+    csum = jax.lax.cond(
+        d.snap_now,
+        lambda: _snapshot_checksum(layout, new, tuple(p[d.r] for p in new_px.pages), d.length, d.t),
+        lambda: new_px.checksum[d.r],
+    )
+    new_px = new_px.replace(checksum=new_px.checksum.at[d.r].set(csum))
     counters = _count(cache.counters, "records_created", d.do.astype(jnp.int32))
     counters = _count(counters, "snapshots_taken", d.snap_now.astype(jnp.int32))
     counters = _count(counters, "snapshots_skipped_full", (d.do & d.retain & ~d.has_snap).astype(jnp.int32))
