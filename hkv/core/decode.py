@@ -31,6 +31,7 @@ from flax import struct
 from pallas_kernels import index_math as im
 
 from .layout import CacheLayout, Status
+from .protocol import accepts_keyword
 from .sampling import SamplingBatch, SamplingParams, count_tokens, prompt_logprobs, sample, top_logprobs
 from .state import HybridCache
 
@@ -112,9 +113,14 @@ def step_and_sample(
     valid = jnp.arange(c)[None, :] < n_valid[:, None]
     bad = _oov(tokens, valid, model.vocab_size) if check else jnp.bool_(False)
     n_run = jnp.where(bad, 0, n_valid)  # a refused step runs no row: the cache comes back unchanged
+    rows = jnp.clip(n_valid - 1, 0, c - 1)[:, None]  # the row each token is drawn from
+    # only that row's logits when the model can (`Step.head_rows`) and no prompt logprobs are asked
+    only_rows = c > 1 and not params.prompt_next.shape[1] and accepts_keyword(model, "logit_rows")
+    if only_rows:
+        step_options = {**step_options, "logit_rows": rows}
     cache, logits, status = model.cached_step(layout, cache, tokens, slots, n_run, **step_options)
     status = jnp.where(bad, jnp.int32(Status.BAD_TOKEN), status)
-    last = im.take_rows(logits, jnp.clip(n_valid - 1, 0, c - 1)[:, None])[:, 0]  # [B, V]
+    last = logits[:, 0] if only_rows else im.take_rows(logits, rows)[:, 0]  # [B, V]
     tok, lp = sample(last, params, im.take(cache.lengths, slots), model.vocab_size)
     emit = (n_valid > 0) & (status == Status.OK)
     tok, lp = jnp.where(emit, tok, 0), jnp.where(emit, lp, 0.0)

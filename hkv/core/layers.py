@@ -78,6 +78,8 @@ class Step:
         many tokens, so a chunk's cost follows the context held, not the capacity (`run_step`
         refuses a step whose rows would exceed it).
       backend, interpret: the `pallas_kernels` implementation of the decode ops.
+      logit_rows: int32[B, R] the chunk rows whose logits the caller wants (None: every row);
+        `head_rows` applies it.
     """
 
     slots: jax.Array
@@ -92,6 +94,14 @@ class Step:
     read_tokens: int | None = struct.field(pytree_node=False, default=None)
     backend: str | None = struct.field(pytree_node=False, default=None)
     interpret: bool = struct.field(pytree_node=False, default=False)
+    logit_rows: jax.Array | None = None
+
+    def head_rows(self, x: jax.Array) -> jax.Array:
+        """x [B, C, ...] (the hidden states before the final norm and head) at the rows whose logits
+        the step returns: [B, R, ...] when the caller asked for `logit_rows`, else x. A model that
+        applies it computes R rows of logits instead of C (a prefill chunk samples from one row); one
+        that does not still works (`run_step` picks the rows from its C)."""
+        return x if self.logit_rows is None else im.take_rows(x, self.logit_rows)
 
     @property
     def new_len(self) -> jax.Array:
@@ -128,6 +138,7 @@ def run_step(
     kernel_backend: str | None = None,
     interpret: bool = False,
     read_tokens: int | None = None,
+    logit_rows: jax.Array | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run `forward(cache, step) -> (cache, logits)` as one pure transition of the cache.
 
@@ -146,10 +157,13 @@ def run_step(
       kernel_backend, interpret: see `Step.backend` (None: Pallas on GPU/TPU, the reference on CPU).
       read_tokens: see `Step.read_tokens`: an int in [1, max_context] bounding the tokens any running
         row holds after the step (a prefill read-size bucket, `read_buckets`), or None.
+      logit_rows: int32[B, R] with R < C (or R = C = 1): return the logits of these chunk rows only
+        (indices clipped into [0, C)); forward may compute just them (`Step.head_rows`). None: all.
 
     Returns:
-      (cache, float32[B, C, V] logits, status int32). On a status other than OK the cache comes back
-      unchanged (the pools too: every write is masked, so no copy is made) and the logits are zeros.
+      (cache, float32[B, C, V] logits ([B, R, V] with logit_rows), status int32). On a status other
+      than OK the cache comes back unchanged (the pools too: every write is masked, so no copy is
+      made) and the logits are zeros.
       A row that would hold more than `read_tokens` tokens, or an n_valid outside [0, C], fails the
       step with BAD_REQUEST.
     """
@@ -165,6 +179,14 @@ def run_step(
             f"[B, C], [B], [B]"
         )
     c = tokens.shape[1]
+    if logit_rows is not None:
+        logit_rows = jnp.asarray(logit_rows)
+        r = logit_rows.shape[1] if logit_rows.ndim == 2 else 0
+        if logit_rows.shape[:1] != tokens.shape[:1] or not (1 <= r < c or r == c == 1):
+            raise ValueError(
+                f"logit_rows{list(logit_rows.shape)} must be [{tokens.shape[0]}, R] with 1 <= R < C={c} (or R = C = 1)"
+            )
+        logit_rows = jnp.clip(logit_rows.astype(jnp.int32), 0, c - 1)
     start = im.take(cache.lengths, slots)
     new_len = start + n_valid
     # n_valid outside [0, C] names tokens the step does not hold (or none): refuse the step
@@ -192,8 +214,11 @@ def run_step(
         read_tokens=read_tokens,
         backend=kernel_backend,
         interpret=interpret,
+        logit_rows=logit_rows,
     )
     out, logits = forward(reserved, step)
+    if logit_rows is not None and logits.shape[1] != logit_rows.shape[1]:
+        logits = im.take_rows(logits, logit_rows)  # a forward that computed every row
     out = tr.advance(layout, out, slots, new_len, mask)
     out = tr.slide(layout, out, slots, mask)
     counters = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out.counters, reserved.counters)

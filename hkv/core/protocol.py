@@ -12,7 +12,10 @@ hashes the weights into the ABI fingerprint) that implements:
 Optional: a `cached_step` that also takes `read_tokens=None` and passes it to `hkv.run_step` lets the
 engine run prefill steps in read-size buckets (a chunk reads compressed entries and full-attention
 rows for the tokens held, not for `max_context`); `hkv.engine.options.accepts_read_tokens(model)`
-tells which.
+tells which. One that also takes `logit_rows=None`, passes it to `hkv.run_step` and applies
+`step.head_rows(x)` before its final norm and head computes the logits of the rows the engine
+samples from only (a prefill chunk: one row, not the chunk's C); `accepts_keyword(model,
+"logit_rows")` tells which (without it the engine asks for every row's logits).
 
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
 `hkv.core.layers` and docs/bring-your-own-model.md.
@@ -20,6 +23,7 @@ tells which.
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -65,6 +69,16 @@ class CachedModel(Protocol):
         ...
 
 
+def accepts_keyword(model, name: str, *, var_keyword: bool = True) -> bool:
+    """Whether `model.cached_step` takes the optional keyword `name` (`read_tokens`, `logit_rows`):
+    named in its signature, or (var_keyword=True) collected by a `**options` it passes on."""
+    try:
+        params = inspect.signature(model.cached_step).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return name in params or (var_keyword and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
+
+
 def check_protocol(model) -> None:
     """Raise TypeError naming what `model` lacks of `CachedModel` (an NNX module with all members)."""
     from flax import nnx
@@ -75,4 +89,4 @@ def check_protocol(model) -> None:
         raise TypeError(f"{type(model).__name__} {what}: an hkv model implements hkv.CachedModel (see its docstring)")
 
 
-__all__ = ["CachedModel", "check_protocol"]
+__all__ = ["CachedModel", "accepts_keyword", "check_protocol"]

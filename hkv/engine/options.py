@@ -4,7 +4,6 @@ anything is allocated, and the checks of a cache layout against the device (`che
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import warnings
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ import numpy as np
 from ..core.layers import default_read_buckets
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.memory import allocated_bytes
+from ..core.protocol import accepts_keyword
 from ..store.tier import DiskTier
 from .chat import ChatTemplate
 from .text import TextCodec
@@ -173,11 +173,7 @@ def chat_template_of(template, tokenizer):
 
 def accepts_read_tokens(model) -> bool:
     """Whether `model.cached_step` takes the optional `read_tokens` keyword (`hkv.Step.read_tokens`)."""
-    try:
-        params = inspect.signature(model.cached_step).parameters
-    except (TypeError, ValueError):
-        return False
-    return "read_tokens" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return accepts_keyword(model, "read_tokens")
 
 
 RESTORE_CHOICES = ("cheapest", "longest")  # `Engine(restore_choice=...)`

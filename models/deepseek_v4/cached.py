@@ -85,6 +85,7 @@ def cached_step(
     seal: bool = True,
     scan_layers: bool | None = None,
     read_tokens: int | None = None,
+    logit_rows: jax.Array | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -95,7 +96,8 @@ def cached_step(
     one `jax.lax.scan` over their stacked weights (None: `layer_scan.SCAN_LAYERS`, True; False: a
     Python loop over the layers; see `models.deepseek_v4.layer_scan`). read_tokens: a bound on the tokens any
     row holds after the step, so prefill reads of compressed entries cover only that many tokens
-    (`hkv.Step.read_tokens`; None: max_context).
+    (`hkv.Step.read_tokens`; None: max_context). logit_rows: int32[B, R], the rows whose logits to
+    compute and return (`hkv.run_step`; None: all C).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
@@ -111,7 +113,8 @@ def cached_step(
             return _layer(layer, view, cache, streams, step, rope, freqs)
 
         cache, streams = run_cached_layers(model, step, cache, streams, one, scan_layers)
-        return cache, model.logits(streams)
+        return cache, model.logits(step.head_rows(streams))
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip
+                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens,
+                    logit_rows=logit_rows)  # fmt: skip

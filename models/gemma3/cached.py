@@ -39,6 +39,7 @@ def cached_step(
     seal: bool = True,
     read_tokens: int | None = None,
     scan_layers: bool | None = None,
+    logit_rows: jax.Array | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -49,6 +50,7 @@ def cached_step(
     then reads that many past rows, not max_context (`hkv.Step.read_tokens`). scan_layers: run the
     repeating layers (5 sliding : 1 full) under one `jax.lax.scan` over their stacked weights (None:
     `models.layer_stack.SCAN_LAYERS`, True; False: a Python loop; see `models.layer_stack`).
+    `logit_rows` int32[B, R]: compute and return the logits of these rows only (`hkv.run_step`).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache is
@@ -67,7 +69,8 @@ def cached_step(
             return cache, layer.ffn_block(x + layer.post_attention_norm(layer.attn.project_output(o)))
 
         cache, x = run_cached_layers(model, step, cache, model.embed(step.tokens), one, scan_layers)
-        return cache, model.logits(x)
+        return cache, model.logits(step.head_rows(x))
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
-                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens)  # fmt: skip
+                    seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens,
+                    logit_rows=logit_rows)  # fmt: skip

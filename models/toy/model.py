@@ -172,9 +172,10 @@ class ToyModel(nnx.Module):
         kernel_backend=None,
         interpret=False,
         read_tokens=None,
+        logit_rows=None,
     ):
         """The same layers over `hkv.run_step`: each reads and writes its cache through `hkv.LayerCache`
-        (read_tokens: `hkv.Step.read_tokens`)."""
+        (read_tokens: `hkv.Step.read_tokens`; logit_rows: the rows whose logits to compute, `hkv.Step.head_rows`)."""
 
         def forward(cache, step: hkv.Step):
             x = self.embed(step.tokens)
@@ -192,11 +193,11 @@ class ToyModel(nnx.Module):
                         picks = view.index_topk(cache, *layer.indexer_q(h), kind.topk)
                 o = view.attend(cache, q, k, None if shared else v, compressed=shared, picks=picks)
                 x = layer.finish(x, o)
-            return cache, linear(norm(x), self.head)
+            return cache, linear(norm(step.head_rows(x)), self.head)
 
         return hkv.run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
                             seal=seal, kernel_backend=kernel_backend, interpret=interpret,
-                            read_tokens=read_tokens)  # fmt: skip
+                            read_tokens=read_tokens, logit_rows=logit_rows)  # fmt: skip
 
 
 def init(config: ToyConfig = ToyConfig(), seed: int = 0) -> ToyModel:
