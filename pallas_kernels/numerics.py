@@ -438,12 +438,11 @@ def _normalized(q: jax.Array, l: jax.Array, o: jax.Array, shift: jax.Array, sink
     return out.astype(q.dtype)
 
 
-def _tile_blocks(src: KeyTiles, per: int) -> tuple[int, object]:
+def _tile_blocks(src: KeyTiles, per: int):
     """src's T tiles in blocks of `per` (the last padded with invisible zero tiles, which add exact
-    zeros): (number of blocks, block(i) -> KeyTiles of tiles [i * per, (i + 1) * per))."""
+    zeros): block(i) -> KeyTiles of tiles [i * per, (i + 1) * per)."""
     t = src.k.shape[2]
-    count = -(-t // per)
-    pad = count * per - t
+    pad = -(-t // per) * per - t
 
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)) if pad else x
@@ -456,7 +455,7 @@ def _tile_blocks(src: KeyTiles, per: int) -> tuple[int, object]:
         kb = take(k)
         return KeyTiles(kb, kb if v is k else take(v), take(valid))
 
-    return count, block
+    return block
 
 
 def _tile_max(s: jax.Array) -> jax.Array:
@@ -499,9 +498,9 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
     walks = []
     for src in sources:
         per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
-        walks.append(_tile_blocks(src, per) + _live_blocks(src.valid, per))
+        walks.append((_tile_blocks(src, per), *_live_blocks(src.valid, per)))
     m = jnp.full((n, nq, h, g), -jnp.inf, jnp.float32)
-    for _, block, first, end in walks:
+    for block, first, end in walks:
 
         def top(i, m, block=block):
             return jnp.maximum(m, _tile_max(_masked_scores(q, block(i), scale, softcap)))
@@ -511,7 +510,7 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
         m = jnp.maximum(m, sink)
     shift = jnp.where(jnp.isfinite(m), m, 0.0)
     totals = (jnp.zeros((n, nq, h, g), jnp.float32), jnp.zeros((n, nq, h, g, d), jnp.float32))
-    for _, block, first, end in walks:
+    for block, first, end in walks:
 
         def add(i, totals, block=block):
             blk = block(i)

@@ -69,14 +69,14 @@ class CachedModel(Protocol):
         ...
 
 
-def accepts_keyword(model, name: str, *, var_keyword: bool = True) -> bool:
+def accepts_keyword(model, name: str) -> bool:
     """Whether `model.cached_step` takes the optional keyword `name` (`read_tokens`, `logit_rows`):
-    named in its signature, or (var_keyword=True) collected by a `**options` it passes on."""
+    named in its signature, or collected by a `**options` it passes on."""
     try:
         params = inspect.signature(model.cached_step).parameters
     except (TypeError, ValueError, AttributeError):
         return False
-    return name in params or (var_keyword and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_protocol(model) -> None:

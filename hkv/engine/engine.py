@@ -655,9 +655,6 @@ class Engine(TextMethods):
         finally:
             self._interrupt = None
 
-    def _cache_alive(self) -> bool:
-        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
-
     def _abort(self) -> None:
         """After an exception inside a call: release every active slot (pages return to the pools,
         cached prefixes stay as they are) and re-queue the requests that held them, first and in
@@ -668,7 +665,7 @@ class Engine(TextMethods):
         keeps its blocks), with a `RuntimeWarning`."""
         self.scheduler.requeue_live()
         try:
-            if self._cache_alive():
+            if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
                 for slot in np.nonzero(np.asarray(self._view.active))[0]:
                     self._tx(self.steps.release, jnp.int32(slot))
                 return
