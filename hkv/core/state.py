@@ -28,6 +28,7 @@ The state table (article §3), per slot x cache block of `block_tokens` tokens:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -139,12 +140,18 @@ def _init_cache(layout: CacheLayout) -> HybridCache:
 _init_cache_jit = jax.jit(_init_cache, static_argnums=0)
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_leaves(layout: CacheLayout) -> list:
+    """(path, ShapeDtypeStruct) of every leaf of a cache of `layout` (traced once per layout: the
+    `check_invariants` of a test's every step paid ~30 ms each for the trace)."""
+    return jax.tree_util.tree_leaves_with_path(jax.eval_shape(lambda: _init_cache(layout)))
+
+
 def check_layout(layout: CacheLayout, cache: HybridCache) -> None:
     """Raise ValueError if `cache` was not built for `layout` (any leaf's shape or dtype differs, or,
     on concrete values, the ABI fingerprint differs). Shape checks are free at trace time."""
-    want = jax.eval_shape(lambda: _init_cache(layout))
     got_leaves = jax.tree_util.tree_leaves_with_path(cache)
-    want_leaves = jax.tree_util.tree_leaves_with_path(want)
+    want_leaves = _layout_leaves(layout)
     if len(got_leaves) != len(want_leaves):
         raise ValueError(
             f"cache has {len(got_leaves)} arrays; the layout's spec needs {len(want_leaves)} "
