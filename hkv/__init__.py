@@ -19,7 +19,7 @@ from . import numerics
 from .core import transitions
 from .core.decode import DecodeOutput, decode_loop, decode_steps, step_and_sample
 from .core.invariants import InvariantError, check_invariants
-from .core.layers import LayerCache, Step, default_read_buckets, run_step
+from .core.layers import InteriorSnapshots, LayerCache, Step, default_read_buckets, run_step
 from .core.layout import CacheConfig, CacheLayout, Residency, Status
 from .core.memory import allocated_bytes, architectural_minimum, memory_report, uniform_full_kv_bytes
 from .core.plan import DevicePlan, RestorePlan
@@ -63,6 +63,7 @@ __all__ = [
     "Generation",
     "Group",
     "HybridCache",
+    "InteriorSnapshots",
     "InvariantError",
     "LayerCache",
     "LayerSpec",

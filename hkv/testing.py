@@ -30,6 +30,7 @@ from .core.layout import CacheConfig, CacheLayout
 from .core.policy import RetentionPolicy, window_rebuild_tokens
 from .core.protocol import check_protocol
 from .engine.engine import Engine
+from .engine.options import accepts_snapshots
 from .store.tier import DiskTier
 
 
@@ -231,10 +232,10 @@ def _checker(model, pr: _Prompts, tolerance: float, report: ConformanceReport) -
     return _Checker(model, ref, tolerance, report)
 
 
-def _check_cold(ck: _Checker, pr: _Prompts, chunk_sizes: tuple[int, ...], kernels: dict) -> None:
+def _check_cold(ck: _Checker, pr: _Prompts, chunk_sizes: tuple[int, ...], restore_chunk: int, kernels: dict) -> None:
     """(b) cold prefill in each chunk size + greedy decode == stateless forward; (e) one compile per bucket."""
     for chunk in chunk_sizes:
-        if chunk == pr.block_tokens:
+        if chunk == restore_chunk:
             continue  # the restore engine below runs this chunk size cold first
         name = f"stateless[chunk={chunk}]"
         eng = _engine(ck.model, pr.block_tokens, chunk, pr.max_context, prefix=False, kernel_options=kernels)
@@ -244,15 +245,16 @@ def _check_cold(ck: _Checker, pr: _Prompts, chunk_sizes: tuple[int, ...], kernel
         ck.report.checks.append(name)
 
 
-def _restore_engine(ck: _Checker, pr: _Prompts, kernels: dict) -> Engine:
-    """The prefix engine of the restore checks (chunk = block_tokens: every boundary keeps a snapshot),
-    recorded in the report, after its cold run of the base prompt."""
+def _restore_engine(ck: _Checker, pr: _Prompts, chunk: int, kernels: dict) -> Engine:
+    """The prefix engine of the restore checks, recorded in the report, after its cold run of the base
+    prompt. chunk: its prefill chunk; every boundary keeps a snapshot (block_tokens: each ends a step;
+    a wider one, for a model taking `snapshots`: the boundaries inside a step keep theirs too)."""
     bt = pr.block_tokens
-    eng = _engine(ck.model, bt, bt, pr.max_context, prefix=True, kernel_options=kernels)
+    eng = _engine(ck.model, bt, chunk, pr.max_context, prefix=True, kernel_options=kernels)
     ck.report.engine_config = eng.layout.config
-    ck.report.engine_options = {"block_tokens": bt, "prefill_chunk": bt, "kernel_options": kernels}
-    ck.generate(f"stateless[chunk={bt}]", eng, [pr.base], pr.new_tokens)
-    ck.report.checks.append(f"stateless[chunk={bt}]")
+    ck.report.engine_options = {"block_tokens": bt, "prefill_chunk": chunk, "kernel_options": kernels}
+    ck.generate(f"stateless[chunk={chunk}]", eng, [pr.base], pr.new_tokens)
+    ck.report.checks.append(f"stateless[chunk={chunk}]")
     return eng
 
 
@@ -339,7 +341,9 @@ def check_model(
       model: the model under test (an NNX module implementing `hkv.CachedModel`).
       block_tokens: tokens per cache block (the restore granularity).
       chunk_sizes: prefill chunk sizes whose cold runs are compared with the stateless forward; the
-        restore checks use chunk = block_tokens (a snapshot at every boundary).
+        restore checks use the widest of them when the model's cached_step takes `snapshots` (the
+        boundaries inside a chunk are restored from the snapshots the step prepared), else chunk =
+        block_tokens (each boundary ends a step).
       max_context: tokens per slot (default: the longest prompt plus new tokens, rounded up to blocks).
       prompt_tokens: length of the base prompt (default 3 blocks + 5 tokens, longer when the spec's
         window rebuild needs more); cut points are the block boundaries 1..3 (those that fit), two
@@ -368,8 +372,10 @@ def check_model(
     report.window_rebuild_tokens = pr.window
     ck = _checker(model, pr, tolerance, report)
     kernels = {"kernel_backend": kernel_backend, "interpret": interpret}
-    _check_cold(ck, pr, chunk_sizes, kernels)
-    eng = _restore_engine(ck, pr, kernels)
+    # a model taking `snapshots` restores inside its widest chunk; others where each step ends
+    restore_chunk = max(chunk_sizes) if accepts_snapshots(model) else block_tokens
+    _check_cold(ck, pr, chunk_sizes, restore_chunk, kernels)
+    eng = _restore_engine(ck, pr, restore_chunk, kernels)
     for cut in pr.cuts:  # kept snapshots
         _restore(ck, eng, pr, "snapshot", cut, False, False)
     _check_disk(ck, eng, pr, disk_dir)

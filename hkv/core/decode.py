@@ -85,6 +85,7 @@ def step_and_sample(
     key: jax.Array | None = None,
     check: bool = True,
     keep_logits: bool = False,
+    snapshots=None,
     **step_options,
 ):
     """Run one chunk through `model.cached_step` and sample the token after each row's last valid one.
@@ -99,6 +100,8 @@ def step_and_sample(
       check: refuse ids outside [0, model.vocab_size) in valid positions (status `BAD_TOKEN`, cache
         unchanged) instead of letting the embedding gather clamp them.
       keep_logits: also return the float32[B, V] logits each token was drawn from.
+      snapshots: `hkv.InteriorSnapshots` passed to the model's cached_step when it takes that keyword
+        (a model that does not prepares none; `record_many` then takes no snapshot inside the step).
       step_options: passed to `model.cached_step` (kernel_backend, interpret).
 
     Returns:
@@ -118,6 +121,8 @@ def step_and_sample(
     only_rows = c > 1 and not params.prompt_next.shape[1] and accepts_keyword(model, "logit_rows")
     if only_rows:
         step_options = {**step_options, "logit_rows": rows}
+    if snapshots is not None and accepts_keyword(model, "snapshots"):
+        step_options = {**step_options, "snapshots": snapshots}
     cache, logits, status = model.cached_step(layout, cache, tokens, slots, n_run, **step_options)
     status = jnp.where(bad, jnp.int32(Status.BAD_TOKEN), status)
     last = logits[:, 0] if only_rows else im.take_rows(logits, rows)[:, 0]  # [B, V]

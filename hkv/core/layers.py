@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,10 @@ class Step:
       backend, interpret: the `pallas_kernels` implementation of the decode ops.
       logit_rows: int32[B, R] the chunk rows whose logits the caller wants (None: every row);
         `head_rows` applies it.
+      snapshot_at: int32[B, K] interior block boundaries (token counts in (start, start + n_valid])
+        whose TAIL `LayerCache.compress` stages for a snapshot, -1 for none (`InteriorSnapshots`);
+        None: no staging.
+      hold: int32[B] the earliest of them per row (SWA writes keep the window there too), or None.
     """
 
     slots: jax.Array
@@ -95,6 +99,8 @@ class Step:
     backend: str | None = struct.field(pytree_node=False, default=None)
     interpret: bool = struct.field(pytree_node=False, default=False)
     logit_rows: jax.Array | None = None
+    snapshot_at: jax.Array | None = None
+    hold: jax.Array | None = None
 
     def head_rows(self, x: jax.Array) -> jax.Array:
         """x [B, C, ...] (the hidden states before the final norm and head) at the rows whose logits
@@ -126,6 +132,26 @@ class Step:
         return self.positions.shape[1] == 1
 
 
+class InteriorSnapshots(NamedTuple):
+    """The block boundaries inside a prefill step whose SWA + TAIL snapshot the step prepares
+    (`run_step(snapshots=...)`), so that a chunk of any width can be restored at each of them.
+
+    For each row b and column k with `at[b, k]` a block boundary in (start, start + n_valid] and
+    `slot[b, k]` a free TAIL snapshot slot (not `snap_used`), the step writes every compressor's
+    TAIL as it stands at that boundary into snapshot slot `slot[b, k]` and keeps the SWA pages of
+    the window at that boundary mapped after the step. `hkv.core.prefix.record_many`, run next for
+    that slot with the same slots (`snap_slots`), turns them into snapshots of its records and slides
+    the window. Other entries are ignored (use -1).
+
+    Attributes:
+      at: int32[B, K] boundaries (tokens held at the boundary), -1 for none.
+      slot: int32[B, K] the TAIL snapshot slot of each, -1 for none; distinct among used entries.
+    """
+
+    at: jax.Array
+    slot: jax.Array
+
+
 def run_step(
     layout: CacheLayout,
     cache: HybridCache,
@@ -139,6 +165,7 @@ def run_step(
     interpret: bool = False,
     read_tokens: int | None = None,
     logit_rows: jax.Array | None = None,
+    snapshots: InteriorSnapshots | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run `forward(cache, step) -> (cache, logits)` as one pure transition of the cache.
 
@@ -159,6 +186,9 @@ def run_step(
         row holds after the step (a prefill read-size bucket, `read_buckets`), or None.
       logit_rows: int32[B, R] with R < C (or R = C = 1): return the logits of these chunk rows only
         (indices clipped into [0, C)); forward may compute just them (`Step.head_rows`). None: all.
+      snapshots: `InteriorSnapshots` with [B, K] fields: prepare the snapshots of these interior
+        block boundaries (TAILs written into the given snapshot slots, windows kept mapped) for
+        the `record_many` that follows. None: none.
 
     Returns:
       (cache, float32[B, C, V] logits ([B, R, V] with logit_rows), status int32). On a status other
@@ -187,6 +217,17 @@ def run_step(
                 f"logit_rows{list(logit_rows.shape)} must be [{tokens.shape[0]}, R] with 1 <= R < C={c} (or R = C = 1)"
             )
         logit_rows = jnp.clip(logit_rows.astype(jnp.int32), 0, c - 1)
+    if snapshots is not None:
+        snapshots = InteriorSnapshots(*(jnp.asarray(a) for a in snapshots))
+        if (
+            snapshots.at.ndim != 2
+            or snapshots.at.shape[:1] != tokens.shape[:1]
+            or snapshots.slot.shape != snapshots.at.shape
+        ):
+            raise ValueError(
+                f"snapshots.at{list(snapshots.at.shape)} and snapshots.slot{list(snapshots.slot.shape)} must both be "
+                f"[{tokens.shape[0]}, K]"
+            )
     start = im.take(cache.lengths, slots)
     new_len = start + n_valid
     # n_valid outside [0, C] names tokens the step does not hold (or none): refuse the step
@@ -195,12 +236,23 @@ def run_step(
     if read_tokens is not None and read_tokens < max_context:
         known = (slots >= 0) & (slots < layout.slots)  # an unknown slot stays reserve's UNKNOWN_SLOT
         over = over | jnp.any((n_valid > 0) & known & (new_len > read_tokens))
-    reserved, status = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over)
+    snap_at = staged = hold = None
+    if snapshots is None:
+        reserved, status = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over)
+    else:  # the windows of the interior boundaries stay mapped (when the pools have room for them)
+        staged = _snapshot_entries(layout, cache, snapshots, start, new_len, n_valid > 0)
+        hold = jnp.min(jnp.where(staged, snapshots.at.astype(jnp.int32), _NO_HOLD), axis=1)
+        reserved, status, held = tr.reserve(layout, cache, slots, new_len, (n_valid > 0) & ~over, hold)
     status = jnp.where(over, jnp.int32(Status.BAD_REQUEST), status)
     ok = status == Status.OK
     mask = (n_valid > 0) & ok
     positions = start[:, None] + jnp.arange(c)[None, :]
     valid = jnp.arange(c)[None, :] < n_valid[:, None]
+    if snapshots is not None:
+        staged = staged & mask[:, None] & held
+        hold = jnp.where(held, hold, _NO_HOLD)
+        snap_at = jnp.where(staged, snapshots.at.astype(jnp.int32), -1)
+        reserved = _with_staging_rows(reserved, snap_at.size)
     step = Step(
         slots=slots,
         start=start,
@@ -215,14 +267,76 @@ def run_step(
         backend=kernel_backend,
         interpret=interpret,
         logit_rows=logit_rows,
+        snapshot_at=snap_at,
+        hold=hold,
     )
     out, logits = forward(reserved, step)
+    if snapshots is not None:
+        out = _install_staged(layout, out, slots, mask, staged, snapshots)
     if logit_rows is not None and logits.shape[1] != logit_rows.shape[1]:
         logits = im.take_rows(logits, logit_rows)  # a forward that computed every row
     out = tr.advance(layout, out, slots, new_len, mask)
-    out = tr.slide(layout, out, slots, mask)
+    out = tr.slide(layout, out, slots, mask, hold)
     counters = jax.tree.map(lambda new, old: jnp.where(ok, new, old), out.counters, reserved.counters)
     return out.replace(counters=counters), jnp.where(ok, logits.astype(jnp.float32), 0.0), status
+
+
+_NO_HOLD = np.iinfo(np.int32).max  # a hold past every length: windows slide as without one
+
+
+def _snapshot_entries(layout, cache, snapshots: InteriorSnapshots, start, new_len, mask) -> jax.Array:
+    """bool[B, K]: the `InteriorSnapshots` entries a step prepares: a block boundary inside the row's
+    new tokens, of a running row, with a free snapshot slot (never one a record holds)."""
+    at, slot = snapshots.at.astype(jnp.int32), snapshots.slot.astype(jnp.int32)
+    px = cache.prefix
+    nt = px.snap_used.shape[0]
+    free = ~im.take(px.snap_used, jnp.clip(slot, 0, max(nt - 1, 0))) if nt else jnp.zeros(slot.shape, bool)
+    inside = (at > start[:, None]) & (at <= new_len[:, None]) & (at % layout.spec.block_tokens == 0)
+    ok = inside & mask[:, None] & (slot >= 0) & (slot < nt) & free
+    # one entry per snapshot slot: a slot named twice keeps its first entry
+    flat = jnp.where(ok, slot, -1).reshape(-1)
+    first = jnp.argmax(flat[:, None] == flat[None, :], axis=1) == jnp.arange(flat.shape[0])
+    return ok & first.reshape(ok.shape)
+
+
+def _with_staging_rows(cache: HybridCache, n: int) -> HybridCache:
+    """The cache with n rows appended to every TAIL field: where `LayerCache.compress` stages the
+    TAILs of a step's `InteriorSnapshots` (row `slots + b * K + k`)."""
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((n, *a.shape[1:]), a.dtype)])
+    return cache.replace(tails=tuple(jax.tree.map(pad, t) for t in cache.tails))
+
+
+def _install_staged(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slots: jax.Array,
+    mask: jax.Array,
+    staged: jax.Array,
+    snaps: InteriorSnapshots,
+) -> HybridCache:
+    """Move the staged TAIL rows (`_with_staging_rows`) of entries `staged` bool[B, K] into the prefix
+    index's snapshot slots `snaps.slot` int32[B, K], marking each with (cache slot, boundary) in
+    `PrefixIndex.staged` (the marks of the step's running slots from earlier steps are cleared
+    first: only the record right after the step may take them); drop the staging rows."""
+    s = layout.slots
+    px = cache.prefix
+    nt = px.snap_used.shape[0]
+    idx = jnp.where(staged, snaps.slot, nt).reshape(-1)
+    ran = jnp.any((px.staged[:, :1] == jnp.where(mask, slots, -2)[None, :]), axis=1)
+    cleared = jnp.where(ran[:, None], -1, px.staged)
+    row_slot = jnp.broadcast_to(slots[:, None], staged.shape).astype(jnp.int32)
+    mark = jnp.stack([row_slot, snaps.at.astype(jnp.int32)], axis=-1).reshape(-1, 2)
+    marks = cleared.at[idx].set(mark, mode="drop", wrap_negative_indices=False) if nt else cleared
+    tails, snaps = [], list(px.snaps)
+    for ci, t in enumerate(cache.tails):
+        tails.append(jax.tree.map(lambda a: a[:s], t))
+        if nt:
+            snaps[ci] = jax.tree.map(
+                lambda d, a: d.at[idx].set(a[s:].astype(d.dtype), mode="drop", wrap_negative_indices=False),
+                px.snaps[ci],
+                t,
+            )
+    return cache.replace(tails=tuple(tails), prefix=px.replace(snaps=tuple(snaps), staged=marks))
 
 
 def default_read_buckets(max_context: int, smallest: int = 1024) -> tuple[int, ...]:
@@ -561,11 +675,10 @@ class LayerCache:
             )
         valid = st.valid & st.mask[:, None]
         if ObjectKind.SWA not in self._index:
-            return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, valid)
+            return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, valid, st.hold)
         keep = self._layout.groups[self._group(ObjectKind.SWA)[0]].keep  # as `transitions.write_swa`
         if keep is not None:
-            end = jnp.max(jnp.where(valid, st.positions + 1, 0), axis=1, keepdims=True)
-            valid = valid & (st.positions >= end - keep)
+            valid = valid & (st.positions >= tr.window_start(st.positions, valid, keep, st.hold))
         return self._write(cache, ObjectKind.SWA, st.positions, rows, valid)
 
     def compress(
@@ -644,6 +757,10 @@ class LayerCache:
             closed = (count > 0)[:, None, None]
             ov_kv = jnp.where(closed, ca_kv, prior_kv.astype(ca_kv.dtype))
             ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate)
+        if st.snapshot_at is not None:
+            cache = self._stage_tails(
+                cache, tail_index, comp, buf_kv, buf_gate, tail_len, prior_kv, prior_gate, gate_bias
+            )
         cache = tr.append_tail(layout, cache, tail_index, st.slots, new_kv, new_gate, ov_kv, ov_gate, st.mask)
         if st.seal:
             count = jnp.where(st.mask, count, 0)
@@ -666,6 +783,48 @@ class LayerCache:
             if kind == ObjectKind.COMPRESSED:
                 cache = cache.replace(counters=tr._count(cache, "entries_sealed", jnp.sum(count)))
         return cache
+
+    def _stage_tails(self, cache, tail_index: int, comp, buf_kv, buf_gate, tail_len, prior_kv, prior_gate, gate_bias):
+        """Write the TAIL this compressor holds at each `Step.snapshot_at` boundary into its staging
+        rows (`run_step` moves them into snapshot slots): the same rows, by the same selections, as
+        `compress` keeps at the end of a step that ends at that boundary.
+
+        buf_kv, buf_gate: [B, Lb, W] the open-window rows followed by the chunk's; tail_len int32[B]
+        the open-window rows; prior_*: the overlap state before the step (None without overlap).
+        """
+        st, s = self.step, self._layout.slots
+        m, d, width = comp.ratio, comp.entry_dim, comp.proj_width
+        at = st.snapshot_at
+        b, k = at.shape
+        lb = buf_kv.shape[1]
+        total = jnp.clip(tail_len[:, None] + at - st.start[:, None], 0, lb)  # [B, K] buffer rows up to there
+        count = im.div(total, m)
+        i = jnp.arange(m)
+        src = jnp.clip(count[..., None] * m + i, 0, lb - 1).reshape(b, k * m)
+        keep = (i < (total - count * m)[..., None])[..., None]
+        rows = lambda buf, idx: im.take_rows(buf, idx).reshape(b, k, m, width)
+        staged = {
+            "tail_kv": jnp.where(keep, rows(buf_kv, src), 0),
+            "tail_gate": jnp.where(keep, rows(buf_gate, src), 0),
+        }
+        if comp.overlap:  # as `compress`: the first entry_dim columns of the last window closed by then
+            bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
+            last = jnp.clip((count - 1)[..., None] * m + i, 0, lb - 1).reshape(b, k * m)
+            ca_kv = rows(buf_kv, last)[..., :d]
+            ca_gate = (rows(buf_gate, last) + bias)[..., :d]
+            closed = (count > 0)[..., None, None]
+            staged["overlap_kv"] = jnp.where(closed, ca_kv, prior_kv[:, None].astype(ca_kv.dtype))
+            staged["overlap_gate"] = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate[:, None])
+        t = cache.tails[tail_index]
+        put = {
+            f: jax.lax.dynamic_update_slice_in_dim(
+                getattr(t, f), v.reshape(b * k, *v.shape[2:]).astype(getattr(t, f).dtype), s, axis=0
+            )
+            for f, v in staged.items()
+        }
+        tails = list(cache.tails)
+        tails[tail_index] = t.replace(**put)
+        return cache.replace(tails=tuple(tails))
 
     # -------------------------------------------------------------------- reads
     def index_topk(self, cache: HybridCache, q: jax.Array, weights: jax.Array, k: int) -> jax.Array:
@@ -942,6 +1101,7 @@ def _put(items: tuple, replace: dict[int, Any]) -> list:
 
 
 __all__ = [
+    "InteriorSnapshots",
     "LayerCache",
     "LayerRun",
     "Step",

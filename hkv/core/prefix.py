@@ -87,6 +87,19 @@ def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tupl
     return acc
 
 
+def _windows_mapped(layout: CacheLayout, cache: HybridCache, slot, length) -> jax.Array:
+    """bool: every page the SWA windows at boundary `length` need is mapped in slot `slot`'s tables."""
+    ok = jnp.bool_(True)
+    for gi, grp in enumerate(layout.groups):
+        if grp.kind != ObjectKind.SWA:
+            continue
+        _, _, p0, p1 = _row_range(layout, gi, length)
+        table = cache.groups[gi].page_table[slot]
+        logical = jnp.arange(table.shape[0])
+        ok = ok & ~jnp.any((logical >= p0) & (logical < p1) & (table < 0))
+    return ok
+
+
 def _count(counters: dict, name: str, n) -> dict:
     c = dict(counters)
     c[name] = c[name] + jnp.asarray(n, jnp.int32)  # names are fixed in state.COUNTERS (static pytree)
@@ -110,13 +123,14 @@ class _RecordDecision(NamedTuple):
     upgrade: jax.Array  # bool: the reused record r gains the snapshot it lacked
     snap_now: jax.Array  # bool: a snapshot is taken into slot t
     ok: jax.Array  # bool: the record exists after the call
+    staged: jax.Array  # bool: slot t's TAIL was written by the prefill step (`InteriorSnapshots`)
 
 
 def _record_decision(
-    layout: CacheLayout, cache: HybridCache, slot, key, parent, tokens, retain, length, enabled
+    layout: CacheLayout, cache: HybridCache, slot, key, parent, tokens, retain, length, enabled, snap_slot
 ) -> _RecordDecision:
     """Decide `record`'s writes; arguments as `record`'s (key uint32[4], parent int32, tokens
-    int32[bt], retain bool, length int32 or None, enabled bool or None).
+    int32[bt], retain bool, length int32 or None, enabled bool or None, snap_slot int32 or None).
 
     Returns:
       _RecordDecision: the record slot r, the snapshot slot t and the gates of every write.
@@ -126,7 +140,18 @@ def _record_decision(
     on = (jnp.bool_(True) if enabled is None else jnp.asarray(enabled, bool)) & known
     current = cache.lengths[slot]
     length = current if length is None else jnp.asarray(length, jnp.int32)
-    retain = retain & (length == current)  # a snapshot exists only at the current length
+    nt = px.snap_used.shape[0]
+    snap_slot = jnp.int32(-1) if snap_slot is None else jnp.asarray(snap_slot, jnp.int32)
+    # a TAIL the prefill step staged in a free snapshot slot (`InteriorSnapshots`): a boundary inside it
+    staged = (snap_slot >= 0) & (snap_slot < nt)
+    if nt:  # free, and staged by this slot's last step at this very boundary
+        ts = jnp.clip(snap_slot, 0, nt - 1)
+        staged = staged & ~px.snap_used[ts] & jnp.all(px.staged[ts] == jnp.stack([slot, length]))
+    else:
+        staged = jnp.bool_(False)
+    # a snapshot exists only at the current length, or where the step staged one, and only with
+    # every page of its windows still mapped in the slot
+    retain = retain & ((length == current) | staged) & _windows_mapped(layout, cache, slot, length)
     same = (
         (px.state == RecordState.ALIVE)
         & jnp.all(px.key == key[None, :], axis=1)
@@ -149,14 +174,20 @@ def _record_decision(
     ok_slot = ok_slot & parent_ok & on  # a chain whose parent was evicted is not extended (no orphans)
     do = can & ~exists & ok_slot
     snap_free = ~px.snap_used
-    has_snap = retain & jnp.any(snap_free)
+    has_snap = retain & (staged | jnp.any(snap_free))
     # (no snapshot slots at all -- tail_snapshots=0 -- records keep no TAIL/window: argmax of nothing is undefined)
-    t = jnp.where(has_snap, jnp.argmax(snap_free), -1).astype(jnp.int32) if snap_free.shape[0] else jnp.int32(-1)
+    # (a slot a step staged a TAIL in for another slot's record goes last)
+    unmarked = snap_free & (px.staged[:, 0] < 0) if nt else snap_free
+    pick = jnp.where(jnp.any(unmarked), jnp.argmax(unmarked), jnp.argmax(snap_free)) if nt else jnp.int32(-1)
+    free_slot = jnp.where(staged, snap_slot, pick) if nt else jnp.int32(-1)
+    t = jnp.where(has_snap, free_slot, -1).astype(jnp.int32)
     # a boundary crossed again (e.g. a branch point) may add the snapshot its record lacked
     upgrade = exists & ok_slot & has_snap & ~px.swa_held[r] & (px.tail_slot[r] < 0)
     snap_now = (do & has_snap) | upgrade
     ok = (can & ok_slot) | exists
-    return _RecordDecision(known, slot, length, retain, exists, r, ok_slot, do, has_snap, t, upgrade, snap_now, ok)
+    return _RecordDecision(
+        known, slot, length, retain, exists, r, ok_slot, do, has_snap, t, upgrade, snap_now, ok, staged
+    )
 
 
 def _record_pages(layout: CacheLayout, cache: HybridCache, d: _RecordDecision) -> tuple[tuple, tuple, tuple]:
@@ -200,12 +231,14 @@ def _record_index(
     px = cache.prefix
     r, do = d.r, d.do
     tt = jnp.maximum(d.t, 0)
-    snaps = tuple(set_tail_row(s, tt, d.snap_now, cache.tails[ci], d.slot) for ci, s in enumerate(px.snaps))
+    copy = d.snap_now & ~d.staged  # (a staged TAIL is in slot t already)
+    snaps = tuple(set_tail_row(s, tt, copy, cache.tails[ci], d.slot) for ci, s in enumerate(px.snaps))
     snap_used = (
         px.snap_used.at[tt].set(jnp.where(d.snap_now, True, px.snap_used[tt]))
         if px.snap_used.shape[0]
         else px.snap_used
     )
+    staged = px.staged.at[tt].set(jnp.where(d.snap_now, -1, px.staged[tt])) if px.staged.shape[0] else px.staged
     clock = px.clock + d.ok.astype(jnp.int32)
     return px.replace(
         key=px.key.at[r].set(jnp.where(do, key, px.key[r])),
@@ -224,6 +257,7 @@ def _record_index(
         tail_slot=px.tail_slot.at[r].set(jnp.where(d.snap_now, d.t, jnp.where(do, -1, px.tail_slot[r]))),
         snaps=snaps,
         snap_used=snap_used,
+        staged=staged,
         clock=clock,
     )
 
@@ -256,10 +290,13 @@ def record(
     retain: jax.Array,
     length: jax.Array | None = None,
     enabled: jax.Array | None = None,
+    snap_slot: jax.Array | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Record the block ending at boundary L = `length` (default: slot `slot`'s current length; a
     multiple of block_tokens, at most the current length). A boundary inside the last step (below the
-    current length) gets COMPRESSED/INDEXER references only: its window and TAIL are gone already.
+    current length) gets COMPRESSED/INDEXER references only (its window and TAIL are gone already),
+    unless the step staged its snapshot (`hkv.core.layers.InteriorSnapshots`): then `snap_slot` names
+    the free snapshot slot holding its TAIL, and the step kept its window's pages mapped.
 
     key uint32[4]; parent int32 (record of the previous block, -1 for the first); tokens int32[bt];
     retain bool: also keep the SWA window and a TAIL snapshot at L (the retention policy's choice).
@@ -271,7 +308,7 @@ def record(
     cache unchanged). enabled=False (traced bool): the cache comes back unchanged and the record index
     is -1 (`record_many`'s skipped blocks).
     """
-    d = _record_decision(layout, cache, slot, key, parent, tokens, retain, length, enabled)
+    d = _record_decision(layout, cache, slot, key, parent, tokens, retain, length, enabled, snap_slot)
     # every write below is gated by a subset of `ok` (do, upgrade, snap_now, exists), so a refused
     # record leaves the cache unchanged without a select over whole arrays (the TAIL snapshot pool
     # and page tables would otherwise be copied on every call)
@@ -303,6 +340,8 @@ def record_many(
     retain: jax.Array,
     lengths: jax.Array,
     valid: jax.Array,
+    snap_slots: jax.Array | None = None,
+    last: jax.Array | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
     """`record` of K consecutive blocks of one slot's chain in one transition (one dispatch instead
     of K: a prefill chunk or a restore from disk crosses many boundaries at once).
@@ -311,7 +350,11 @@ def record_many(
     order); valid bool[K] (a prefix of True: padding to a fixed K). Block j is recorded with parent =
     the record block j - 1 got (`parent` for j = 0), exactly as K `record` calls in a row. The first
     block that gets Status.NO_PAGES stops the batch (it and every later block are left unrecorded,
-    for the caller to evict and retry from there). Returns (cache, records int32[K], statuses
+    for the caller to evict and retry from there). snap_slots int32[K] (None: all -1): the snapshot
+    slot a prefill step staged each boundary's TAIL in (`record`'s snap_slot). last bool (None: True):
+    this is the step's last batch of boundaries; then, when every valid block was processed, the
+    slot's windows slide to its length (releasing the windows the step held for its interior
+    snapshots). Returns (cache, records int32[K], statuses
     int32[K], done): records/statuses as `record` returned them (-1 for blocks not processed), done
     = the number of leading blocks processed (everything valid, or up to the NO_PAGES block).
     """
@@ -327,16 +370,23 @@ def record_many(
         # every call costs only the rows it records (a scan ran all K rows, masked)
         j, c, par, _, records, statuses = carry
         go = valid[j]
-        c, r, st = record(layout, c, slot, keys[j], par, tokens[j], retain[j], lengths[j], enabled=go)
+        c, r, st = record(
+            layout, c, slot, keys[j], par, tokens[j], retain[j], lengths[j], enabled=go, snap_slot=staged[j]
+        )
         no_pages = go & (st == Status.NO_PAGES)
         records = records.at[j].set(jnp.where(go, r, -1).astype(jnp.int32))
         statuses = statuses.at[j].set(jnp.where(go, st, -1).astype(jnp.int32))
         return j + 1, c, jnp.where(go & ~no_pages, r, par), no_pages | ~go, records, statuses
 
     none = jnp.full((k,), -1, jnp.int32)
+    staged = none if snap_slots is None else jnp.asarray(snap_slots, jnp.int32)
     carry = (jnp.int32(0), cache, jnp.asarray(parent, jnp.int32), jnp.bool_(False), none, none)
     _, cache, _, _, records, statuses = jax.lax.while_loop(cond, body, carry)
     done = jnp.sum((statuses >= 0) & (statuses != Status.NO_PAGES)).astype(jnp.int32)
+    known, s = checked_slot(layout, slot)
+    finished = known & cache.active[s] & ~jnp.any(statuses == Status.NO_PAGES)
+    finished = finished if last is None else finished & jnp.asarray(last, bool)
+    cache = slide(layout, cache, s[None], finished[None])
     return cache, records, statuses, done
 
 

@@ -41,6 +41,9 @@ class PrefixIndex:
     on_disk: jax.Array  # bool[NR]  a committed disk-tier copy exists (set when its manifest is published)
     snaps: tuple  # per compressor TailState with leading dim NT
     snap_used: jax.Array  # bool[NT]
+    # int32[NT, 2] (slot, boundary L) whose TAIL a prefill step staged in this free snapshot slot
+    # (`hkv.core.layers.InteriorSnapshots`), -1 = none: only that slot's record at L may take it
+    staged: jax.Array
     clock: jax.Array  # int32
 
 
@@ -78,5 +81,6 @@ def init_prefix(layout: CacheLayout) -> PrefixIndex:
         on_disk=jnp.zeros((nr,), bool),
         snaps=tuple(snaps),
         snap_used=jnp.zeros((nt,), bool),
+        staged=jnp.full((nt, 2), -1, jnp.int32),
         clock=jnp.zeros((), jnp.int32),
     )

@@ -15,7 +15,10 @@ rows for the tokens held, not for `max_context`); `hkv.engine.options.accepts_re
 tells which. One that also takes `logit_rows=None`, passes it to `hkv.run_step` and applies
 `step.head_rows(x)` before its final norm and head computes the logits of the rows the engine
 samples from only (a prefill chunk: one row, not the chunk's C); `accepts_keyword(model,
-"logit_rows")` tells which (without it the engine asks for every row's logits).
+"logit_rows")` tells which (without it the engine asks for every row's logits). One that also
+takes `snapshots=None` and passes it to `hkv.run_step` prepares the SWA + TAIL snapshots of the block
+boundaries inside a prefill chunk (`hkv.InteriorSnapshots`), so a prefix restores at every block
+boundary whatever the chunk (without it, only where a step ended).
 
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
 `hkv.core.layers` and docs/bring-your-own-model.md.

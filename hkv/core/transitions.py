@@ -161,25 +161,16 @@ def required_rows(layout: CacheLayout, g: int, length: jax.Array) -> tuple[jax.A
     return lo, hi
 
 
-def reserve(
-    layout: CacheLayout, cache: HybridCache, slots: jax.Array, new_lengths: jax.Array, mask: jax.Array
-) -> tuple[HybridCache, jax.Array]:
-    """Map pages so that every group can store the rows of `new_lengths[b]` tokens for each slot
-    `slots[b]` where `mask[b]`. All or nothing: CONTEXT_CAP if a length exceeds max_context,
-    UNKNOWN_SLOT / SLOT_INACTIVE if a slot is out of range / not claimed, BAD_REQUEST if a slot
-    appears twice or a length would shrink, NO_PAGES if any pool runs out — and then the cache is
-    unchanged. Newly mapped pages are zeroed."""
+def _page_needs(layout: CacheLayout, cache: HybridCache, slots, new_lengths, upto, mask):
+    """The pages `reserve` maps: per group (need bool[B, M], page rows int32[B, M]) for the rows the
+    windows at `upto` tokens need up to `new_lengths`, whether every pool has them free, and their
+    number."""
     ps = layout.page_size
-    unknown = jnp.any(mask & ((slots < 0) | (slots >= layout.slots)))
-    slots = jnp.clip(slots, 0, layout.slots - 1)
-    over = jnp.any(mask & (new_lengths > layout.config.max_context))
-    inactive = jnp.any(mask & ~im.take(cache.active, slots))
-    same = (slots[:, None] == slots[None, :]) & mask[:, None] & mask[None, :]
-    bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < im.take(cache.lengths, slots)))
     needs, enough, allocated = [], jnp.array(True), jnp.zeros((), jnp.int32)
     for gi, g in enumerate(cache.groups):
         m = g.page_table.shape[1]
-        lo, hi = required_rows(layout, gi, new_lengths)
+        lo, _ = required_rows(layout, gi, upto)
+        _, hi = required_rows(layout, gi, new_lengths)
         first = im.div(lo, ps)  # (lo, hi >= 0 for every request reserve accepts)
         last = im.div(hi + ps - 1, ps)  # exclusive
         logical = jnp.arange(m)[None, :]
@@ -189,6 +180,41 @@ def reserve(
         enough = enough & (n_need <= jnp.sum(g.refcount == 0))
         needs.append((need, rows))
         allocated = allocated + n_need
+    return needs, enough, allocated
+
+
+def reserve(
+    layout: CacheLayout,
+    cache: HybridCache,
+    slots: jax.Array,
+    new_lengths: jax.Array,
+    mask: jax.Array,
+    hold: jax.Array | None = None,
+) -> tuple[HybridCache, jax.Array] | tuple[HybridCache, jax.Array, jax.Array]:
+    """Map pages so that every group can store the rows of `new_lengths[b]` tokens for each slot
+    `slots[b]` where `mask[b]`. All or nothing: CONTEXT_CAP if a length exceeds max_context,
+    UNKNOWN_SLOT / SLOT_INACTIVE if a slot is out of range / not claimed, BAD_REQUEST if a slot
+    appears twice or a length would shrink, NO_PAGES if any pool runs out — and then the cache is
+    unchanged. Newly mapped pages are zeroed.
+
+    hold: int32[B] or None. Given, also map the pages of each slot's windows at `min(new_lengths,
+    hold)` tokens (`slide`'s hold: a prefill step's interior snapshots) when the pools have them
+    free, else reserve as without it; returns (cache, status, held bool) then."""
+    unknown = jnp.any(mask & ((slots < 0) | (slots >= layout.slots)))
+    slots = jnp.clip(slots, 0, layout.slots - 1)
+    over = jnp.any(mask & (new_lengths > layout.config.max_context))
+    inactive = jnp.any(mask & ~im.take(cache.active, slots))
+    same = (slots[:, None] == slots[None, :]) & mask[:, None] & mask[None, :]
+    bad = (jnp.sum(same) > jnp.sum(mask)) | jnp.any(mask & (new_lengths < im.take(cache.lengths, slots)))
+    needs, enough, allocated = _page_needs(layout, cache, slots, new_lengths, new_lengths, mask)
+    held = jnp.bool_(False)
+    if hold is not None:
+        held_needs, held_enough, held_allocated = _page_needs(
+            layout, cache, slots, new_lengths, jnp.minimum(new_lengths, hold), mask
+        )
+        held = held_enough
+        needs = jax.tree.map(lambda a, b: jnp.where(held, a, b), held_needs, needs)
+        enough, allocated = held_enough | enough, jnp.where(held, held_allocated, allocated)
 
     def allocate(groups):
         """Map the needed pages (refcount, page table and generations) and zero them in the pools."""
@@ -231,20 +257,29 @@ def reserve(
     failed = cache.replace(groups=groups)
     for st, name in fail_name.items():
         failed = failed.replace(counters=_count(failed, name, (status == st).astype(jnp.int32)))
+    if hold is not None:
+        return keep_if(ok, new, failed), status, held & ok
     return keep_if(ok, new, failed), status
 
 
-def slide(layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.Array) -> HybridCache:
+def slide(
+    layout: CacheLayout, cache: HybridCache, slots: jax.Array, mask: jax.Array, hold: jax.Array | None = None
+) -> HybridCache:
     """Release SWA pages whose rows have left every window (all rows < length - keep) for each
-    masked slot, and record the window bounds [swa_start, swa_end) in the state table."""
+    masked slot, and record the window bounds [swa_start, swa_end) in the state table.
+
+    hold: int32[B] or None: keep instead every page the window at `min(length, hold[b])` tokens
+    needs (a prefill step holds the windows of the interior block boundaries it snapshots, for the
+    `hkv.core.prefix.record_many` right after it, which slides them away)."""
     ps = layout.page_size
     lengths = im.take(cache.lengths, slots)
+    upto = lengths if hold is None else jnp.minimum(lengths, hold)
     groups, released = list(cache.groups), jnp.zeros((), jnp.int32)
     for gi, grp in enumerate(layout.groups):
         if grp.kind != ObjectKind.SWA or grp.keep is None:
             continue
         g = cache.groups[gi]
-        lo, _ = required_rows(layout, gi, lengths)
+        lo, _ = required_rows(layout, gi, upto)
         logical = jnp.arange(g.page_table.shape[1])[None, :]
         rows = im.take(g.page_table, slots)
         drop = mask[:, None] & ((logical + 1) * ps <= lo[:, None]) & (rows >= 0)
@@ -356,15 +391,24 @@ def _write_rows(layout, cache, kind, layer, slots, rows, values, valid):
     return cache.replace(groups=tuple(groups))
 
 
-def write_swa(layout, cache, layer: int, slots, positions, kv, valid) -> HybridCache:
+def write_swa(layout, cache, layer: int, slots, positions, kv, valid, hold=None) -> HybridCache:
     """SWA write path: K=V rows kv[B, C, D] at token `positions[B, C]`; rows already outside the
-    window being kept (and invalid ones) are dropped, never written."""
+    window being kept (and invalid ones) are dropped, never written. hold: int32[B] or None: keep the
+    rows of the window at min(end, hold[b]) instead (`reserve`'s hold)."""
     gi = layout.spec.group_of(ObjectKind.SWA, layer)
     keep = layout.groups[gi].keep
     if keep is not None:
-        end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
-        valid = valid & (positions >= end - keep)
+        valid = valid & (positions >= window_start(positions, valid, keep, hold))
     return _write_rows(layout, cache, ObjectKind.SWA, layer, slots, positions, kv, valid)
+
+
+def window_start(positions: jax.Array, valid: jax.Array, keep: int, hold: jax.Array | None = None) -> jax.Array:
+    """int32[B, 1]: the first position a step's SWA writes keep: `keep` rows before the end of each
+    row's tokens (`positions[B, C]` where `valid`), or before hold[b] when that is earlier."""
+    end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
+    if hold is not None:
+        end = jnp.minimum(end, hold[:, None])
+    return end - keep
 
 
 def seal_compressed(layout, cache, layer: int, slots, first_entry, entries, count) -> HybridCache:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.layers import read_size
+from ..core.layers import InteriorSnapshots, read_size
 from ..core.layout import CacheLayout
 from ..core.plan import DevicePlan
 from ..core.sampling import GREEDY, SamplingBatch
@@ -113,6 +113,7 @@ class CompilePlan:
         self.names: set[str] = set()  # compiled step names this engine used (for `compilations`)
         self.asked: set[tuple] = set()  # the step variants asked to build ahead
         self.prefill_variants: set[tuple] = set()  # (rows, width, read bound, logits) of prefill steps run
+        self.interior_snapshots = False  # prefill steps take `InteriorSnapshots` (set by the prefix manager)
         self.build_seconds = 0.0  # the longest prefill step that compiled (`via_prefill`)
         self.via_prefill_seconds = 0.0  # time spent decoding through the prefill step
         self.compile_seconds = 0.0  # time spent compiling (or loading) steps, `Engine.stats()`
@@ -154,7 +155,7 @@ class CompilePlan:
         k, bt = RECORD_BATCH, self.block_tokens
         zeros = np.zeros
         return (slot, zeros((k, 4), np.uint32), jnp.int32(-1), zeros((k, bt), np.int32), zeros((k,), bool),
-                zeros((k,), np.int32), zeros((k,), bool))  # fmt: skip
+                zeros((k,), np.int32), zeros((k,), bool), np.full((k,), -1, np.int32), np.bool_(True))  # fmt: skip
 
     def lookup_placeholders(self) -> tuple[jax.Array, jax.Array]:
         """Zero (keys uint32[NB, 4], tokens int32[NB, block_tokens]) shaped as every `PrefixQuery`'s
@@ -287,6 +288,9 @@ class CompilePlan:
             for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
                 z = np.zeros((b,), np.int32)
                 args = (self.weights(), np.zeros((b, w), np.int32), z, z, SamplingBatch.stack([GREEDY] * b), keep, r)
+                if self.interior_snapshots:  # as `PrefixManager.plan_snapshots` passes them
+                    none = np.full((b, w // self.block_tokens + 1), -1, np.int32)
+                    args += (InteriorSnapshots(none, none.copy()),)
                 out.append((self.steps.prefill, args, step_name("prefill", f"{b}x{w}", logits=keep, read=r)))
             for n_stop in sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
                 name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)

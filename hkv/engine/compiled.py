@@ -567,7 +567,7 @@ class CompiledSteps:
         def count(layout, name: str) -> None:
             self.count(name)  # runs at trace time only
 
-        def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None):
+        def prefill(layout, cache, weights, tokens, slots, n_valid, params, keep_logits, read_tokens=None, snaps=None):
             count(
                 layout,
                 step_name(
@@ -581,8 +581,9 @@ class CompiledSteps:
             model = merged(weights)
             extra = {} if read_tokens is None else {"read_tokens": read_tokens}
             return step_and_sample(
-                model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, **opts, **extra
-            )
+                model, layout, cache, tokens, slots, n_valid, sampling=params, keep_logits=keep_logits, snapshots=snaps,
+                **opts, **extra,
+            )  # fmt: skip
 
         def decode(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits):
             n_stop = stop_ids.shape[1]

@@ -67,7 +67,7 @@ from .hooks import EngineHooks, Forward
 from .intake import Intake, RequestSpec, link_choices
 from .interrupts import DeferredInterrupt
 from .metrics import metrics_text
-from .options import EngineOptions, accepts_read_tokens, chat_template_of, check_fits, text_codec
+from .options import EngineOptions, accepts_read_tokens, accepts_snapshots, chat_template_of, check_fits, text_codec
 from .prefix_manager import PrefixManager
 from .progress import Bars
 from .requests import (
@@ -222,10 +222,9 @@ class Engine(TextMethods):
             vocab_size=model.vocab_size,
         )
         self.compile_plan = CompilePlan(self.steps, self.layout, opts, self.read_sizes, self._bars, hooks)
-        self.prefix_manager = PrefixManager(
-            self.layout, self.spec, self.steps, self.compile_plan, hooks, opts,
+        self.prefix_manager = PrefixManager(self.layout, self.spec, self.steps, self.compile_plan, hooks, opts,
             retention=retention or RetentionPolicy(), cache_salt=cache_salt, disk=disk,
-        )  # fmt: skip
+            interior=accepts_snapshots(model))  # fmt: skip
         self.scheduler = Scheduler(
             self.layout, self.spec, opts, self.steps, self.prefix_manager, self.compile_plan, hooks
         )

@@ -20,7 +20,15 @@ from ..store.tier import DiskTier
 from .chat import ChatTemplate
 from .text import TextCodec
 
-__all__ = ["RESTORE_CHOICES", "EngineOptions", "accepts_read_tokens", "check_fits", "device_bytes", "text_codec"]
+__all__ = [
+    "RESTORE_CHOICES",
+    "EngineOptions",
+    "accepts_read_tokens",
+    "accepts_snapshots",
+    "check_fits",
+    "device_bytes",
+    "text_codec",
+]
 
 
 def _positive(name: str, v) -> int:
@@ -174,6 +182,12 @@ def chat_template_of(template, tokenizer):
 def accepts_read_tokens(model) -> bool:
     """Whether `model.cached_step` takes the optional `read_tokens` keyword (`hkv.Step.read_tokens`)."""
     return accepts_keyword(model, "read_tokens")
+
+
+def accepts_snapshots(model) -> bool:
+    """Whether `model.cached_step` takes the optional `snapshots` keyword (`hkv.InteriorSnapshots`):
+    its prefill steps can then prepare snapshots at the block boundaries inside them."""
+    return accepts_keyword(model, "snapshots")
 
 
 RESTORE_CHOICES = ("cheapest", "longest")  # `Engine(restore_choice=...)`

@@ -17,6 +17,7 @@ device counters count the final plan once per request.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import prefix as px
+from ..core.layers import InteriorSnapshots
 from ..core.layout import CacheLayout, Status
 from ..core.plan import (
     DevicePlan,
@@ -107,6 +109,9 @@ class PrefixManager:
       opts: the engine's options (restore choice, prefill widths: the cost model's unit of work).
       retention: where SWA + TAIL snapshots are kept. cache_salt: extra bytes in every block key.
       disk: the disk tier (None: none).
+      interior: the model's cached_step takes `snapshots` (`hkv.InteriorSnapshots`): prefill steps
+        prepare the snapshots of the block boundaries inside them (else only a step's last boundary
+        can keep one).
     """
 
     def __init__(
@@ -121,9 +126,12 @@ class PrefixManager:
         retention: RetentionPolicy,
         cache_salt: bytes,
         disk: DiskTier | None,
+        interior: bool = False,
     ):
         self.layout, self.spec, self.steps, self.plan, self.hooks = layout, spec, steps, plan, hooks
         self.enabled = layout.config.prefix_records > 0
+        self.interior = self.enabled and interior and layout.tail_snapshots > 0
+        plan.interior_snapshots = self.interior  # (warm-up builds the prefill steps with them)
         self.retention, self.cache_salt, self.disk = retention, bytes(cache_salt), disk
         self.restore_choice = opts.restore_choice
         self.prefill_chunk, self.prefill_widths = opts.prefill_chunk, opts.prefill_widths
@@ -132,12 +140,16 @@ class PrefixManager:
         self.counters = PrefixCounters()
         self.recorded = False  # whether a prefix block was recorded (the engine builds `restore` ahead then)
         self.record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
+        # first block key of a chain admission control refused -> prefix clock at the refusal (bounded,
+        # oldest first out): content asked for again is repeated demand, admitted as a returning chain
+        self.refused: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._disk_futures: list = []
         self._disk_inflight: set[tuple[bytes, bool]] = set()
 
     def forget(self) -> None:
         """The device cache was replaced by a fresh one: forget what was known of its records."""
         self.record_stamps = {}
+        self.refused.clear()  # (their prefix clock stamps belong to the old cache)
 
     # -------------------------------------------------------------------------------- lookup
     def estimate(self, prompt: int, l0: int, window_at: int | None, disk_at: int) -> RestoreCosts:
@@ -262,6 +274,51 @@ class PrefixManager:
         seq.slot = int(slot)
 
     # ------------------------------------------------------------------------------- record
+    def plan_snapshots(self, rows: list[LiveRequest], ends: list[int], b: int, c: int) -> InteriorSnapshots | None:
+        """The `InteriorSnapshots` of a prefill step of width c over `rows` (padded to b rows), each
+        row going from `seq.fed` to `ends[j]` tokens: every block boundary in it the retention policy
+        keeps gets a free snapshot slot (making room when there are too few; the boundaries that end
+        a step first, then the later ones). Sets each row's `staged`. None: this engine stages none."""
+        if not self.interior:
+            return None
+        bt, k = self.spec.block_tokens, c // self.spec.block_tokens + 1
+        at, slot = np.full((b, k), -1, np.int32), np.full((b, k), -1, np.int32)
+        wanted = []  # (priority, row, column, block number)
+        for j, seq in enumerate(rows):
+            seq.staged = {}
+            if seq.record_stopped:
+                continue
+            for col, n in enumerate(range(seq.fed // bt + 1, ends[j] // bt + 1)):
+                if self._retain(seq, n):
+                    wanted.append((n * bt != ends[j], -n, j, col, n))
+        if wanted:
+            free = np.flatnonzero(~np.asarray(self.hooks.view().prefix.snap_used))
+            if len(free) < len(wanted) and self.make_room(kinds=("snapshot",)):
+                free = np.flatnonzero(~np.asarray(self.hooks.view().prefix.snap_used))
+            for (_, _, j, col, n), t in zip(sorted(wanted), free, strict=False):
+                at[j, col], slot[j, col] = n * bt, t
+                rows[j].staged[n] = int(t)
+        return InteriorSnapshots(at, slot)
+
+    def _retain(self, seq: LiveRequest, n: int) -> bool:
+        """Whether the retention policy keeps the snapshot at seq's boundary after block n."""
+        final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
+        at = n * self.spec.block_tokens
+        plan = seq.plan
+        branch = plan is not None and plan.hash_hit_tokens == at and plan.restored_tokens < at
+        return self.retention.retain(n, request_end=(n == final // self.spec.block_tokens), branch_point=branch)
+
+    def _release_held(self, seq: LiveRequest) -> None:
+        """Slide away the windows seq's last step held for snapshots it did not record (a
+        `record_many` with no block)."""
+        if seq.staged:
+            k = RECORD_BATCH
+            z = np.zeros
+            self.hooks.tx(self.steps.record_many, jnp.int32(seq.slot), z((k, 4), np.uint32), jnp.int32(-1),
+                          z((k, self.spec.block_tokens), np.int32), z((k,), bool), z((k,), np.int32), z((k,), bool),
+                          np.full((k,), -1, np.int32), np.bool_(True))  # fmt: skip
+        seq.staged = None
+
     def after_step(self, seq: LiveRequest) -> None:
         """Record every block boundary the last step crossed; the one at the step's end may keep an
         SWA + TAIL snapshot (retention policy), earlier ones only their COMPRESSED/INDEXER rows."""
@@ -276,10 +333,15 @@ class PrefixManager:
             seq.prev_use = self.record_stamps.get(r0, -1) if r0 >= 0 else None
             seq.prev_len = int(np.asarray(self.hooks.view().prefix.length)[r0]) if r0 >= 0 else None
         todo = self._crossed(seq)  # (block number n, retain) of every boundary this step crossed
+        staged, seq.staged = seq.staged, None
         if seq.record_stopped or not todo:
+            seq.staged = staged
+            self._release_held(seq)
             return
-        if todo[-1][1] and not bool(np.any(~np.asarray(self.hooks.view().prefix.snap_used))):
+        if staged is None and todo[-1][1] and not bool(np.any(~np.asarray(self.hooks.view().prefix.snap_used))):
             self.make_room(kinds=("snapshot",))
+        if staged is not None:  # the step prepared the snapshots it keeps (`plan_snapshots`)
+            todo = [(n, n in staged) for n, _ in todo]
         bt, ids = self.spec.block_tokens, seq.prompt + seq.tokens
         i = 0
         while i < len(todo):
@@ -288,6 +350,8 @@ class PrefixManager:
             keys, toks, retain, lengths, valid = pack_records(
                 [(seq.keys[n - 1], ids[(n - 1) * bt : n * bt], n * bt, ret) for n, ret in batch], bt
             )
+            snap_slots = np.full((RECORD_BATCH,), -1, np.int32)
+            snap_slots[: len(batch)] = [(staged or {}).get(n, -1) for n, _ in batch]
             recs, _, done = self.hooks.tx(
                 self.steps.record_many,
                 jnp.int32(seq.slot),
@@ -297,6 +361,8 @@ class PrefixManager:
                 retain,
                 lengths,
                 valid,
+                snap_slots,
+                np.bool_(i + len(batch) >= len(todo)),  # the last batch slides the held windows away
             )
             recs, done, last_used = jax.device_get((recs, done, self.hooks.view().prefix.last_used))
             self.recorded = self.recorded or int(done) > 0
@@ -310,32 +376,47 @@ class PrefixManager:
             # shorter than what it restored, or never reused.
             if int(done) < len(batch) and not self.make_room(
                 kinds=("record",),
-                used_before=seq.prev_use,
+                used_before=self._previous_use(seq),
                 shorter_than=seq.prev_len,
                 never_hit=True,
                 need=len(batch) - int(done),
             ):
                 seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
+                self._remember_refusal(seq)
+                seq.staged = staged
+                self._release_held(seq)  # (the record step stopped before sliding)
                 return
+
+    def _previous_use(self, seq: LiveRequest) -> int | None:
+        """The prefix clock of seq's own previous use, for admission control: that of the record its
+        restore ended at, or, when its first block was refused a record slot before (repeated demand:
+        a conversation that comes back restores nothing, since what it got cached holds no snapshot),
+        the clock of that refusal, whichever is later. None: neither (it may displace only never-reused
+        chains)."""
+        refused = self.refused.get(seq.keys[0]) if seq.keys else None
+        uses = [u for u in (seq.prev_use, refused) if u is not None]
+        return max(uses) if uses else None
+
+    def _remember_refusal(self, seq: LiveRequest) -> None:
+        """Note that seq's chain was refused a record slot, at the current prefix clock (at most
+        4 x prefix_records chains, at least 64, are remembered; the oldest go first)."""
+        if not seq.keys:
+            return
+        self.refused[seq.keys[0]] = int(np.asarray(self.hooks.view().prefix.clock))
+        self.refused.move_to_end(seq.keys[0])
+        while len(self.refused) > max(64, 4 * self.layout.config.prefix_records):
+            self.refused.popitem(last=False)
 
     def _crossed(self, seq: LiveRequest) -> list[tuple[int, bool]]:
         """(block number, whether to keep its snapshot) of each boundary seq crossed since its last
         record, extending `seq.keys` with their chained keys."""
         bt, ids = self.spec.block_tokens, seq.prompt + seq.tokens
-        final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
         todo = []
         for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
             seq.keys.append(
                 block_keys.next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt : n * bt], self.cache_salt)
             )
-            retain = n * bt == seq.fed and self.retention.retain(
-                n,
-                request_end=(n == final // bt),
-                branch_point=seq.plan is not None
-                and seq.plan.hash_hit_tokens == seq.fed
-                and seq.plan.restored_tokens < seq.fed,
-            )
-            todo.append((n, retain))
+            todo.append((n, n * bt == seq.fed and self._retain(seq, n)))
         return todo
 
     # ----------------------------------------------------------------------------- eviction

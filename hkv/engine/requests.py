@@ -252,6 +252,9 @@ class LiveRequest:
     prev_use: int | None = None
     prev_len: int | None = None
     record_stopped: bool = False  # refused a record slot: this request caches no more blocks
+    # block number -> snapshot slot the running prefill step stages its TAIL in (None: no staging:
+    # a decode step, or a model without `InteriorSnapshots`); `PrefixManager.after_step` consumes it
+    staged: dict | None = None
     shard: int | None = None  # data shard of an `hkv.MeshEngine` (None: a single-device engine)
     reader: Any = None  # `hkv.engine.text.StopStrings` of an engine with a tokenizer (text, stop strings)
     stop_at: int | None = None  # tokens kept when a stop string ended the request (later ones were fed)

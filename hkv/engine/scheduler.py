@@ -370,10 +370,16 @@ class Scheduler:
                     if not self.prefix.make_room():
                         break
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read, variant=params.variant)
+            ends = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]
+            snaps = self.prefix.plan_snapshots(rows, ends, b, c)  # (None: the step prepares none)
             out, dt, fresh = self.plan.timed(
-                self.steps.prefill, self.hooks.weights(), tokens, slots, n_valid, params, keep, read, name=name
-            )
+                self.steps.prefill, self.hooks.weights(), tokens, slots, n_valid, params, keep, read,
+                *(() if snaps is None else (snaps,)), name=name,
+            )  # fmt: skip
             status = int(out[2])
+            if status != Status.OK:
+                for seq in rows:
+                    seq.staged = None  # (nothing was staged)
             if status == Status.OK:
                 self.plan.prefill_variants.add((b, c, read, keep))
                 tok, lp = jax.device_get((out[0], out[1]))  # [b] ids and logprobs: all that crosses by default

@@ -162,7 +162,7 @@ class ShardedSteps:
 
     Attributes:
       prefill_all(layout, cache, weights, tokens[D,b,c], slots[D,b], n_valid[D,b], params[D,b], keep,
-                  read)
+                  read, snaps: InteriorSnapshots with [D,b,K] fields or None)
       decode_all(layout, cache, weights, tokens[D,S], slots[D,S], params[D,S], budget[D,S],
                  stop_ids[D,S,n], steps, keep)
       one[name](layout, cache, shard, *args): the transition `name` (`ONE_SHARD`) on one shard.
@@ -188,14 +188,17 @@ class ShardedSteps:
 
             return traced
 
-        def prefill_all(layout, cache, weights, tokens, slots, n_valid, params, keep, read=None):
-            def local(cache, weights, tokens, slots, n_valid, params):
-                out = base.prefill(
-                    layout, *_squeeze((cache,)), weights, *_squeeze((tokens, slots, n_valid, params)), keep, read
+        def prefill_all(layout, cache, weights, tokens, slots, n_valid, params, keep, read=None, snaps=None):
+            def local(cache, weights, tokens, slots, n_valid, params, *snaps):
+                rows = _squeeze((tokens, slots, n_valid, params))
+                return _unsqueeze(
+                    base.prefill(layout, *_squeeze((cache,)), weights, *rows, keep, read, *_squeeze(snaps))
                 )
-                return _unsqueeze(out)
 
-            return shmap(local, (d, P(), d, d, d, d))(cache, weights, tokens, slots, n_valid, params)
+            extra = () if snaps is None else (snaps,)
+            return shmap(local, (d, P(), d, d, d, d) + (d,) * len(extra))(
+                cache, weights, tokens, slots, n_valid, params, *extra
+            )
 
         def decode_all(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep):
             def local(cache, weights, tokens, slots, params, budget, stop_ids):
@@ -284,8 +287,10 @@ class _ShardStepsView:
         def same(tree):
             return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), tree)
 
-        def pad_prefill(weights, tokens, slots, n_valid, params, keep, read=None):
-            return weights, stack(tokens, 0), stack(slots, 0), stack(n_valid, 0), same(params), keep, read
+        def pad_prefill(weights, tokens, slots, n_valid, params, keep, read=None, snaps=None):
+            rows = (stack(tokens, 0), stack(slots, 0), stack(n_valid, 0), same(params))
+            extra = () if snaps is None else (jax.tree.map(lambda a: stack(a, -1), snaps),)
+            return weights, *rows, keep, read, *extra
 
         def pad_decode(weights, tokens, slots, params, budget, stop_ids, steps_, keep):
             idle_slots = np.arange(np.shape(slots)[0], dtype=np.int32)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hkv.core.layers import LayerCache, Step, run_step
+from hkv.core.layers import InteriorSnapshots, LayerCache, Step, run_step
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
 from models.layer_stack import run_cached_layers
@@ -86,6 +86,7 @@ def cached_step(
     scan_layers: bool | None = None,
     read_tokens: int | None = None,
     logit_rows: jax.Array | None = None,
+    snapshots: InteriorSnapshots | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -97,7 +98,8 @@ def cached_step(
     Python loop over the layers; see `models.deepseek_v4.layer_scan`). read_tokens: a bound on the tokens any
     row holds after the step, so prefill reads of compressed entries cover only that many tokens
     (`hkv.Step.read_tokens`; None: max_context). logit_rows: int32[B, R], the rows whose logits to
-    compute and return (`hkv.run_step`; None: all C).
+    compute and return (`hkv.run_step`; None: all C). snapshots: the interior block boundaries whose
+    SWA + TAIL snapshot the step prepares (`hkv.InteriorSnapshots`; None: none).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache
@@ -117,4 +119,4 @@ def cached_step(
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
                     seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens,
-                    logit_rows=logit_rows)  # fmt: skip
+                    logit_rows=logit_rows, snapshots=snapshots)  # fmt: skip

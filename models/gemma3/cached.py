@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hkv.core.layers import LayerCache, Step, run_step
+from hkv.core.layers import InteriorSnapshots, LayerCache, Step, run_step
 from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
 from models.layer_stack import run_cached_layers
@@ -40,6 +40,7 @@ def cached_step(
     read_tokens: int | None = None,
     scan_layers: bool | None = None,
     logit_rows: jax.Array | None = None,
+    snapshots: InteriorSnapshots | None = None,
 ) -> tuple[HybridCache, jax.Array, jax.Array]:
     """Run tokens[b, :n_valid[b]] as the next tokens of slot slots[b] (rows with n_valid 0 are idle).
 
@@ -51,6 +52,8 @@ def cached_step(
     repeating layers (5 sliding : 1 full) under one `jax.lax.scan` over their stacked weights (None:
     `models.layer_stack.SCAN_LAYERS`, True; False: a Python loop; see `models.layer_stack`).
     `logit_rows` int32[B, R]: compute and return the logits of these rows only (`hkv.run_step`).
+    `snapshots`: the interior block boundaries whose SWA snapshot the step prepares
+    (`hkv.InteriorSnapshots`; None: none).
 
     tokens int32[B, C], slots int32[B], n_valid int32[B] in [0, C].
     Returns (cache, float32[B, C, vocab] logits, status int32). On a status other than OK the cache is
@@ -73,4 +76,4 @@ def cached_step(
 
     return run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
                     seal=seal, kernel_backend=kernel_backend, interpret=interpret, read_tokens=read_tokens,
-                    logit_rows=logit_rows)  # fmt: skip
+                    logit_rows=logit_rows, snapshots=snapshots)  # fmt: skip

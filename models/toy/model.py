@@ -173,9 +173,11 @@ class ToyModel(nnx.Module):
         interpret=False,
         read_tokens=None,
         logit_rows=None,
+        snapshots=None,
     ):
         """The same layers over `hkv.run_step`: each reads and writes its cache through `hkv.LayerCache`
-        (read_tokens: `hkv.Step.read_tokens`; logit_rows: the rows whose logits to compute, `hkv.Step.head_rows`)."""
+        (read_tokens: `hkv.Step.read_tokens`; logit_rows: the rows whose logits to compute, `hkv.Step.head_rows`;
+        snapshots: the interior block boundaries whose snapshots the step prepares, `hkv.InteriorSnapshots`)."""
 
         def forward(cache, step: hkv.Step):
             x = self.embed(step.tokens)
@@ -197,7 +199,7 @@ class ToyModel(nnx.Module):
 
         return hkv.run_step(layout, cache, jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(n_valid), forward,
                             seal=seal, kernel_backend=kernel_backend, interpret=interpret,
-                            read_tokens=read_tokens, logit_rows=logit_rows)  # fmt: skip
+                            read_tokens=read_tokens, logit_rows=logit_rows, snapshots=snapshots)  # fmt: skip
 
 
 def init(config: ToyConfig = ToyConfig(), seed: int = 0) -> ToyModel:

@@ -121,7 +121,7 @@ def diverge(k: int, tail: int = 5, seed: int = 0) -> list[int]:
 @pytest.fixture(scope="module")
 def warm(gqa, tmp_path_factory):
     """A prefix-caching engine with a disk tier that has run BASE once (records at every block boundary,
-    snapshots kept every 4 blocks: at 64 and 128 tokens)."""
+    snapshots kept every 4 blocks and at the request's end: at 64, 128 and 144 tokens)."""
     config = hkv.CacheConfig(slots=2, max_context=192, page_size=8)
     layout = hkv.CacheLayout(gqa.cache_spec(block_tokens=BT), config)
     pages = tuple(4 * layout.reserved_pages(g) for g in range(len(layout.groups)))
@@ -140,11 +140,11 @@ def warm(gqa, tmp_path_factory):
 
 
 # k: where the warm prompt leaves BASE (block boundaries and not); hit: BASE blocks it shares;
-# restored: the longest kept snapshot within them (full-attention layers have no window rebuild; 144 is a
-# record without a snapshot: BASE's last prefill chunk crossed it mid-chunk)
+# restored: the longest kept snapshot within them (full-attention layers have no window rebuild; 144,
+# BASE's last boundary, keeps its snapshot though its last prefill chunk crossed it mid-chunk)
 @pytest.mark.parametrize(
     "k, hit, restored",
-    [(20, 16, 0), (64, 64, 64), (70, 64, 64), (101, 96, 64), (137, 128, 128), (150, 144, 128)],
+    [(20, 16, 0), (64, 64, 64), (70, 64, 64), (101, 96, 64), (137, 128, 128), (150, 144, 144)],
 )
 def test_warm_prefix_restores_are_exact(gqa, cold, warm, k, hit, restored):
     prompt = diverge(k, seed=k)

@@ -303,11 +303,12 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
     hkv.check_invariants(engine.layout, engine.cache)
 
 
-def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model):
-    # Chunks of 4 blocks: boundaries 16, 32, 48 inside the first chunk get COMPRESSED/INDEXER-only
-    # records; the chunk end (64) gets the snapshot. A hit at 6 blocks of a 129-token prompt then
-    # rebuilds the window (one 28-token step + 1 chunk for [96, 129)) instead of shrinking to 64
-    # (2 chunks for [64, 129)): the engine picks the cheaper by its measured chunk cost.
+def test_boundaries_the_retention_policy_skips_are_recorded_without_snapshots(model):
+    # Chunks of 4 blocks, a snapshot every 4 blocks: boundaries 16, 32, 48 inside the first chunk get
+    # COMPRESSED/INDEXER-only records; 64 gets the snapshot. A hit at 6 blocks of a 129-token prompt
+    # then rebuilds the window (one 28-token step + 1 chunk for [96, 129)) instead of shrinking to 64
+    # (2 chunks for [64, 129)): the engine picks the cheaper by its measured chunk cost. (With the
+    # default policy every boundary inside a chunk keeps its snapshot: test_interior_snapshots.py.)
     config = hkv.CacheConfig(slots=2, max_context=352, page_size=8)
     layout = hkv.CacheLayout(model.cache_spec(block_tokens=BT), config)
     pages = tuple(layout.reserved_pages(g) * 4 for g in range(len(layout.groups)))
@@ -316,6 +317,7 @@ def test_boundaries_inside_a_prefill_chunk_are_recorded_without_snapshots(model)
         hkv.CacheConfig(slots=2, max_context=352, page_size=8, pool_pages=pages, prefix_records=96),
         block_tokens=BT,
         prefill_chunk=4 * BT,
+        retention=hkv.RetentionPolicy(every_n_blocks=4),
     )
     engine.generate([BASE], NEW, return_logits=True)
     p = jax.device_get(engine.cache.prefix)

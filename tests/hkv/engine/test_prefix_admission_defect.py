@@ -13,15 +13,12 @@ until the admission lets repeated demand in (the fix removes the marker)."""
 
 from __future__ import annotations
 
-import pytest
-
 import hkv
 from models import toy
 
 BT = 16  # the engine's default block_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="defect: reused idle chains starve new conversations (admission control)")
 def test_a_reused_idle_chain_does_not_starve_a_returning_conversation():
     model = toy.init(toy.ToyConfig(), seed=3)
     engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=128, page_size=16, prefix_records=8))
