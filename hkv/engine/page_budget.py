@@ -16,7 +16,7 @@ from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
 
 
-def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) -> bool:
+def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> bool:
     """True when some pool has fewer free pages than `reserve(layout, cache, slots, new_lengths)`
     would map: for each slot, the unmapped pages of the rows [lo, hi) its group must hold at the new
     length (`transitions.required_rows`).
@@ -24,6 +24,7 @@ def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) 
     Args:
       layout, cache: the engine's (only page tables and refcounts are read, copied to the host).
       slots: the slots of the step's rows; new_lengths: their lengths after it (same length).
+      holds: per row, the boundary whose windows the step keeps mapped (`reserve`'s hold), or None.
     Returns:
       whether the step would fail with NO_PAGES.
     """
@@ -34,9 +35,10 @@ def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths) 
         need = 0
         # reserve's row range (`transitions.required_rows`) restated in numpy: that function is jnp
         # code, which would dispatch (and compile) small programs on every request's path
-        for slot, length in zip(slots, new_lengths, strict=True):
+        for j, (slot, length) in enumerate(zip(slots, new_lengths, strict=True)):
             hi = int(length) // grp.unit
-            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
+            upto = hi if holds is None or holds[j] is None else min(int(length), holds[j]) // grp.unit
+            lo = 0 if grp.keep is None else max(upto - grp.keep, 0)
             need += int((table[int(slot), lo // ps : -(-hi // ps)] < 0).sum())
         if need > int((np.asarray(refcounts[gi]) == 0).sum()):
             return True

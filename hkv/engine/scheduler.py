@@ -360,18 +360,20 @@ class Scheduler:
                 prompt_next = [q.prompt[e] if e < len(q.prompt) else -1 for q, e in zip(rows, ends, strict=True)]
                 prompt_next += [-1] * (b - len(rows))
             params = self.sampling_batch(rows + [None] * (b - len(rows)), prompt_next)
+            ends = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
+            snaps = self.prefix.plan_snapshots(rows, ends, b, c)  # (None: the step prepares none)
             if variant is None:
-                fed = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]  # n_valid: b >= rows
-                read = self.plan.read_bound(max(fed))
+                read = self.plan.read_bound(max(ends))
                 # room first: a step short of pages computes the whole chunk before it reports NO_PAGES
+                # (the pages of the windows it keeps for its snapshots included: older snapshots give way)
                 view = self.hooks.view
                 slots_now = slots[: len(rows)]
-                while self.prefix.enabled and short_of_pages(self.layout, view(), slots_now, fed):
+                holds = [min(q.staged or (), default=None) for q in rows]
+                holds = [None if h is None else h * self.spec.block_tokens for h in holds]
+                while self.prefix.enabled and short_of_pages(self.layout, view(), slots_now, ends, holds):
                     if not self.prefix.make_room():
                         break
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read, variant=params.variant)
-            ends = [seq.fed + int(n) for seq, n in zip(rows, n_valid, strict=False)]
-            snaps = self.prefix.plan_snapshots(rows, ends, b, c)  # (None: the step prepares none)
             out, dt, fresh = self.plan.timed(
                 self.steps.prefill, self.hooks.weights(), tokens, slots, n_valid, params, keep, read,
                 *(() if snaps is None else (snaps,)), name=name,

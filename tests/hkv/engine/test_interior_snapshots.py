@@ -19,6 +19,7 @@ import pytest
 import hkv
 from hkv.core import prefix as px
 from hkv.engine.block_keys import chain_keys
+from hkv.engine.page_budget import short_of_pages
 from hkv.engine.prefix_tools import pack_records
 from hkv.store.tier import DiskTier
 from hkv.testing import _force
@@ -171,3 +172,19 @@ def test_a_step_without_pages_for_the_held_windows_runs_without_interior_snapsho
     p = jax.device_get(cache.prefix)
     assert list(p.tail_slot[recs]) == [-1, -1] and not p.swa_held[recs].any()
     hkv.check_invariants(layout, cache)
+
+
+def test_the_engine_counts_the_held_windows_when_it_makes_room(toy_model):
+    """`short_of_pages` with holds: a 96-token step keeping the window at 16 needs pages for rows 13-95
+    (6 of a windowed group's 4), without it rows 93-95 (1): the scheduler then evicts older snapshots
+    for the step's own before it runs."""
+    base = hkv.CacheLayout(toy_model.cache_spec(), dataclasses.replace(CFG, slots=1, prefix_records=0))
+    pages = tuple(base.reserved_pages(g) for g in range(len(base.groups)))
+    layout = hkv.CacheLayout(
+        toy_model.cache_spec(),
+        hkv.CacheConfig(slots=1, max_context=256, page_size=16, pool_pages=pages, prefix_records=8),
+    )
+    cache, slot, _ = hkv.transitions.claim_slot(layout, hkv.init_cache(layout))
+    assert not short_of_pages(layout, cache, [int(slot)], [96])
+    assert not short_of_pages(layout, cache, [int(slot)], [96], [None])
+    assert short_of_pages(layout, cache, [int(slot)], [96], [16])
