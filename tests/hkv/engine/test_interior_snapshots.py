@@ -53,6 +53,7 @@ def toy_model():
     return toy.init(toy.ToyConfig(), seed=3)
 
 
+@pytest.mark.slow  # make test: test_conformance's check_model restores DeepSeek-V4 inside 32-token chunks
 def test_a_prefix_restores_at_a_boundary_inside_a_chunk_with_the_cold_logits():
     """A 100-token prompt runs as chunks [0, 64) and [64, 100); a prompt sharing its first 90 tokens
     restores 80 (a boundary inside the second chunk; before, only 64), with the logits of a cold run.
