@@ -131,23 +131,29 @@ def _free_compiled_programs():
 # The heaviest test files first. `make test` runs files in worker processes (pytest-xdist --dist
 # loadfile) that take the next file when they finish one, so a long file collected last would run
 # alone at the end. Only the order changes.
-HEAVY_FIRST = (  # seconds of each file's tests on empty compilation caches, 2 workers (session 28)
-    "test_engine.py",  # 148
-    "test_notebooks.py",  # 94: each notebook runs in a kernel process of its own
-    "test_disk.py",  # 88
-    "test_prefix.py",  # 82
-    "test_generation.py",  # 73
-    "test_state_machine.py",  # 60
-    "test_sharded.py",  # 58
-    "test_conformance.py",  # 56
-    "test_step_store.py",  # 47
-    "test_scan_layers.py",  # 41
-    "test_demo.py",  # 39: the demo compiles at the default codegen
-    "test_server.py",  # 35: tests/serve, an HTTP server over a tiny Gemma 3 engine (measured alone)
-    "test_gemma3_engine.py",  # 34
-    "test_engine_safety.py",  # 34
-    "test_random_specs.py",  # 26
-    "test_weights.py",  # 25
+HEAVY_FIRST = (  # seconds of each file's tests, 2 workers, warm compilation cache (2026-12-05; cold: more)
+    "test_engine.py",  # 85 (148 cold)
+    "test_notebooks.py",  # 57 (94 cold): each notebook runs in a kernel process of its own
+    "test_numerical_contract.py",  # 67
+    "test_prefix.py",  # 65
+    "test_disk.py",  # 63
+    "test_docs.py",  # 42: every docs code block
+    "test_generation.py",  # 41
+    "test_step_store.py",  # 40: new processes load the steps
+    "test_demo.py",  # 10 (33 cold): the demo compiles at the default codegen
+    "test_conformance.py",  # 29
+    "test_sharded.py",  # 29
+    "test_state_machine.py",  # 28
+    "test_interior_snapshots.py",  # 26
+    "test_scan_layers.py",  # 26
+    "test_engine_safety.py",  # 22
+    "test_engine_contract_defects.py",  # 21
+    "test_sampling_requests.py",  # 20
+    "test_tier_processes.py",  # 18
+    "test_weights.py",  # 18
+    "test_chaos.py",  # 17
+    "test_server.py",  # 12 (35 alone): tests/serve, an HTTP server over a tiny Gemma 3 engine
+    "test_gemma3_engine.py",  # 15
 )
 
 
