@@ -53,7 +53,7 @@ from pallas_kernels import index_math as im
 from pallas_kernels import numerics as nm
 
 from . import transitions as tr
-from .layout import CacheLayout, Status
+from .layout import CacheLayout, Status, TailState
 from .spec import ObjectKind
 from .state import HybridCache, check_layout
 
@@ -281,6 +281,45 @@ def run_step(
     return out.replace(counters=counters), jnp.where(ok, logits.astype(jnp.float32), 0.0), status
 
 
+def _open_window(comp, buf_kv, buf_gate, total, prior_kv, prior_gate, gate_bias) -> tuple:
+    """The TAIL a compressor keeps once the first `total` rows of its buffer are in.
+
+    Args:
+      comp: the compressor's `CompressorSpec` (ratio m, entry_dim d, proj_width W, overlap).
+      buf_kv, buf_gate: [B, Lb, W] the open window's rows followed by the step's.
+      total: int32[B, K] rows of the buffer taken (each in [0, Lb]).
+      prior_kv, prior_gate: [B, m, d] the overlap state before the step (None without overlap).
+      gate_bias: [m, W] added to the gate rows kept as the overlap state, or None.
+    Returns:
+      (tail_kv, tail_gate [B, K, m, W]: the still-open window's rows moved to the front, the rest
+      zero; overlap_kv, overlap_gate [B, K, m, d] (float32 gate): the first d columns of the last
+      window closed, or the prior state when none closed ([B, K, 0, d] without overlap)).
+    """
+    m, d, width = comp.ratio, comp.entry_dim, comp.proj_width
+    b, k = total.shape
+    lb = buf_kv.shape[1]
+    count = im.div(total, m)
+    i = jnp.arange(m)
+
+    def rows(buf, idx):
+        return im.take_rows(buf, idx.reshape(b, k * m)).reshape(b, k, m, width)
+
+    src = jnp.clip(count[..., None] * m + i, 0, lb - 1)
+    keep = (i < (total - count * m)[..., None])[..., None]
+    tail_kv, tail_gate = jnp.where(keep, rows(buf_kv, src), 0), jnp.where(keep, rows(buf_gate, src), 0)
+    if not comp.overlap:
+        return tail_kv, tail_gate, jnp.zeros((b, k, 0, d)), jnp.zeros((b, k, 0, d))
+    bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
+    last = jnp.clip((count - 1)[..., None] * m + i, 0, lb - 1)
+    ca_kv = rows(buf_kv, last)[..., :d]
+    ca_gate = (rows(buf_gate, last) + bias)[..., :d]
+    closed = (count > 0)[..., None, None]
+    ov_kv = jnp.where(closed, ca_kv, prior_kv[:, None].astype(ca_kv.dtype))
+    ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate[:, None])
+    return tail_kv, tail_gate, ov_kv, ov_gate
+
+
+_TAIL_FIELDS = tuple(f.name for f in dataclasses.fields(TailState))  # what `_open_window` returns, in order
 _NO_HOLD = np.iinfo(np.int32).max  # a hold past every length: windows slide as without one
 
 
@@ -743,23 +782,12 @@ class LayerCache:
         if comp.overlap:
             prior_kv, prior_gate = im.take(t.overlap_kv, st.slots), im.take(t.overlap_gate, st.slots)
         # new TAIL: rows of the still-open window, moved to the front; everything after them empty
-        i = jnp.arange(m)[None, :]
-        src = jnp.clip(count[:, None] * m + i, 0, lb - 1)
-        keep = i < (total - count * m)[:, None]
-        new_kv = jnp.where(keep[..., None], im.take_rows(buf_kv, src), 0)
-        new_gate = jnp.where(keep[..., None], im.take_rows(buf_gate, src), 0)
-        ov_kv, ov_gate = jnp.zeros((b, 0, d)), jnp.zeros((b, 0, d))
-        if comp.overlap:  # the first entry_dim columns of the last window this step closed
-            bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
-            last = jnp.clip((count - 1)[:, None] * m + i, 0, lb - 1)
-            ca_kv = im.take_rows(buf_kv, last)[..., :d]
-            ca_gate = (im.take_rows(buf_gate, last) + bias)[..., :d]
-            closed = (count > 0)[:, None, None]
-            ov_kv = jnp.where(closed, ca_kv, prior_kv.astype(ca_kv.dtype))
-            ov_gate = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate)
-        if st.snapshot_at is not None:
+        new = _open_window(comp, buf_kv, buf_gate, total[:, None], prior_kv, prior_gate, gate_bias)
+        new_kv, new_gate, ov_kv, ov_gate = (a[:, 0] for a in new)
+        if st.snapshot_at is not None:  # the TAIL at each interior snapshot's boundary, as a step ending there
+            at = jnp.clip(tail_len[:, None] + st.snapshot_at - st.start[:, None], 0, buf_kv.shape[1])
             cache = self._stage_tails(
-                cache, tail_index, comp, buf_kv, buf_gate, tail_len, prior_kv, prior_gate, gate_bias
+                cache, tail_index, _open_window(comp, buf_kv, buf_gate, at, prior_kv, prior_gate, gate_bias)
             )
         cache = tr.append_tail(layout, cache, tail_index, st.slots, new_kv, new_gate, ov_kv, ov_gate, st.mask)
         if st.seal:
@@ -784,46 +812,20 @@ class LayerCache:
                 cache = cache.replace(counters=tr._count(cache, "entries_sealed", jnp.sum(count)))
         return cache
 
-    def _stage_tails(self, cache, tail_index: int, comp, buf_kv, buf_gate, tail_len, prior_kv, prior_gate, gate_bias):
-        """Write the TAIL this compressor holds at each `Step.snapshot_at` boundary into its staging
-        rows (`run_step` moves them into snapshot slots): the same rows, by the same selections, as
-        `compress` keeps at the end of a step that ends at that boundary.
-
-        buf_kv, buf_gate: [B, Lb, W] the open-window rows followed by the chunk's; tail_len int32[B]
-        the open-window rows; prior_*: the overlap state before the step (None without overlap).
-        """
-        st, s = self.step, self._layout.slots
-        m, d, width = comp.ratio, comp.entry_dim, comp.proj_width
-        at = st.snapshot_at
-        b, k = at.shape
-        lb = buf_kv.shape[1]
-        total = jnp.clip(tail_len[:, None] + at - st.start[:, None], 0, lb)  # [B, K] buffer rows up to there
-        count = im.div(total, m)
-        i = jnp.arange(m)
-        src = jnp.clip(count[..., None] * m + i, 0, lb - 1).reshape(b, k * m)
-        keep = (i < (total - count * m)[..., None])[..., None]
-        rows = lambda buf, idx: im.take_rows(buf, idx).reshape(b, k, m, width)
-        staged = {
-            "tail_kv": jnp.where(keep, rows(buf_kv, src), 0),
-            "tail_gate": jnp.where(keep, rows(buf_gate, src), 0),
-        }
-        if comp.overlap:  # as `compress`: the first entry_dim columns of the last window closed by then
-            bias = jnp.zeros((m, width), jnp.float32) if gate_bias is None else gate_bias
-            last = jnp.clip((count - 1)[..., None] * m + i, 0, lb - 1).reshape(b, k * m)
-            ca_kv = rows(buf_kv, last)[..., :d]
-            ca_gate = (rows(buf_gate, last) + bias)[..., :d]
-            closed = (count > 0)[..., None, None]
-            staged["overlap_kv"] = jnp.where(closed, ca_kv, prior_kv[:, None].astype(ca_kv.dtype))
-            staged["overlap_gate"] = jnp.where(closed, ca_gate.astype(jnp.float32), prior_gate[:, None])
+    def _stage_tails(self, cache, tail_index: int, staged: tuple) -> HybridCache:
+        """Write `staged` (`_open_window` at each `Step.snapshot_at` boundary: [B, K, ...] per TAIL field)
+        into this compressor's staging rows, row `slots + b * K + k` (`run_step` moves them into
+        snapshot slots)."""
+        s = self._layout.slots
         t = cache.tails[tail_index]
-        put = {
-            f: jax.lax.dynamic_update_slice_in_dim(
-                getattr(t, f), v.reshape(b * k, *v.shape[2:]).astype(getattr(t, f).dtype), s, axis=0
-            )
-            for f, v in staged.items()
-        }
+
+        def put(dst, v):
+            if not v.shape[2]:  # (no overlap: an empty field)
+                return dst
+            return jax.lax.dynamic_update_slice_in_dim(dst, v.reshape(-1, *v.shape[2:]).astype(dst.dtype), s, axis=0)
+
         tails = list(cache.tails)
-        tails[tail_index] = t.replace(**put)
+        tails[tail_index] = t.replace(**{f: put(getattr(t, f), v) for f, v in zip(_TAIL_FIELDS, staged, strict=True)})
         return cache.replace(tails=tuple(tails))
 
     # -------------------------------------------------------------------- reads
