@@ -17,7 +17,6 @@ device counters count the final plan once per request.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import time
@@ -46,14 +45,14 @@ from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
 from ..core.reasons import Reason
 from ..core.spec import CacheSpec
 from ..store.tier import BlockRef, DiskTier
-from . import block_keys
 from . import offload as swap
-from .block_keys import ROOT, key_bytes, key_words
+from .block_keys import key_bytes, key_words
 from .compile_plan import CompilePlan, EngineSteps
 from .compiled import builds_on_this_thread, step_name
 from .hooks import EngineHooks
 from .options import EngineOptions
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
+from .recording import AdmissionMemory, crossed, interior_snapshots, retains, wanted_snapshots
 from .requests import LiveRequest
 
 __all__ = ["DiskProbe", "PrefixCounters", "PrefixManager"]
@@ -139,17 +138,13 @@ class PrefixManager:
         self.costs = MeasuredCosts()
         self.counters = PrefixCounters()
         self.recorded = False  # whether a prefix block was recorded (the engine builds `restore` ahead then)
-        self.record_stamps: dict[int, int] = {}  # record -> prefix clock when it was last recorded
-        # first block key of a chain admission control refused -> prefix clock at the refusal (bounded,
-        # oldest first out): content asked for again is repeated demand, admitted as a returning chain
-        self.refused: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.admission = AdmissionMemory(layout.config.prefix_records)
         self._disk_futures: list = []
         self._disk_inflight: set[tuple[bytes, bool]] = set()
 
     def forget(self) -> None:
         """The device cache was replaced by a fresh one: forget what was known of its records."""
-        self.record_stamps = {}
-        self.refused.clear()  # (their prefix clock stamps belong to the old cache)
+        self.admission.forget()
 
     # -------------------------------------------------------------------------------- lookup
     def estimate(self, prompt: int, l0: int, window_at: int | None, disk_at: int) -> RestoreCosts:
@@ -281,43 +276,22 @@ class PrefixManager:
         a step first, then the later ones). Sets each row's `staged`. None: this engine stages none."""
         if not self.interior:
             return None
-        bt, k = self.spec.block_tokens, c // self.spec.block_tokens + 1
-        at, slot = np.full((b, k), -1, np.int32), np.full((b, k), -1, np.int32)
-        wanted = []  # (priority, row, column, block number)
-        for j, seq in enumerate(rows):
-            seq.staged = {}
-            if seq.record_stopped:
-                continue
-            for col, n in enumerate(range(seq.fed // bt + 1, ends[j] // bt + 1)):
-                if self._retain(seq, n):
-                    wanted.append((n * bt != ends[j], -n, j, col, n))
+        wanted = wanted_snapshots(rows, ends, self.spec.block_tokens, self._retain)
+        free = np.zeros((0,), np.int32)
         if wanted:
             free = np.flatnonzero(~np.asarray(self.hooks.view().prefix.snap_used))
             if len(free) < len(wanted) and self.make_room(kinds=("snapshot",)):
                 free = np.flatnonzero(~np.asarray(self.hooks.view().prefix.snap_used))
-            for (_, _, j, col, n), t in zip(sorted(wanted), free, strict=False):
-                at[j, col], slot[j, col] = n * bt, t
-                rows[j].staged[n] = int(t)
-        return InteriorSnapshots(at, slot)
+        return interior_snapshots(rows, wanted, free, b, c, self.spec.block_tokens)
 
     def _retain(self, seq: LiveRequest, n: int) -> bool:
-        """Whether the retention policy keeps the snapshot at seq's boundary after block n."""
-        final = len(seq.prompt) + seq.max_new - 1  # tokens this request will have written in the end
-        at = n * self.spec.block_tokens
-        plan = seq.plan
-        branch = plan is not None and plan.hash_hit_tokens == at and plan.restored_tokens < at
-        return self.retention.retain(n, request_end=(n == final // self.spec.block_tokens), branch_point=branch)
+        return retains(self.retention, self.spec.block_tokens, seq, n)
 
-    def _release_held(self, seq: LiveRequest) -> None:
-        """Slide away the windows seq's last step held for snapshots it did not record (a
-        `record_many` with no block)."""
-        if seq.staged:
-            k = RECORD_BATCH
-            z = np.zeros
-            self.hooks.tx(self.steps.record_many, jnp.int32(seq.slot), z((k, 4), np.uint32), jnp.int32(-1),
-                          z((k, self.spec.block_tokens), np.int32), z((k,), bool), z((k,), np.int32), z((k,), bool),
-                          np.full((k,), -1, np.int32), np.bool_(True))  # fmt: skip
-        seq.staged = None
+    def _release_held(self, seq: LiveRequest, staged: dict | None) -> None:
+        """Slide away the windows seq's last step held for the snapshots `staged` it did not record
+        (a `record_many` with no block)."""
+        if staged:
+            self.hooks.tx(self.steps.record_many, *self.plan.record_args(jnp.int32(seq.slot)))
 
     def after_step(self, seq: LiveRequest) -> None:
         """Record every block boundary the last step crossed; the one at the step's end may keep an
@@ -330,13 +304,13 @@ class PrefixManager:
             # the length restored. A sequence that restored nothing may displace only never-reused chains.
             seq.admission_set = True
             r0 = seq.parent_record
-            seq.prev_use = self.record_stamps.get(r0, -1) if r0 >= 0 else None
+            seq.prev_use = self.admission.stamps.get(r0, -1) if r0 >= 0 else None
             seq.prev_len = int(np.asarray(self.hooks.view().prefix.length)[r0]) if r0 >= 0 else None
-        todo = self._crossed(seq)  # (block number n, retain) of every boundary this step crossed
+        # (block number n, retain) of every boundary this step crossed
+        todo = crossed(seq, self.spec.block_tokens, self.cache_salt, self._retain)
         staged, seq.staged = seq.staged, None
         if seq.record_stopped or not todo:
-            seq.staged = staged
-            self._release_held(seq)
+            self._release_held(seq, staged)
             return
         if staged is None and todo[-1][1] and not bool(np.any(~np.asarray(self.hooks.view().prefix.snap_used))):
             self.make_room(kinds=("snapshot",))
@@ -369,55 +343,22 @@ class PrefixManager:
             for r in recs[: int(done)]:
                 seq.parent_record = int(r)
                 if r >= 0:
-                    self.record_stamps[int(r)] = int(last_used[r])
+                    self.admission.stamps[int(r)] = int(last_used[r])
             i += int(done)
             # block todo[i] got NO_PAGES (no free record slot) when done < len(batch). Admission control:
             # for a record slot evict only chains last used before this sequence's own previous use,
             # shorter than what it restored, or never reused.
             if int(done) < len(batch) and not self.make_room(
                 kinds=("record",),
-                used_before=self._previous_use(seq),
+                used_before=self.admission.previous_use(seq),
                 shorter_than=seq.prev_len,
                 never_hit=True,
                 need=len(batch) - int(done),
             ):
                 seq.record_stopped = True  # keep what it has; no self-eviction, no cascade
-                self._remember_refusal(seq)
-                seq.staged = staged
-                self._release_held(seq)  # (the record step stopped before sliding)
+                self.admission.refuse(seq, int(np.asarray(self.hooks.view().prefix.clock)))
+                self._release_held(seq, staged)  # (the record step stopped before sliding)
                 return
-
-    def _previous_use(self, seq: LiveRequest) -> int | None:
-        """The prefix clock of seq's own previous use, for admission control: that of the record its
-        restore ended at, or, when its first block was refused a record slot before (repeated demand:
-        a conversation that comes back restores nothing, since what it got cached holds no snapshot),
-        the clock of that refusal, whichever is later. None: neither (it may displace only never-reused
-        chains)."""
-        refused = self.refused.get(seq.keys[0]) if seq.keys else None
-        uses = [u for u in (seq.prev_use, refused) if u is not None]
-        return max(uses) if uses else None
-
-    def _remember_refusal(self, seq: LiveRequest) -> None:
-        """Note that seq's chain was refused a record slot, at the current prefix clock (at most
-        4 x prefix_records chains, at least 64, are remembered; the oldest go first)."""
-        if not seq.keys:
-            return
-        self.refused[seq.keys[0]] = int(np.asarray(self.hooks.view().prefix.clock))
-        self.refused.move_to_end(seq.keys[0])
-        while len(self.refused) > max(64, 4 * self.layout.config.prefix_records):
-            self.refused.popitem(last=False)
-
-    def _crossed(self, seq: LiveRequest) -> list[tuple[int, bool]]:
-        """(block number, whether to keep its snapshot) of each boundary seq crossed since its last
-        record, extending `seq.keys` with their chained keys."""
-        bt, ids = self.spec.block_tokens, seq.prompt + seq.tokens
-        todo = []
-        for n in range(len(seq.keys) + 1, seq.fed // bt + 1):
-            seq.keys.append(
-                block_keys.next_key(seq.keys[-1] if seq.keys else ROOT, ids[(n - 1) * bt : n * bt], self.cache_salt)
-            )
-            todo.append((n, n * bt == seq.fed and self._retain(seq, n)))
-        return todo
 
     # ----------------------------------------------------------------------------- eviction
     def _policy_columns(self) -> tuple[dict[str, np.ndarray], Any]:
