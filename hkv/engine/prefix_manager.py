@@ -59,6 +59,11 @@ __all__ = ["DiskProbe", "PrefixCounters", "PrefixManager"]
 
 _could_match = jax.jit(px.could_match)  # see PrefixManager.could_hit
 
+# Plans a window rebuild can lengthen: the records to `tokens_after_stage["abi"]` passed lifecycle and
+# ABI, only the SWA window / TAIL at that boundary is missing — because no snapshot was kept there
+# (intersection) or because the chain is cut just after it (a record evicted or its page reused).
+WINDOW_REASONS = ("swa_missing", "tail_missing", "freed", "page_reused")
+
 
 @dataclasses.dataclass
 class PrefixCounters:
@@ -171,9 +176,7 @@ class PrefixManager:
         plan, vec = self._device_restore(seq, query)
         abi_ok = plan.tokens_after_stage["abi"]
         r = self.window_tokens
-        window_ok = (
-            plan.reason in ("swa_missing", "tail_missing") and 0 < r <= abi_ok and abi_ok - plan.restored_tokens > r
-        )
+        window_ok = plan.reason in WINDOW_REASONS and 0 < r <= abi_ok and abi_ok - plan.restored_tokens > r
         probe = self.disk_probe(seq, keys, ids, usable, plan.restored_tokens) if self.disk is not None else None
         reach = RouteReach(shrink=plan.restored_tokens, window=abi_ok, disk=probe.reach if probe else 0)
         costs = self.estimate(len(ids), plan.restored_tokens, abi_ok if window_ok else None, reach.disk)

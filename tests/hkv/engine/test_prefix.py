@@ -303,6 +303,28 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
     hkv.check_invariants(engine.layout, engine.cache)
 
 
+def test_a_chain_cut_by_an_evicted_record_rebuilds_the_window_at_the_cut(model):
+    """Records to 7 blocks are intact, the 8th and later were evicted (tombstones: the hash still
+    matches 9 blocks, the plan stops at lifecycle, `freed`), and the last snapshot is at 4 blocks.
+    Rebuilding the window at 7 blocks (28 tokens) is cheaper than recomputing [64, 112): the engine
+    takes it, as it does for `swa_missing` (before, only intersection reasons could rebuild, so this
+    prompt restored 64 of its 112 verified tokens)."""
+    engine = make_engine(model, retention=RetentionPolicy(every_n_blocks=4))
+    engine.generate([BASE], NEW, return_logits=True)
+    p = jax.device_get(engine.cache.prefix)
+    alive = np.asarray(p.state) == px.RecordState.ALIVE
+    doomed = np.nonzero(alive & (np.asarray(p.length) >= 8 * BT))[0]  # the 8th block and all after it
+    engine.cache = px.evict(engine.layout, engine.cache, *masks(engine, doomed, "record"))
+    prompt = diverge(9 * BT + 3)
+    (g,) = engine.generate([prompt], NEW, return_logits=True)
+    r = engine.window_recompute_tokens
+    assert g.plan.hash_hit_tokens == 9 * BT and g.plan.reason == "freed"
+    assert g.plan.restored_tokens == 7 * BT
+    assert g.plan.window_recomputed == (7 * BT - r, 7 * BT)
+    assert_exact(model, [prompt], [g])
+    hkv.check_invariants(engine.layout, engine.cache)
+
+
 def test_boundaries_the_retention_policy_skips_are_recorded_without_snapshots(model):
     # Chunks of 4 blocks, a snapshot every 4 blocks: boundaries 16, 32, 48 inside the first chunk get
     # COMPRESSED/INDEXER-only records; 64 gets the snapshot. A hit at 6 blocks of a 129-token prompt
