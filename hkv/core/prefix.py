@@ -554,6 +554,21 @@ def _failure(cache: HybridCache, st: _Stages, n4: jax.Array, n_blocks) -> tuple[
     return fail_stage, reason
 
 
+def _writable_in_place(px: PrefixIndex, g, gi: int, unit: int, slot, src, last_l, hi) -> jax.Array:
+    """Whether a slot restored at a boundary of `hi` rows may share the partly filled page `src`
+    (logical page `last_l`) and write its next rows there instead of a copy: no alive record holding
+    the page reaches past `hi` rows (the rows after the boundary are no record's), and no other slot
+    maps it (no other writer). A record needs only the rows before its own boundary — as when the
+    sequence that records a block inside a page goes on writing the rest of that page — so every
+    record and snapshot over `src` stays valid. Without this, every restore inside a page kept one more
+    page per group: a conversation restored at each turn held a page per turn in a group whose page
+    spans 2,048 tokens (HCA, m = 128), and the pools sized for its blocks ran short."""
+    holders = (px.state == RecordState.ALIVE) & (px.pages[gi][:, last_l] == src)
+    reach = jnp.max(jnp.where(holders, px.length // unit, 0))
+    others = (g.page_table[:, last_l] == src) & (jnp.arange(g.page_table.shape[0]) != slot)
+    return (src >= 0) & (reach <= hi) & ~jnp.any(others)
+
+
 def _claim_pages(
     layout: CacheLayout, cache: HybridCache, slot: jax.Array, r: jax.Array, length: jax.Array, do, recompute: int
 ) -> tuple[tuple, jax.Array]:
@@ -575,12 +590,12 @@ def _claim_pages(
         _, hi, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
         row = jnp.where(do & (logical >= p0) & (logical < p1), px.pages[gi][r], -1)
-        partial = (hi % ps != 0) & (p1 > p0) & do
         last_l = jnp.maximum(p1 - 1, 0)
+        src = row[last_l]
+        partial = (hi % ps != 0) & (p1 > p0) & do & ~_writable_in_place(px, g, gi, grp.unit, slot, src, last_l, hi)
         free_ids = jnp.nonzero(g.refcount == 0, size=g.refcount.shape[0], fill_value=-1)[0]
         new_page = free_ids[0]
         enough = enough & (~partial | (new_page >= 0))
-        src = row[last_l]
         shared = jnp.where(partial & (logical == last_l), -1, row)
         g, _ = add_refs(g, shared, +1)
         # copy-on-write of the partially filled last page (scatter dropped when there is none)

@@ -538,3 +538,42 @@ def test_record_and_restore_refuse_a_slot_outside_the_layout(model):
         )
         assert int(plan.status) == hkv.Status.UNKNOWN_SLOT and int(plan.byte_blocks) == 0, bad
         unchanged(out, counters=False)  # (the lookup is counted)
+
+
+def _first_pages(engine, boundary: int) -> set[tuple[int, ...]]:
+    """Per alive record at `boundary`: the physical pages holding token 47's rows in every COMPRESSED /
+    INDEXER group (CSA m=4, HCA m=16, indexer m=4: pages of 8 rows span 32, 128 and 32 tokens, so
+    logical pages 1, 0 and 1; at 48 tokens each is partly filled)."""
+    p = jax.device_get(engine.cache.prefix)
+    alive = (np.asarray(p.state) == px.RecordState.ALIVE) & (np.asarray(p.length) == boundary)
+    where = ((1, 1), (2, 0), (3, 1))  # (group, logical page)
+    return {tuple(int(np.asarray(p.pages[g])[r, lp]) for g, lp in where) for r in np.nonzero(alive)[0]}
+
+
+def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_needs_the_rest():
+    """Two next turns of a conversation restore at 48 tokens, inside each compressed group's last
+    page, side by side. No record reaches past 48 there, so the first shares that page and writes on
+    (its records at 64 hold the same pages as those at 48) instead of copying it — a copy per turn
+    and group is what made a conversation hold a page per turn where its blocks fill one. The second
+    must copy: the first slot writes there. A later continuation from 48 copies too (records now need
+    the rows after 48). Every continuation is exact, and the first still restores exactly after the
+    others wrote."""
+    model = init(CFG, seed=3)
+    engine = make_engine(model, records=48)
+    first = BASE[:56]
+    (g1,) = engine.generate([first], NEW, return_logits=True)
+    turns = [first + g1.tokens + RNG.integers(0, CFG.vocab_size, 20).tolist() for _ in range(2)]
+    g2 = engine.generate(turns, NEW, return_logits=True)
+    assert [g.plan.restored_tokens for g in g2] == [48, 48]
+    (at48,) = _first_pages(engine, 48)
+    shared, (copy,) = {at48}, _first_pages(engine, 64) - {at48}
+    assert _first_pages(engine, 64) == shared | {copy} and all(a != b for a, b in zip(copy, at48, strict=True))
+    other = diverge(48, tail=30, seed=7)
+    (g3,) = engine.generate([other], NEW, return_logits=True)
+    assert g3.plan.restored_tokens == 48 and _first_pages(engine, 48) == {at48}
+    assert len(_first_pages(engine, 64) - {at48, copy}) == 1
+    again = engine.generate([t + [5] for t in turns], NEW, return_logits=True)  # their rows, intact
+    assert [g.plan.restored_tokens for g in again] == [64, 64]
+    prompts = [first, *turns, other] + [t + [5] for t in turns]
+    assert_exact(model, prompts, [g1, *g2, g3, *again])
+    hkv.check_invariants(engine.layout, engine.cache)
