@@ -249,7 +249,10 @@ def _record_index(
         iver=px.iver.at[r].set(jnp.where(do, cache.indexer_version, px.iver[r])),
         state=px.state.at[r].set(jnp.where(do, jnp.int8(RecordState.ALIVE), px.state[r])),
         last_used=px.last_used.at[r].set(jnp.where(do | d.exists, clock, px.last_used[r])),
-        hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r])),
+        # a block someone else recorded first (a request computing the same content beside it, or one
+        # that hashed to it but could not restore it) is content that came back: one more use, so
+        # admission control (`hkv.core.policy`, never_hit) counts it reused, like a restore
+        hits=px.hits.at[r].set(jnp.where(do, 0, px.hits[r] + d.exists.astype(jnp.int32))),
         on_disk=px.on_disk.at[r].set(jnp.where(do, False, px.on_disk[r])),
         pages=pages,
         gens=gens,

@@ -577,3 +577,26 @@ def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_need
     prompts = [first, *turns, other] + [t + [5] for t in turns]
     assert_exact(model, prompts, [g1, *g2, g3, *again])
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_content_two_requests_computed_side_by_side_counts_as_reused_under_admission_control(model):
+    """A and B share 5 blocks and are prefilled side by side: B records them second, which counts as a
+    use of A's records (hits), so the chains through them are not never-reused content. A new prompt
+    C that finds the record slots full may then displace neither (admission control lets a request
+    with no previous use evict only never-reused chains): it is refused, and A's next turn restores
+    all of A. Before, the shared blocks stayed at 0 hits and C evicted A's and B's tails."""
+    engine = make_engine(model, records=10)
+    a, b = diverge(80, tail=40, seed=11), diverge(80, tail=40, seed=12)
+    ga, gb = engine.generate([a, b], NEW, return_logits=True)
+    p = jax.device_get(engine.cache.prefix)
+    alive = np.asarray(p.state) == px.RecordState.ALIVE
+    shared = alive & (np.asarray(p.length) <= 80)
+    assert shared.sum() == 5 and (np.asarray(p.hits)[shared] == 1).all()
+    assert (np.asarray(p.hits)[alive & ~shared] == 0).all()
+    fresh = np.random.default_rng(5).integers(0, CFG.vocab_size, 100).tolist()
+    (gc,) = engine.generate([fresh], NEW, return_logits=True)
+    nxt = a + ga.tokens + [3, 1, 4]
+    (gn,) = engine.generate([nxt], NEW, return_logits=True)
+    assert gn.plan.restored_tokens == 7 * BT
+    assert_exact(model, [a, b, fresh, nxt], [ga, gb, gc, gn])
+    hkv.check_invariants(engine.layout, engine.cache)
