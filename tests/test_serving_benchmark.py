@@ -3,27 +3,18 @@ configuration (slow: `hkv serve` as a process, the same requests straight to an 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import jax
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "serving.py"
+from . import benchmark_script
 
 
 @pytest.fixture
 def serving(monkeypatch):
-    """benchmarks/serving.py as a module (its folder on sys.path for `_machine`, as when run)."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("serving_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/serving.py as a module."""
+    return benchmark_script.load(monkeypatch, "serving")
 
 
 def test_workload_is_seeded_and_shares_prefixes(serving):

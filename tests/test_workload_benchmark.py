@@ -3,28 +3,19 @@ search), the reusable-token accounting (fast), and the whole benchmark in a tiny
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "workload.py"
+from . import benchmark_script
 
 
 @pytest.fixture
 def wl(monkeypatch):
-    """benchmarks/workload.py as a module (its folder on sys.path for `_machine`, as when run)."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("workload_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/workload.py as a module."""
+    return benchmark_script.load(monkeypatch, "workload")
 
 
 def trace(wl, requests):
