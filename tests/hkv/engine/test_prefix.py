@@ -550,7 +550,7 @@ def _first_pages(engine, boundary: int) -> set[tuple[int, ...]]:
     return {tuple(int(np.asarray(p.pages[g])[r, lp]) for g, lp in where) for r in np.nonzero(alive)[0]}
 
 
-def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_needs_the_rest():
+def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_needs_the_rest(model):
     """Two next turns of a conversation restore at 48 tokens, inside each compressed group's last
     page, side by side. No record reaches past 48 there, so the first shares that page and writes on
     (its records at 64 hold the same pages as those at 48) instead of copying it — a copy per turn
@@ -558,8 +558,7 @@ def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_need
     must copy: the first slot writes there. A later continuation from 48 copies too (records now need
     the rows after 48). Every continuation is exact, and the first still restores exactly after the
     others wrote."""
-    model = init(CFG, seed=3)
-    engine = make_engine(model, records=48)
+    engine = make_engine(model)
     first = BASE[:56]
     (g1,) = engine.generate([first], NEW, return_logits=True)
     turns = [first + g1.tokens + RNG.integers(0, CFG.vocab_size, 20).tolist() for _ in range(2)]
