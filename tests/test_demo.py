@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import _CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# slow: the demo compiles at the default codegen in a process of its own (~60 s on 2 cores); `make test`
+# runs the same exactness checks at the suite's codegen (tests/models, tests/hkv/engine/test_engine.py)
+@pytest.mark.slow
 def test_make_demo_is_exact_at_the_default_codegen():
     env = dict(os.environ, JAX_PLATFORMS="cpu", HKV_COMPILATION_CACHE=os.path.join(_CACHE_DIR, "demo"))
     env["XLA_FLAGS"] = env.get("HKV_TEST_USER_XLA_FLAGS", "")

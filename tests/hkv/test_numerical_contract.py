@@ -110,7 +110,9 @@ def test_attention_walked_in_blocks_of_tiles_keeps_the_bits(monkeypatch, family)
     _assert_bitwise(engine.generate(prompts, NEW, return_logits=True), prompts, ref, "blocked attention")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16], ids=["float32", "bfloat16"]
+)  # float32: make test-slow
 def test_sliding_window_chunks_attend_only_their_band_with_the_same_bits(dtype):
     """Chunks of 64 and 128 queries on Gemma 3's sliding layers (window 16) attend, per block of 64
     queries, only the tiles their windows reach (`layers._attend_banded`): the logits equal the

@@ -18,6 +18,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_gemma
 pytestmark = pytest.mark.parity
 
 
+@pytest.mark.slow  # a benchmark's smoke run, like the other benchmark scripts' tests
 def test_side_by_side_benchmark_runs_on_the_tiny_model(tmp_path):
     """~15 s on 2 cores: a subprocess importing jax, torch and transformers, one engine's warmup() (the
     suite's fast-compile XLA_FLAGS reach it through the environment)."""

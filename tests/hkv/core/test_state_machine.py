@@ -594,7 +594,11 @@ FAST = settings(
 )
 
 
-@pytest.mark.parametrize("machine", [CacheMachine, GemmaMachine, DeepseekFullPoolMachine], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "machine",
+    [CacheMachine, GemmaMachine, pytest.param(DeepseekFullPoolMachine, marks=pytest.mark.slow)],  # slow: test-slow
+    ids=lambda m: getattr(m, "__name__", str(m)),
+)
 def test_state_machine(machine):
     machine.SEEN.clear()
     run_state_machine_as_test(machine, settings=FAST)

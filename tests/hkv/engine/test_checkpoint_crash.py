@@ -127,6 +127,8 @@ def assert_clean_after_next_save(path: Path, model) -> None:
     assert sorted(os.listdir(path)) == sorted([hc.METADATA_FILE, live])
 
 
+# slow: `make test` keeps the SIGKILL at random moments below
+@pytest.mark.slow
 def test_sigkill_before_every_switch_of_an_overwriting_save_leaves_old_or_new(states, tmp_path):
     """Regression (issue 11 #8): a kill between save(overwrite=True)'s two renames left no checkpoint
     at the path, and every killed save leaked a .tmp-* folder."""
