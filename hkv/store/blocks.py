@@ -105,7 +105,7 @@ class ReadResult:
 
 @dataclasses.dataclass
 class Segment:
-    """A published segment as the index holds it (`hkv.store.index.SegmentIndex`)."""
+    """A published segment as the lookup index caches it (`hkv.store.index.SegmentIndex`)."""
 
     abi: str
     name: str
@@ -117,7 +117,7 @@ class Segment:
     created: float
     keys: tuple[str, ...]
     parents: tuple[str, ...]
-    last_hit: float = 0.0
+    entries: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # block id -> its entries
 
     @property
     def sid(self) -> tuple[str, str]:

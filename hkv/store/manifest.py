@@ -139,6 +139,12 @@ class StoreKey:
         where = json.dumps([abi, segment]).encode()
         return hmac.new(self._mac, b"hkv-disk-tier/manifest\n" + where + b"\n" + canonical, hashlib.sha256).hexdigest()
 
+    def record_mac(self, kind: str, name: str, canonical: bytes) -> str:
+        """Hex HMAC of another small record of the store (a block pointer: `kind` "pointer"), bound to
+        its kind and the name it is stored under, with the manifest subkey (domain-separated)."""
+        where = json.dumps([kind, name]).encode()
+        return hmac.new(self._mac, b"hkv-disk-tier/record\n" + where + b"\n" + canonical, hashlib.sha256).hexdigest()
+
     def block_id(self, key: bytes) -> str:
         """The 32 hex digits a manifest lists for the engine's block key `key`."""
         return hmac.new(self._ids, bytes(key), hashlib.sha256).hexdigest()[:32]

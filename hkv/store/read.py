@@ -95,11 +95,19 @@ class BlockReader:
             if reason is not None:
                 with self.ctx.lock:
                     self.ctx.counters[f"rejected_{reason}"] += count
+                self._publish_hits(out, count)
                 return ReadResult(out, reason, detail)
             out.append(payload)
             if count:
                 self._count(r, payload)
+        self._publish_hits(out, count)
         return ReadResult(out)
+
+    def _publish_hits(self, payloads: list, count: bool) -> None:
+        """After a counted read that restored blocks: publish this writer's hot segments (when a
+        segment was hit that the published file does not list as recent), so every evictor ranks them."""
+        if count and payloads:
+            self.index.hot.publish()
 
     def _count(self, ref: BlockRef, payload: BlockPayload) -> None:
         """Count one verified block: read counters, its hit, its segment's restore time."""

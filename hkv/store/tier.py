@@ -7,12 +7,26 @@ shorter plan with a reason (`disk_missing`, `disk_checksum`, `disk_truncated`, `
 
 Storage (any tensorstore kvstore: `file` by default, `memory`, `ocdbt`, `gcs`, `s3`):
 
-    manifests/<abi>/<segment>.json     the segment's manifest (`hkv.disk_manifest`), published LAST
+    manifests/<abi>/<segment>.json     the segment's manifest (`hkv.disk_manifest`), published after
+                                       its data
+    blocks/<id[:2]>/<id>.json          the block's pointer: the segments holding block <id> (its key
+                                       hex, or keyed hash), updated after the manifest
+                                       (`hkv.store.records`); what a lookup reads
     data/<abi>/<segment>/c/<i>         a zarr3 uint8 array: shards (files) of `shard_bytes` made of
                                        `chunk_bytes` inner chunks, crc32c in the chunk and the
                                        shard-index codecs (its zarr.json is not stored: the
                                        manifest's data_bytes / chunk_bytes / shard_bytes determine it)
     hits/<abi>/<writer>.json           restore counts per block key of one writer (for `stats`)
+    budget/usage.json, budget/lease.json, budget/hot/<writer>.json
+                                       the usage ledger, the eviction lease and each writer's recently
+                                       hit segments (`hkv.store.coord`)
+
+Lookups read computed keys only, never a listing: a chain's pointers, then the manifests they name,
+through bounded caches (`hkv.store.index`), so a lookup's cost and a process's memory do not grow
+with the store. Whole-store operations (`verify`, `stats`, the evictor) list it in key ranges and
+read its manifests a page at a time (`hkv.store.listing`). Stores written before pointers existed
+(hkv before issue 47) are not read back: without pointers a lookup finds nothing (no error); `verify`
+and `stats` still see their segments, and the budget evicts them.
 
 A *segment* is one write batch (one or more blocks, every object of each block: its COMPRESSED and
 INDEXER rows and, when the retention policy kept one, the SWA window and TAIL at its end boundary).
@@ -46,11 +60,12 @@ themselves are not encrypted. Without a key the store gives integrity against ac
 crc32, schema) but no authenticity: anyone who can write it can forge a block. A store written
 with a key restores nothing without it or with another key (`disk_auth`), and vice versa.
 
-The parts (each its own module, composed here): `hkv.store.index` (the listing of published
-manifests and the chain lookups), `hkv.store.read` (verified reads), `hkv.store.write` (the writer
-and publisher threads), `hkv.store.layout` (the zarr3 layout of a segment's bytes),
-`hkv.store.budget` (eviction), `hkv.store.hits` (restore counts), `hkv.store.verify` (`verify` and
-`stats`), over the state they share (`hkv.store.context.TierContext`) and the values they pass
+The parts (each its own module, composed here): `hkv.store.index` (the bounded lookup caches and the
+chain lookups), `hkv.store.records` (block pointers), `hkv.store.read` (verified reads),
+`hkv.store.write` (the writer and publisher threads), `hkv.store.layout` (the zarr3 layout of a
+segment's bytes), `hkv.store.budget` (eviction), `hkv.store.coord` (ledger, lease, hot segments),
+`hkv.store.listing` (paged listings), `hkv.store.hits` (restore counts), `hkv.store.verify` (`verify`
+and `stats`), over the state they share (`hkv.store.context.TierContext`) and the values they pass
 (`hkv.store.blocks`).
 """
 
@@ -83,7 +98,8 @@ from .blocks import (
 from .budget import Budget
 from .context import TierContext
 from .hits import HitCounts
-from .index import SegmentIndex
+from .index import IndexSize, SegmentIndex
+from .listing import manifest_pages
 from .read import BlockReader
 from .verify import store_stats, verify_store
 from .write import DiskBacklogError, SegmentWriter
@@ -169,7 +185,10 @@ class DiskTier:
     segment (write-behind batches are often one block); `flush` and `write` never wait for it.
     writer_id: this writer's name in manifests and hit files (default: random); 1 to 128 characters
     of [A-Za-z0-9_.-], not starting with '.' or '-'.
-    refresh_seconds: how stale the in-memory view of other writers' manifests may get.
+    refresh_seconds: how long a block pointer read by a lookup is trusted (how stale the view of other
+    writers' segments may get; 0: every lookup reads them).
+    max_index_entries: the most block pointers the lookup index caches (manifests: a sixteenth of it,
+    at least 16); memory does not grow with the store beyond it.
     key: the store's secret (see `resolve_key`): bytes (at least 16), a hex str, b"" for none, or
     None (default) to read the `HKV_STORE_KEY` environment variable (hex). An explicit argument wins
     over the environment. With a key, manifests are authenticated and block keys and token ids are
@@ -191,7 +210,7 @@ class DiskTier:
     counters = _Part(
         "_ctx", "Writes, reads, failures, evictions and rejections per reason (hkv.store.context.new_counters)."
     )
-    refresh_seconds = _Part("_index", "How stale the in-memory view of other writers' manifests may get.")
+    refresh_seconds = _Part("_index", "How long a block pointer read by a lookup is trusted.")
     chunk_bytes = _Part("_writer", "Inner chunk size of the zarr3 shards.")
     shard_bytes = _Part("_writer", "A segment larger than this is cut into shards (files) of this size.")
     max_segment_bytes = _Part("_writer", "Queued write requests are merged into one segment up to this size.")
@@ -210,6 +229,7 @@ class DiskTier:
         linger_seconds: float = 0.2,
         writer_id: str | None = None,
         refresh_seconds: float = 0.5,
+        max_index_entries: int = 65536,
         context: ts.Context | None = None,
         progress: Callable[[str], None] | None = None,
         key: bytes | str | None = None,
@@ -241,7 +261,7 @@ class DiskTier:
             progress=progress,
         )
         self._closed = False
-        self._index = SegmentIndex(self._ctx, refresh_seconds)
+        self._index = SegmentIndex(self._ctx, refresh_seconds, max_index_entries)
         self._hits = HitCounts(self._ctx)
         self._reader = BlockReader(self._ctx, self._index, self._hits)
         self._budget = Budget(self._ctx, self._index)
@@ -277,18 +297,22 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------- index
     def refresh(self, force: bool = False) -> None:
-        """Re-list the published manifests (other writers', other processes'). Cheap when fresh.
-        A manifest that cannot be read or fails `hkv.disk_manifest.parse` (its size, depth, schema,
-        bounds, checksum, HMAC, or its name and ABI directory against its content) is recorded as
-        bad with its reason and never indexed; nothing it holds raises out of here.
+        """Make the next lookups see other writers' segments: with `force`, forget every cached block
+        pointer (they are read again); without, nothing (a cached pointer is read again once it is
+        `refresh_seconds` old). No I/O: nothing is listed.
 
         Args:
-            force: list even when the last listing is younger than `refresh_seconds`.
+            force: forget the cached pointers now.
         """
         self._index.refresh(force)
 
+    def index_size(self) -> IndexSize:
+        """What the lookup index caches now and its bounds (pointers, manifests)."""
+        return self._index.size()
+
     def contains(self, abi: str, key: bytes) -> tuple[bool, bool]:
-        """(stored under `abi`, stored with a snapshot) for block `key`, as of the last refresh.
+        """(stored under `abi`, stored with a snapshot) for block `key`, as its pointer says (read now,
+        or cached for at most `refresh_seconds`).
 
         Args:
             abi: the ABI fingerprint.
@@ -301,6 +325,10 @@ class DiskTier:
     def find_chain(self, abi: str, keys: list[bytes], tokens: list[list[int]], start: int = 0) -> ChainLookup:
         """The stored blocks keys[start], keys[start + 1], ... as long as each is present under `abi`
         with equal token ids (a key collision stops the chain). Prefers a copy with a snapshot.
+        Reads the chain's block pointers and the manifests they name (GETs of computed keys, issued
+        together; cached, see `refresh`), never a listing. A pointer that is damaged or written without
+        the store key stops the chain with `disk_malformed` / `disk_auth` (counted as a rejection); a
+        segment that is gone or whose manifest is refused is a miss (`absent`).
         In a keyed store the lookup is by the keyed hashes of `keys` and `tokens`; the refs carry the
         raw key, parent and token ids, which `read` returns.
 
@@ -391,19 +419,22 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------ budget
     def stored_bytes(self) -> int:
-        """Bytes of every published segment's shard files, as of the last refresh."""
-        return self._index.stored_bytes()
+        """Bytes of every published segment's shard files, as the store's usage ledger counts them
+        (one GET; corrected by each eviction's listing)."""
+        return self._budget.stored_bytes()
 
     def enforce_budget(self) -> int:
         """Delete whole segments until the stored bytes fit `budget_bytes`: segments no other
-        segment's blocks extend first (leaves of the chains), least recently hit (or written) first.
-        A deleted segment's manifest goes first, so a concurrent reader sees `disk_missing`, never
-        half a segment. Returns the number of segments deleted."""
-        return self._budget.enforce(self.delete_segment)
+        segment's blocks extend first (leaves of the chains), least recently hit (by any writer of the
+        store) or written first. A deleted segment's manifest goes first, so a concurrent reader sees
+        `disk_missing`, never half a segment. Processes sharing the store never evict at once (a
+        lease, `hkv.store.budget`): one that finds another evicting deletes nothing. Returns the
+        number of segments deleted."""
+        return self._budget.enforce()
 
     def delete_segment(self, abi: str, segment: str) -> None:
         """Unpublish a segment (manifest first), then delete its data and (in a `file` store) its
-        folders: nothing is left behind.
+        folders, take it off the usage ledger and out of its blocks' pointers: nothing is left behind.
 
         Args:
             abi: the ABI fingerprint (32 hex digits).
@@ -429,6 +460,18 @@ class DiskTier:
         self.refresh(force=True)
         return verify_store(self._ctx, self._index, self._hits, self.read).as_dict()
 
+    def iter_segments(self):
+        """Every published segment's checked manifest, listed and read a page at a time (never the whole
+        store in memory); refused manifests are left out (`verify` reports them).
+
+        Yields:
+            (abi, segment, manifest fields) per segment.
+        """
+        for page in manifest_pages(self._ctx):
+            for m in page:
+                if m.doc is not None:
+                    yield m.sid[0], m.sid[1], m.doc
+
     def save_hits(self) -> None:
         """Persist this writer's restore counts (read by `stats` of any process); raises what the
         kvstore raises (`flush` and `close` save them without raising)."""
@@ -442,8 +485,7 @@ class DiskTier:
             "snapshots", "stored_bytes", "hits"}}, "counters", "bad_files": {reason: manifests and hit
             files skipped}}.
         """
-        self.refresh(force=True)
-        return store_stats(self._ctx, self._index, self._hits).as_dict()
+        return store_stats(self._ctx, self._hits).as_dict()
 
     def close(self) -> None:
         """Wait for pending writes, persist hit counts and stop the writer thread. Afterwards

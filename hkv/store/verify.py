@@ -10,13 +10,15 @@ import dataclasses
 import json
 from collections.abc import Callable
 
-import tensorstore as ts
-
 from ..core.reasons import DISK_REASONS
-from .blocks import MALFORMED, MISSING, BlockRef, ReadResult, Segment
+from .blocks import MALFORMED, MISSING, BlockRef, ReadResult
 from .context import TierContext, manifest_where
+from .coord import Usage, read_usage
 from .hits import HitCounts
-from .index import SegmentIndex
+from .index import SegmentIndex, refs_of
+from .listing import listed_keys, manifest_pages
+from .manifest import ManifestError
+from .records import POINTER_BYTES, fixed_result, parse_pointer, pointer_key, read_fixed
 
 
 @dataclasses.dataclass
@@ -25,7 +27,7 @@ class VerifyReport:
 
     Attributes:
         segments: published segments indexed (not those unpublished while the check ran).
-        blocks_ok: blocks that passed every check.
+        blocks_ok: blocks that passed every check (their bytes, and the pointer a lookup reads).
         reasons: per reason in `DISK_REASONS`: blocks, bad manifests and bad hit files.
         orphaned_segments: data folders with no manifest.
         problems: one line each: "<key>: <reason>: <why>", ..., "data/<abi>/<segment>/: no manifest ...".
@@ -73,26 +75,42 @@ def _segment_problems(refs: list[BlockRef], read: Callable[..., ReadResult]) -> 
     return ok, problems
 
 
-def _unpublished(ctx: TierContext, seg: Segment) -> bool:
-    """Whether `seg`'s manifest is no longer in the store (deleted since it was listed)."""
+def _pointer_problems(ctx: TierContext, blocks: list[dict]) -> list[tuple[str, str, str]]:
+    """The damaged block pointers of one segment's blocks (a lookup stops at them): [(reason, "block
+    <i>", detail)] for each pointer that is unreadable or refused (`disk_malformed`, `disk_auth`). A
+    missing pointer, or one that no longer names the segment, is not reported: a writer publishes its
+    manifest before its pointers, and a pointer keeps only its newest holders."""
+    reads = [(b, read_fixed(ctx.kv, pointer_key(b["key"]), POINTER_BYTES)) for b in blocks]
+    out = []
+    for b, fut in reads:
+        raw, _, why = fixed_result(fut)
+        if raw is None:
+            if why is not None:
+                out.append((MALFORMED, f"block {b['index']}", f"pointer {pointer_key(b['key'])}: {why}"))
+            continue
+        try:
+            parse_pointer(raw, b["key"], ctx.key)
+        except ManifestError as e:
+            out.append((e.reason, f"block {b['index']}", f"pointer {pointer_key(b['key'])}: {e}"))
+    return out
+
+
+def _unpublished(ctx: TierContext, manifest: str) -> bool:
+    """Whether the manifest `manifest` is no longer in the store (deleted since it was listed)."""
     try:
-        return ctx.kv.read(seg.manifest_key).result().state == "missing"
+        return ctx.kv.read(manifest).result().state == "missing"
     except Exception:  # an unreadable store proves nothing: the problems stand
         return False
 
 
-def _orphans(ctx: TierContext, published: set, gone: set) -> list[tuple[str, ...]]:
+def _orphans(ctx: TierContext, published: set, gone: set, usage: Usage) -> list[tuple[str, ...]]:
     """(abi, segment) of every data folder with no manifest: neither `published` (nor published since
-    the listing: a write in flight then) nor `gone` (unpublished while the check ran)."""
-    data = {
-        tuple(k.decode(errors="replace").split("/")[1:3])
-        for k in ctx.kv.list(ts.KvStore.KeyRange("data/", "data0")).result()
-    }
+    the listing: a write in flight then) nor `gone` (unpublished while the check ran). The data and
+    manifest listings are cut into key ranges (`hkv.store.listing`); only segment names are kept."""
+    data = {tuple(k.split("/")[1:3]) for keys in listed_keys(ctx, "data/", usage) for k in keys}
     if data - published - gone:  # published since the listing (a write in flight then), or not at all
         published = published | {
-            w
-            for k in ctx.kv.list(ts.KvStore.KeyRange("manifests/", "manifests0")).result()
-            if (w := manifest_where(k.decode(errors="replace"))) is not None
+            w for keys in listed_keys(ctx, "manifests/", usage) for k in keys if (w := manifest_where(k)) is not None
         }
     return sorted(d for d in data if len(d) == 2 and d not in published and d not in gone)
 
@@ -100,11 +118,13 @@ def _orphans(ctx: TierContext, published: set, gone: set) -> list[tuple[str, ...
 def verify_store(
     ctx: TierContext, index: SegmentIndex, hits: HitCounts, read: Callable[..., ReadResult]
 ) -> VerifyReport:
-    """Check every manifest, hit file and object's bytes (see `DiskTier.verify`).
+    """Check every manifest, hit file and object's bytes (see `DiskTier.verify`). The manifests are
+    listed and read a page at a time (`hkv.store.listing.manifest_pages`); only segment names are kept
+    across pages (to tell orphaned data).
 
     Args:
         ctx: the tier's shared state.
-        index: the segment index (refreshed by the caller).
+        index: the lookup index (a segment found unpublished is dropped from it).
         hits: the hit counts (their files are re-read here).
         read: `DiskTier.read` (called with count=False).
     Returns:
@@ -112,25 +132,34 @@ def verify_store(
     """
     hits.saved()
     report = VerifyReport()
-    for key, (reason, why) in sorted({**index.bad, **hits.bad}.items()):
-        report.add(reason, f"{key}: {reason}: {why}")
-    segs = index.listed()
+    bad = dict(hits.bad)
+    usage = read_usage(ctx)
+    published: set[tuple[str, str]] = set()
     gone: set[tuple[str, str]] = set()  # unpublished by another writer while this check ran
-    for s in segs:
-        ok, problems = _segment_problems(index.refs_of(s), read)
-        if problems and all(p[0] == MISSING for p in problems) and _unpublished(ctx, s):
-            # evicted (manifest first, then data) by another writer sharing the store since the
-            # listing: a segment that is gone, not a bad one (`hkv store verify` on a live store)
-            gone.add(s.sid)
-            index.drop(s.sid)
-            continue
-        report.segments += 1
-        report.blocks_ok += ok
-        for reason, where, detail in problems:
-            report.add(reason, f"{s.manifest_key} {where}: {reason}: {detail}")
-    published = {s.sid for s in segs}
-    published |= {w for w in map(manifest_where, list(index.bad)) if w}  # rejected above, not orphans
-    orphans = _orphans(ctx, published, gone)
+    lines: list[tuple[str, str]] = []
+    for page in manifest_pages(ctx, usage):
+        for m in page:
+            if m.sid is not None:
+                published.add(m.sid)  # a rejected manifest's data is not an orphan either
+            if m.doc is None:
+                bad[m.key] = m.rejection
+                continue
+            ok, problems = _segment_problems(refs_of(*m.sid, m.doc), read)
+            if problems and all(p[0] == MISSING for p in problems) and _unpublished(ctx, m.key):
+                # evicted (manifest first, then data) by another writer sharing the store since the
+                # listing: a segment that is gone, not a bad one (`hkv store verify` on a live store)
+                gone.add(m.sid)
+                index.drop(m.sid)
+                continue
+            problems += (pointers := _pointer_problems(ctx, m.doc["blocks"]))
+            report.segments += 1
+            report.blocks_ok += max(ok - len(pointers), 0)
+            lines += [(reason, f"{m.key} {where}: {reason}: {detail}") for reason, where, detail in problems]
+    for key, (reason, why) in sorted(bad.items()):
+        report.add(reason, f"{key}: {reason}: {why}")
+    for reason, line in lines:
+        report.add(reason, line)
+    orphans = _orphans(ctx, published, gone, usage)
     report.orphaned_segments = len(orphans)
     report.problems += [f"data/{a}/{s}/: no manifest (an interrupted write; ignored)" for a, s in orphans]
     return report
@@ -180,37 +209,44 @@ class StoreStats:
         return dataclasses.asdict(self)
 
 
-def store_stats(ctx: TierContext, index: SegmentIndex, hits: HitCounts) -> StoreStats:
-    """Size, segments, blocks (per ABI) and restore hit counts (all writers that saved them).
+def store_stats(ctx: TierContext, hits: HitCounts) -> StoreStats:
+    """Size, segments, blocks (per ABI) and restore hit counts (all writers that saved them). The
+    manifests are listed and read a page at a time; while it runs, one id per distinct block is kept
+    (to count each block once).
 
     Args:
         ctx: the tier's shared state.
-        index: the segment index (refreshed by the caller).
         hits: the hit counts (every writer's files are read here).
     Returns:
         A `StoreStats`.
     """
     total_hits = hits.all_writers()
-    with ctx.lock:
-        segs = list(index.segments.values())
-        per_abi: dict[str, AbiStats] = {}
-        for s in segs:
-            d = per_abi.setdefault(s.abi, AbiStats())
+    per_abi: dict[str, AbiStats] = {}
+    snapshot: dict[str, dict[str, bool]] = {}  # abi -> block id -> any copy with a snapshot
+    bad = collections.Counter(r for r, _ in hits.bad.values())
+    for page in manifest_pages(ctx):
+        for m in page:
+            if m.doc is None:
+                bad[m.rejection.reason] += 1
+                continue
+            d = per_abi.setdefault(m.doc["abi"], AbiStats())
             d.segments += 1
-            d.stored_bytes += s.stored_bytes
-        for refs in index.blocks.values():
-            for abi in {r.abi for r in refs}:
-                per_abi[abi].blocks += 1
-                per_abi[abi].snapshots += any(r.snapshot for r in refs if r.abi == abi)
+            d.stored_bytes += m.doc["stored_bytes"]
+            seen = snapshot.setdefault(m.doc["abi"], {})
+            for b in m.doc["blocks"]:
+                seen[b["key"]] = seen.get(b["key"], False) or b["snapshot"]
+    for abi, seen in snapshot.items():
+        per_abi[abi].blocks = len(seen)
+        per_abi[abi].snapshots = sum(seen.values())
     for abi, h in total_hits.items():
         if abi in per_abi:
             per_abi[abi].hits = sum(h.values())
     return StoreStats(
         store=ctx.spec if isinstance(ctx.spec, str) else json.dumps(ctx.spec),
-        segments=len(segs),
-        stored_bytes=sum(s.stored_bytes for s in segs),
+        segments=sum(d.segments for d in per_abi.values()),
+        stored_bytes=sum(d.stored_bytes for d in per_abi.values()),
         budget_bytes=ctx.budget_bytes,
         abis=per_abi,
         counters=dict(ctx.counters),
-        bad_files=dict(collections.Counter(r for r, _ in [*index.bad.values(), *hits.bad.values()])),
+        bad_files=dict(bad),
     )

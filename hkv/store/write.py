@@ -3,8 +3,9 @@
 Requests queue for one writer thread, which merges those of one ABI into a segment (group commit, up
 to `max_segment_bytes`), lays its bytes out (`hkv.store.layout.Layout`), issues its shard writes one
 by one while it copies and checksums the next, and hands it to a publisher thread, which publishes
-its manifest once every shard has committed (then the blocks exist) and resolves the requests'
-futures. A manifest that would be refused is never written, nor its data.
+its manifest once every shard has committed (then the blocks exist), then names the segment in each
+of its blocks' pointers (then the blocks are found by lookups) and resolves the requests' futures. A
+manifest that would be refused is never written, nor its data.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import numpy as np
 from . import manifest as mf
 from .blocks import BlockPayload
 from .context import TierContext, manifest_key
+from .coord import add_usage
 from .index import SegmentIndex
 from .layout import Layout, open_array
+from .records import pointer_adds, update_pointers
 
 
 class DiskBacklogError(RuntimeError):
@@ -282,7 +285,8 @@ class SegmentWriter:
             )
         data_bytes = max(off, 1)
         lay = Layout.plan(data_bytes, self.chunk_bytes, self.shard_bytes)
-        seg = f"{time.strftime('%Y%m%dT%H%M%S')}-{ctx.writer_id}-{uuid.uuid4().hex[:8]}"
+        # random hex first: the names spread evenly over the key ranges a listing is cut into
+        seg = f"{uuid.uuid4().hex[:8]}-{time.strftime('%Y%m%dT%H%M%S')}-{ctx.writer_id}"
         doc = {
             "abi": abi,
             "segment": seg,
@@ -360,8 +364,12 @@ class SegmentWriter:
                 w.result()
             doc, raw = staged.doc, staged.raw
             key = manifest_key(doc["abi"], doc["segment"])
+            with contextlib.suppress(Exception):  # advisory (before the manifest: see hkv.store.coord)
+                add_usage(ctx, doc["abi"], 1, doc["stored_bytes"])
             ctx.kv.write(key, raw).result()  # published: from here on the blocks exist
-            self.index.add(key, doc, raw)
+            # then findable: each block's pointer names the segment (compare-and-swap)
+            pointers = update_pointers(ctx.kv, ctx.key, pointer_adds(doc, len(raw)))
+            self.index.add(key, doc, raw, pointers)
             with ctx.lock:
                 ctx.counters["segments_written"] += 1
                 ctx.counters["blocks_written"] += staged.blocks

@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import types
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +37,21 @@ def chain(name: str, n: int, *, snapshot_every: int = 1, kib: int = 8, start: in
             out.append(BlockPayload(key, parent, i, (i + 1) * BT, [i] * BT, 1, snap, objs))
         parent = key
     return out
+
+
+def segments(tier) -> list[types.SimpleNamespace]:
+    """Every published segment of the tier's store (from a listing): name, stored_bytes, created, keys
+    (block ids, in manifest order) and doc."""
+    return [
+        types.SimpleNamespace(
+            name=name,
+            stored_bytes=doc["stored_bytes"],
+            created=doc["created"],
+            keys=tuple(b["key"] for b in doc["blocks"]),
+            doc=doc,
+        )
+        for _, name, doc in tier.iter_segments()
+    ]
 
 
 def assert_same_payloads(got_payloads, want_payloads) -> None:
@@ -94,7 +110,7 @@ def test_budget_evicts_leaf_segments_least_recently_hit_first(tmp_path):
     trunk, leaf_a, leaf_b = chain("t", 4), chain("t", 2, start=4), chain("u", 3)
     for blocks in (trunk, leaf_a, leaf_b):
         tier.write(ABI, blocks)
-    sizes = {s.name: s.stored_bytes for s in tier._index.segments.values()}
+    sizes = {s.name: s.stored_bytes for s in segments(tier)}
     assert len(sizes) == 3
     # leaf_b was restored recently; the trunk is extended by leaf_a: leaf_a goes first
     ref = tier.find_chain(ABI, [b.key for b in leaf_b], [b.tokens for b in leaf_b]).refs
@@ -226,7 +242,7 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
     tier = DiskTier(str(tmp_path), chunk_bytes=4096, shard_bytes=8192)
     blocks = chain("s", 6, kib=3, snapshot_every=2)  # 6 KiB rows: objects span chunk and shard boundaries
     tier.write(ABI, blocks)
-    (seg,) = tier._index.segments.values()
+    (seg,) = segments(tier)
     doc = mf.parse((tmp_path / "manifests" / ABI / f"{seg.name}.json").read_bytes())
     data = tmp_path / "data" / ABI / seg.name / "c"
     shards = sorted(os.listdir(data), key=int)
@@ -270,8 +286,9 @@ def test_segments_queued_back_to_back_each_keep_their_own_bytes(tmp_path):
     chains = [chain(f"q{i}", 4, kib=3, snapshot_every=2) for i in range(5)]
     futs = [tier.write_async(ABI, c) for c in chains]
     assert [f.result() for f in futs] == [[b.key for b in c] for c in chains]
-    names = [s.name for s in sorted(tier._index.segments.values(), key=lambda s: s.created)]
-    assert [tier._index.blocks[c[0].key.hex()][0].segment for c in chains] == names  # published in write order
+    names = [s.name for s in sorted(segments(tier), key=lambda s: s.created)]
+    found = [tier.find_chain(ABI, [c[0].key], [c[0].tokens]).refs[0].segment for c in chains]
+    assert found == names  # published in write order
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == len(c)
@@ -310,7 +327,7 @@ def test_requests_queued_while_the_writer_is_busy_are_written_as_one_segment(tmp
         futs[5].result()  # refused on its own; the requests queued with it are written
     tier.flush()
     assert tier.counters["segments_written"] == 2 and tier.counters["write_failures"] == 1
-    assert sorted(len(s.keys) for s in tier._index.segments.values()) == [2, 8]
+    assert sorted(len(s.keys) for s in segments(tier)) == [2, 8]
     for c in chains:
         res = tier.read(tier.find_chain(ABI, [b.key for b in c], [b.tokens for b in c]).refs)
         assert res.reason is None and len(res.payloads) == 2
@@ -348,7 +365,7 @@ def test_one_segment_may_list_a_block_with_and_without_its_snapshot(tmp_path):
     futs = [tier.write_async(ABI, plain), tier.write_async(ABI, snap)]
     gate.set()
     first.result(), [f.result() for f in futs]
-    (seg,) = [s for s in tier._index.segments.values() if len(s.keys) == 3]
+    (seg,) = [s for s in segments(tier) if len(s.keys) == 3]
     assert seg.keys[1] == seg.keys[2] == snap[0].key.hex()
     refs = tier.find_chain(ABI, [b.key for b in plain], [b.tokens for b in plain]).refs
     assert refs[1].snapshot  # the copy with the snapshot is preferred

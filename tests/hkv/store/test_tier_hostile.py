@@ -20,6 +20,7 @@ from hkv.store import manifest as mf
 from hkv.store.tier import AUTH, MALFORMED, DiskTier, DiskTierClosedError
 
 from .test_cli import ABI, ABI2, _chain, _count, _run, _segment_of, store  # noqa: F401 — the fixture
+from .test_tier import segments
 
 KEY = bytes(range(32))
 
@@ -175,7 +176,7 @@ def test_budget_eviction_leaves_no_folders_and_verify_no_false_orphans(tmp_path,
     for i in range(8):
         tier.write(ABI, _chain(f"e{i}", 1, i))
     assert tier.counters["segments_evicted"] >= 5
-    live = {s.name for s in tier._index.segments.values()}
+    live = {s.name for s in segments(tier)}
     assert set(os.listdir(path / "data" / ABI)) == live
     tier.delete_segment(ABI, sorted(live)[0])
     assert set(os.listdir(path / "data" / ABI)) == live - {sorted(live)[0]}
@@ -216,7 +217,8 @@ def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_anothe
             assert got.reason is None
             assert np.array_equal(got.payloads[0].objects["g0.rows"][0], blocks[1].objects["g0.rows"][0])
             continue
-        assert found.refs == [] and found.stop == "absent"
+        got = tier.read(found.refs)  # never read: the lookup's refs are refused with the reason
+        assert got.payloads == [] and got.reason == AUTH
         rep = tier.verify()
         assert rep[AUTH] == 1 and rep["blocks_ok"] == 0
         assert any("HMAC does not match" in p for p in rep["problems"]), rep["problems"]
