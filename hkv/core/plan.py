@@ -154,18 +154,21 @@ class MeasuredCosts:
       narrow: one prefill step of each narrower width (prefill buckets), by width.
       disk_token: installing one token from the disk tier (read, verify, swap in).
       via_prefill: one token decoded through the prefill step while the decode step builds.
+      window: one window rebuild (`hkv.core.prefix.restore_window`: the restore and the model step
+        over R tokens, read back on the host).
     """
 
     chunk: float | None = None
     narrow: dict[int, float] = dataclasses.field(default_factory=dict)
     disk_token: float | None = None
     via_prefill: float | None = None
+    window: float | None = None
 
     def measure(self, what: str, seconds: float, width: int | None = None) -> None:
-        """Fold one sample in. what: "chunk" (with `width` for a narrower step), "disk_token" or
-        "via_prefill"."""
-        if what not in ("chunk", "disk_token", "via_prefill"):
-            raise ValueError(f"what={what!r} must be 'chunk', 'disk_token' or 'via_prefill'")
+        """Fold one sample in. what: "chunk" (with `width` for a narrower step), "disk_token",
+        "via_prefill" or "window"."""
+        if what not in ("chunk", "disk_token", "via_prefill", "window"):
+            raise ValueError(f"what={what!r} must be 'chunk', 'disk_token', 'via_prefill' or 'window'")
 
         def mix(old: float | None) -> float:
             return seconds if old is None else 0.8 * old + 0.2 * seconds
@@ -223,8 +226,10 @@ def estimate_restore_costs(
     """Estimated seconds to reach the prompt's end from each route: recompute from `l0` ("shrink"),
     rebuild the window at `window_at` ("window", offered when not None), or install [l0, disk_at) from
     disk ("disk", offered when disk_at > l0). Until measured, a chunk costs 1 s, a narrower step its
-    share of one, and a disk token a tenth of a prefilled token (the case for any real model: reading
-    a block moves bytes, recomputing it runs every layer).
+    share of one, a window rebuild its R tokens' share of a chunk, and a disk token a tenth of a
+    prefilled token (the case for any real model: reading a block moves bytes, recomputing it runs
+    every layer). Once measured, a window rebuild costs what it took (the restore, the R-token step
+    and the read-back: more than R tokens' share of a chunk on a small model).
 
     Args:
       measured: the engine's measured costs.
@@ -236,6 +241,7 @@ def estimate_restore_costs(
     """
     per_chunk = measured.chunk or 1.0
     disk_tok = measured.disk_token if measured.disk_token is not None else 0.1 * per_chunk / chunk
+    rebuild = measured.window if measured.window is not None else window_tokens / chunk * per_chunk
 
     def compute(n: int) -> float:
         """Full chunks, then the narrowest width holding the rest (measured, else pro rata)."""
@@ -249,7 +255,7 @@ def estimate_restore_costs(
     return RestoreCosts(
         shrink=compute(prompt - l0),
         # one step over exactly R tokens (not padded to a chunk), then the chunks after window_at
-        window=None if window_at is None else window_tokens / chunk * per_chunk + compute(prompt - window_at),
+        window=None if window_at is None else rebuild + compute(prompt - window_at),
         disk=(disk_at - l0) * disk_tok + compute(prompt - disk_at) if disk_at > l0 else None,
     )
 
@@ -293,9 +299,9 @@ def extend_with_disk(
     floor = {"lifecycle": stage.found, "abi": stage.found, "intersection": stage.snapshot_end, "byte": l1}
     after = {k: max(v, floor[k]) for k, v in plan.tokens_after_stage.items()}
     hash_hit = max(plan.hash_hit_tokens, stage.found)
-    if l1 >= hash_hit:
+    if l1 >= hash_hit and stage.reason is None:
         failed, why = None, None
-    elif stage.reason is not None:
+    elif stage.reason is not None:  # (also when the index refused what lies past the hit: a bad pointer)
         why = Reason(stage.reason)
         failed = why.stage
     else:

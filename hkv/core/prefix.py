@@ -735,6 +735,7 @@ def restore_window(
     tokens: jax.Array,
     n_blocks: jax.Array,
     ids: jax.Array,
+    force: jax.Array | bool = False,
     **step_options,
 ) -> tuple[HybridCache, DevicePlan, jax.Array]:
     """The window-rebuild route as one transition: `restore` in window-recompute mode (the
@@ -746,6 +747,11 @@ def restore_window(
       model: a `hkv.CachedModel` (its `cached_step` runs R tokens of one row).
       layout, cache, slot, keys, tokens, n_blocks: as for `restore`.
       ids: int32[max_context] the prompt's token ids (padded): the rebuilt tokens are read from it.
+      force: bool[] run the model's step even when nothing was restored, with no valid token (it
+        writes nothing): `Engine.warmup` runs it so the rebuild's kernels have run once before a
+        request's first rebuild — on the CPU the first run of the step inside this `lax.cond` branch
+        costs several times a later one (colab/02_prefix_reuse's turn with the first rebuild was
+        slower than its cold run).
       step_options: passed to `model.cached_step` (the engine's kernel choices).
     Returns:
       (cache, plan, status): plan as `restore`'s (byte_blocks reports L); status the cached step's
@@ -754,16 +760,15 @@ def restore_window(
     r = window_rebuild_tokens(layout.spec)
     cache, plan = restore(layout, cache, slot, keys, tokens, n_blocks, recompute=r, count=False)
     length = plan.byte_blocks * layout.spec.block_tokens
-    ok = (plan.status == Status.OK) & (length > 0)
+    real = (plan.status == Status.OK) & (length > 0)
     window = jax.lax.dynamic_slice(ids, (jnp.maximum(length - r, 0),), (r,))[None]
+    n_valid = jnp.where(real, r, 0).astype(jnp.int32)[None]  # forced alone: no valid token, nothing written
 
     def run(c):
-        c, _, st = model.cached_step(
-            layout, c, window, slot[None], jnp.array([r], jnp.int32), seal=False, **step_options
-        )
+        c, _, st = model.cached_step(layout, c, window, slot[None], n_valid, seal=False, **step_options)
         return c, st
 
-    cache, st = jax.lax.cond(ok, run, lambda c: (c, jnp.int32(Status.OK)), cache)
+    cache, st = jax.lax.cond(real | force, run, lambda c: (c, jnp.int32(Status.OK)), cache)
     return cache, plan, st
 
 

@@ -316,8 +316,11 @@ class CompilePlan:
             (t.count_plan, (jax.tree.map(jnp.int32, DevicePlan.make().host()),), "count_plan"),
         ]
         if window:
+            # forced: the rebuild's model step runs once (no valid token: nothing written), since its
+            # first run in a process costs several times a later one (`hkv.core.prefix.restore_window`)
             ids = jnp.zeros((self.layout.config.max_context,), jnp.int32)
-            out.append((t.restore_window, (self.weights(), slot, keys, toks, zero, ids), "restore_window"))
+            args = (self.weights(), slot, keys, toks, zero, ids, np.bool_(True))
+            out.append((t.restore_window, args, "restore_window"))
         out.append((t.record_many, self.record_args(slot), "record_many"))
         none = jnp.zeros((self.layout.config.prefix_records,), bool)
         out.append((t.evict, (none, none, none), "evict"))

@@ -598,10 +598,10 @@ class CompiledSteps:
             )  # fmt: skip
             return o.cache, pack_decode(o), o.logits
 
-        def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids):
+        def restore_window(layout, cache, weights, slot, keys, toks, n_blocks, ids, force):
             """`hkv.core.prefix.restore_window` with this engine's model and kernels."""
             count(layout, "restore_window")
-            return px.restore_window(merged(weights), layout, cache, slot, keys, toks, n_blocks, ids, **opts)
+            return px.restore_window(merged(weights), layout, cache, slot, keys, toks, n_blocks, ids, force, **opts)
 
         def step(fn, static=(0,), name=None):
             name = name or fn.__name__

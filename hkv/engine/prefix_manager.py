@@ -42,7 +42,7 @@ from ..core.plan import (
     with_window_rebuilt,
 )
 from ..core.policy import RetentionPolicy, eviction_order, window_rebuild_tokens
-from ..core.reasons import Reason
+from ..core.reasons import DISK_REASONS, Reason
 from ..core.spec import CacheSpec
 from ..store.tier import BlockRef, DiskTier
 from . import offload as swap
@@ -141,6 +141,7 @@ class PrefixManager:
         self.prefill_chunk, self.prefill_widths = opts.prefill_chunk, opts.prefill_widths
         self.window_tokens = window_rebuild_tokens(spec)  # 0: no exact rebuild route
         self.costs = MeasuredCosts()
+        self.window_runs = 0  # window rebuilds run (the first is not measured: it may be the step's first run)
         self.counters = PrefixCounters()
         self.recorded = False  # whether a prefix block was recorded (the engine builds `restore` ahead then)
         self.admission = AdmissionMemory(layout.config.prefix_records)
@@ -227,6 +228,7 @@ class PrefixManager:
         padded[: query.prompt_tokens] = seq.ids
         while True:
             self.restart_slot(seq)
+            t0 = time.perf_counter()
             vec, st = self.hooks.tx(
                 self.steps.restore_window,
                 self.hooks.weights(),
@@ -235,9 +237,14 @@ class PrefixManager:
                 np.asarray(query.tokens),
                 jnp.int32(query.n_blocks),
                 padded,
+                np.bool_(False),
             )
             vec = vec.host()
             no_pages = int(st) == Status.NO_PAGES or vec.status == Status.NO_PAGES
+            if not no_pages:  # (what the route costs: the estimate's "window", from the second on)
+                if self.window_runs:
+                    self.costs.measure("window", time.perf_counter() - t0)
+                self.window_runs += 1
             if not no_pages or not self.make_room():  # pools full: cached objects give way, then retry
                 break
         window_plan = RestorePlan.from_device(vec, self.spec.block_tokens, query.prompt_tokens)
@@ -603,8 +610,8 @@ class PrefixManager:
                 l1 = l0
             elif builds_on_this_thread() == built and not waited:  # (builds on other threads do not count)
                 self.costs.measure("disk_token", (time.perf_counter() - t0) / (l1 - l0))
-        if reason is None and probe.stop == "disk_abi":
-            reason = "disk_abi"
+        if reason is None and probe.stop in DISK_REASONS:  # the index's own refusal (ABI, a bad pointer)
+            reason = probe.stop
         if reason is None and probe.stop == "absent" and i0 + len(probe.refs) < len(probe.keys):
             # a tombstone that says its block went to disk, but the tier has no such block
             rec_keys, on_disk = jax.device_get((self.hooks.view().prefix.key, self.hooks.view().prefix.on_disk))

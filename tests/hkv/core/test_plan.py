@@ -1,6 +1,8 @@
 """The restore route's pure pieces (`hkv.core.plan`), without an engine: cost estimates, the route
 choice, and the plan extended by the disk stage and the window rebuild."""
 
+import dataclasses
+
 import pytest
 
 import hkv
@@ -42,7 +44,9 @@ def test_measured_costs_average_each_sample_in_and_refuse_an_unknown_kind():
     m.measure("chunk", 0.5, width=8)
     m.measure("disk_token", 0.01)
     assert (m.chunk, m.narrow, m.disk_token, m.via_prefill) == (pytest.approx(1.8), {8: 0.5}, 0.01, None)
-    with pytest.raises(ValueError, match=r"what='prefill' must be 'chunk', 'disk_token' or 'via_prefill'"):
+    m.measure("window", 0.3)
+    assert m.window == 0.3
+    with pytest.raises(ValueError, match=r"what='prefill' must be 'chunk', 'disk_token', 'via_prefill' or 'window'"):
         m.measure("prefill", 1.0)
 
 
@@ -57,6 +61,13 @@ def test_estimates_follow_the_measured_costs_and_offer_only_possible_routes():
     assert got.shrink == pytest.approx(2 * 2.0 + 0.1)
     assert got.window == pytest.approx(24 / 32 * 2.0 + 2.0 + 0.1)  # R tokens, then 36 = a chunk and 4
     assert got.disk == pytest.approx(64 * 0.001 + 0.1)
+    # a measured rebuild costs what it took: 2.5 s makes the window route dearer than recomputing
+    # (it read as R tokens' share of a chunk before, so the first rebuild of colab/02 was chosen at
+    # several times a recompute's cost)
+    slow = dataclasses.replace(m, window=2.5)
+    got = estimate_restore_costs(slow, window_at=64, disk_at=96, **kw)
+    assert got.window == pytest.approx(2.5 + 2.0 + 0.1)
+    assert got.window > got.shrink
 
 
 def test_the_choice_is_the_cheapest_or_the_longest_route_ties_to_the_cheaper():

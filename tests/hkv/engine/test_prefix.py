@@ -15,6 +15,7 @@ import hkv.engine.engine
 from hkv.core import prefix as px
 from hkv.core.policy import RetentionPolicy
 from models.deepseek_v4 import init, tiny_config
+from models.deepseek_v4.model import DeepseekV4
 
 from ...oracle import oracle_for
 
@@ -301,6 +302,46 @@ def test_missing_window_is_recomputed_when_cheaper_than_the_gap(model):
     assert g.plan.reason == "swa_missing" and engine.stats()["window_recomputes"] == 1
     assert_exact(model, [prompt], [g])
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+window_runs: list[int] = []  # `WindowRuns`' notes
+
+
+class WindowRuns(DeepseekV4):
+    """DeepSeek-V4 noting in `window_runs`, when it runs (not when traced), each model step that
+    rebuilds a window (`seal=False`, only `hkv.core.prefix.restore_window` asks for it): its valid
+    token count."""
+
+    def cached_step(self, layout, cache, tokens, slots, n_valid, **options):
+        if options.get("seal") is False:
+            jax.debug.callback(lambda n: window_runs.append(int(n)), n_valid[0])
+        return super().cached_step(layout, cache, tokens, slots, n_valid, **options)
+
+
+def test_warmup_runs_the_window_rebuild_step_once_and_writes_nothing():
+    """The first run of the window rebuild's model step (inside a `lax.cond` branch) cost ~45 ms more
+    than later ones on this CPU, and `warmup` ran `restore_window` only with nothing to restore, so
+    the branch never ran: colab/02_prefix_reuse's turn with the first rebuild was slower than its cold
+    run. Now warmup forces the branch with no valid token: the step runs, the cache is unchanged; a
+    request's rebuild then runs the same branch with R tokens and stays exact."""
+    counting = init(CFG, seed=3)
+    counting.__class__ = WindowRuns  # the same weights; the engine's steps rebuild this class
+    window_runs.clear()
+    engine = make_engine(counting, retention=RetentionPolicy(every_n_blocks=4))
+    before = jax.device_get(engine.cache)
+    engine.warmup()
+    jax.effects_barrier()
+    assert window_runs == [0]
+    after = jax.device_get(engine.cache)
+    for name in ("groups", "lengths", "active", "counters"):  # (the prefix index's clock moves)
+        for a, b in zip(jax.tree.leaves(getattr(before, name)), jax.tree.leaves(getattr(after, name)), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    engine.generate([BASE], NEW)
+    (g,) = engine.generate([diverge(7 * BT + 3)], NEW, return_logits=True)
+    jax.effects_barrier()
+    assert g.plan.window_recomputed == (7 * BT - engine.window_recompute_tokens, 7 * BT)
+    assert window_runs == [0, engine.window_recompute_tokens]
+    assert_exact(counting, [diverge(7 * BT + 3)], [g])
 
 
 def test_a_chain_cut_by_an_evicted_record_rebuilds_the_window_at_the_cut(model):
