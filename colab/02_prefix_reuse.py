@@ -277,10 +277,11 @@ assert stats["restored_tokens"] == restored.sum() and stats["hash_hit_tokens"] =
 # TTFT is the engine's own measurement (`stats()["ttft_seconds"]`: from admission to the first token's
 # logits). Warm: `chat` with its prefix cache; cold: the same prompt on `cold`, which recomputes it
 # all. Warm TTFT also pays for the restore itself, any window rebuild and the evictions the turn
-# triggers (choosing victims, recording the new blocks): with this tiny model a prefill chunk costs only
-# milliseconds, so under heavy pressure a turn that restores little and evicts much can be slower than
-# cold, while a complete restore skips nearly the whole prompt. The gap grows with the prompt (run with
-# `HKV_NOTEBOOK_SMALL=0` for longer conversations).
+# triggers (choosing victims, recording the new blocks). A turn that restores nothing (`no_hash_match`)
+# does the cold run's work plus a lookup of about a millisecond, so its two TTFTs differ by timing noise
+# (either may come out ahead); every turn that restores a prefix should be faster warm — the last
+# line below names any turn that was not. The gap grows with the prompt (run with
+# `HKV_NOTEBOOK_SMALL=0` for longer conversations: 24 of 24 turns faster warm on a 2-core CPU).
 
 # %%
 warm_ms = np.array([t["warm_ttft"] for t in turns]) * 1e3
