@@ -43,7 +43,9 @@ from .engine.requests import (
     TokenOutput,
 )
 from .engine.sharded import MeshEngine
+from .store.host import HostTier
 from .store.tier import DiskTier, DiskTierClosedError
+from .store.tiered import TieredStore
 
 __all__ = [
     "CacheCapacityError",
@@ -62,6 +64,7 @@ __all__ = [
     "EngineClosedError",
     "Generation",
     "Group",
+    "HostTier",
     "HybridCache",
     "InteriorSnapshots",
     "InvariantError",
@@ -80,6 +83,7 @@ __all__ = [
     "SamplingParams",
     "Status",
     "Step",
+    "TieredStore",
     "TokenOutput",
     "allocated_bytes",
     "architectural_minimum",

@@ -160,8 +160,14 @@ class CacheSpec:
         return jnp.dtype(self.dtype)
 
     def groups(self) -> tuple[Group, ...]:
-        """Layers grouped by storage layout, in a stable order (SWA groups, compressed, indexer)."""
-        return _groups(self)
+        """Layers grouped by storage layout, in a stable order (SWA groups, compressed, indexer).
+        Memoised on the instance too: hashing a spec (43 layers for V4-Flash) for the shared cache costs
+        ~12 us, paid per block by a restore's shape checks (`hkv.engine.offload.expected_objects`)."""
+        memo = self.__dict__.get("_groups_memo")
+        if memo is None:
+            memo = _groups(self)
+            object.__setattr__(self, "_groups_memo", memo)  # not a field: equality and hash ignore it
+        return memo
 
     def _compute_groups(self) -> tuple[Group, ...]:
         found: dict[tuple, list[int]] = {}

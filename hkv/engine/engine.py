@@ -118,7 +118,8 @@ class Engine(TextMethods):
     cache_salt: extra bytes in every block key (adapter id, tenant salt).
     disk: an `hkv.DiskTier`: cached blocks the eviction policy moves out of device memory are written
     there (write-behind, never waited on by a step) and restored from there on a later hit, after
-    verification (needs the prefix cache).
+    verification (needs the prefix cache). An `hkv.HostTier` (host memory) or an
+    `hkv.TieredStore(HostTier(...), DiskTier(...))` (host memory over disk) speaks the same protocol.
     seed: seeds the engine's draws of per-request seeds for sampled requests without their own.
     compilation_cache: JAX's persistent compilation cache (see `hkv.engine.compiled`): None = on in
     the default directory unless $HKV_COMPILATION_CACHE=0, False = leave off, a path = that directory.

@@ -16,7 +16,9 @@ from ..core.layers import default_read_buckets
 from ..core.layout import CacheConfig, CacheLayout
 from ..core.memory import allocated_bytes
 from ..core.protocol import accepts_keyword
+from ..store.host import HostTier
 from ..store.tier import DiskTier
+from ..store.tiered import TieredStore
 from .chat import ChatTemplate
 from .text import TextCodec
 
@@ -105,8 +107,8 @@ class EngineOptions:
                 stacklevel=3,
             )
             config = dataclasses.replace(config, prefix_records=0)
-        if disk is not None and not isinstance(disk, DiskTier):
-            raise ValueError(f"disk={disk!r} must be an hkv.DiskTier")
+        if disk is not None and not isinstance(disk, (DiskTier, HostTier, TieredStore)):
+            raise ValueError(f"disk={disk!r} must be an hkv.DiskTier, hkv.HostTier or hkv.TieredStore")
         if restore_choice not in RESTORE_CHOICES:
             raise ValueError(f"restore_choice={restore_choice!r} must be one of {RESTORE_CHOICES}")
         opts = cls(

@@ -1,4 +1,4 @@
-"""hkv's disk tier (tensorstore): never imports the engine.
+"""hkv's prefix tiers below device memory (host memory, disk through tensorstore): never imports the engine.
 
 tier.py      DiskTier: segments, group commit, verified reads, budget, keyed stores (composed of the parts below)
 context.py   TierContext: the state every part shares (kvstore, key, lock, counters); bounded small-file reads
@@ -15,4 +15,6 @@ hits.py      HitCounts: restore counts per block, per writer
 verify.py    verify_store and store_stats (DiskTier.verify / stats)
 manifest.py  the manifest format: bounded parsing, checksums, HMAC
 cli.py       `hkv store ...`: ls, verify, gc
+host.py      HostTier: blocks in host memory (bounded bytes, digests checked at every read, LRU leaves evicted)
+tiered.py    TieredStore: a HostTier over a DiskTier (spill to disk, promotion on hit, prefetch of a chain)
 """
