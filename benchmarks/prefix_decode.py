@@ -2,7 +2,7 @@
 DeepSeek-V4 (`workload.py`'s SMALL dimensions, random weights) with the default prefix cache against
 the same engine with `prefix_records=0`, at 4K, 8K and 32K tokens of context.
 
-    python benchmarks/prefix_decode.py [--contexts 4096,8192,32768] [--new 32] [--rounds 2]
+    python benchmarks/prefix_decode.py [--contexts 4096,8192,32768] [--new 32] [--rounds 3] [--model tiny]
 
 Per context: two one-slot engines with the default cache sizing (`CacheConfig(slots=1, max_context=...)`), the
 side-by-side tuned block 64 and prefill chunk 512, one with the prefix cache and one without,
@@ -24,10 +24,11 @@ import sys
 import time
 
 import numpy as np
-from workload import SMALL  # benchmarks/workload.py (the script's folder is on sys.path); sets decode_while_building
+from workload import (
+    build_model,
+)  # benchmarks/workload.py (the script's folder is on sys.path); sets decode_while_building
 
 import hkv
-from models import deepseek_v4
 
 BLOCK, CHUNK = 64, 512  # the side-by-side tuned engine's block and chunk
 
@@ -51,7 +52,8 @@ def decode(engine: hkv.Engine, prompt: list[int], new: int) -> DecodeRun:
         dt = time.perf_counter() - t0
         if had and len(h.tokens) > had:
             per_token.append(dt / (len(h.tokens) - had))
-    return DecodeRun(1e3 * float(np.median(per_token)), tuple(h.result().tokens))
+    ms = 1e3 * float(np.median(per_token)) if per_token else float("nan")  # nan: no step only decoded
+    return DecodeRun(ms, tuple(h.result().tokens))
 
 
 def engines(model, ctx: int, new: int) -> dict[str, hkv.Engine]:
@@ -67,22 +69,26 @@ def engines(model, ctx: int, new: int) -> dict[str, hkv.Engine]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (`argv`: the command line's arguments); 0 when every round's tokens are equal."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="4096,8192,32768", help="comma-separated context lengths")
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
-    ap.add_argument("--rounds", type=int, default=2, help="requests per engine and context")
-    args = ap.parse_args()
-    model = deepseek_v4.init(deepseek_v4.DeepseekV4Config(**SMALL), seed=0)
+    ap.add_argument("--rounds", type=int, default=3, help="requests per engine and context")
+    ap.add_argument("--model", choices=("small", "tiny"), default="small", help="workload.py's models")
+    args = ap.parse_args(argv)
+    model = build_model(args.model)
     rng = np.random.default_rng(0)
-    print(f"small DeepSeek-V4, block {BLOCK}, chunk {CHUNK}, {args.new} new tokens, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.model} DeepSeek-V4, block {BLOCK}, chunk {CHUNK}, {args.new} new tokens, load {os.getloadavg()[0]:.1f}"
+    )
     ok, rows = True, []
     for ctx in [int(c) for c in args.contexts.split(",") if c]:
         print(f"context {ctx}:", flush=True)
         es = engines(model, ctx, args.new)
         ratios = []
         for r in range(args.rounds):
-            prompt = rng.integers(0, SMALL["vocab_size"], ctx).tolist()
+            prompt = rng.integers(0, model.cfg.vocab_size, ctx).tolist()
             order = ("prefix", "off") if r % 2 == 0 else ("off", "prefix")
             got = {name: decode(es[name], prompt, args.new) for name in order}
             same = got["prefix"].tokens == got["off"].tokens
