@@ -155,7 +155,9 @@ class MeasuredCosts:
       disk_token: installing one token from the disk tier (read, verify, swap in).
       via_prefill: one token decoded through the prefill step while the decode step builds.
       window: one window rebuild (`hkv.core.prefix.restore_window`: the restore and the model step
-        over R tokens, read back on the host).
+        over R tokens, read back on the host), from the second sample on: the first may be the
+        step's first run in the process, which costs several times a later one.
+      window_runs: window rebuild samples offered (the first one included).
     """
 
     chunk: float | None = None
@@ -163,12 +165,17 @@ class MeasuredCosts:
     disk_token: float | None = None
     via_prefill: float | None = None
     window: float | None = None
+    window_runs: int = 0
 
     def measure(self, what: str, seconds: float, width: int | None = None) -> None:
         """Fold one sample in. what: "chunk" (with `width` for a narrower step), "disk_token",
-        "via_prefill" or "window"."""
+        "via_prefill" or "window" (whose first sample is counted, not kept)."""
         if what not in ("chunk", "disk_token", "via_prefill", "window"):
             raise ValueError(f"what={what!r} must be 'chunk', 'disk_token', 'via_prefill' or 'window'")
+        if what == "window":
+            self.window_runs += 1
+            if self.window_runs == 1:
+                return
 
         def mix(old: float | None) -> float:
             return seconds if old is None else 0.8 * old + 0.2 * seconds

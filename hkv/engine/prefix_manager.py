@@ -141,7 +141,6 @@ class PrefixManager:
         self.prefill_chunk, self.prefill_widths = opts.prefill_chunk, opts.prefill_widths
         self.window_tokens = window_rebuild_tokens(spec)  # 0: no exact rebuild route
         self.costs = MeasuredCosts()
-        self.window_runs = 0  # window rebuilds run (the first is not measured: it may be the step's first run)
         self.counters = PrefixCounters()
         self.recorded = False  # whether a prefix block was recorded (the engine builds `restore` ahead then)
         self.admission = AdmissionMemory(layout.config.prefix_records)
@@ -241,10 +240,8 @@ class PrefixManager:
             )
             vec = vec.host()
             no_pages = int(st) == Status.NO_PAGES or vec.status == Status.NO_PAGES
-            if not no_pages:  # (what the route costs: the estimate's "window", from the second on)
-                if self.window_runs:
-                    self.costs.measure("window", time.perf_counter() - t0)
-                self.window_runs += 1
+            if not no_pages:  # what the route costs: the estimate's "window"
+                self.costs.measure("window", time.perf_counter() - t0)
             if not no_pages or not self.make_room():  # pools full: cached objects give way, then retry
                 break
         window_plan = RestorePlan.from_device(vec, self.spec.block_tokens, query.prompt_tokens)

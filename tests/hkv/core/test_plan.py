@@ -44,6 +44,8 @@ def test_measured_costs_average_each_sample_in_and_refuse_an_unknown_kind():
     m.measure("chunk", 0.5, width=8)
     m.measure("disk_token", 0.01)
     assert (m.chunk, m.narrow, m.disk_token, m.via_prefill) == (pytest.approx(1.8), {8: 0.5}, 0.01, None)
+    m.measure("window", 5.0)  # a first rebuild may be the step's first run in the process: not kept
+    assert (m.window, m.window_runs) == (None, 1)
     m.measure("window", 0.3)
     assert m.window == 0.3
     with pytest.raises(ValueError, match=r"what='prefill' must be 'chunk', 'disk_token', 'via_prefill' or 'window'"):
