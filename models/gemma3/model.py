@@ -53,6 +53,21 @@ def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     return numerics.linear(x, weight)
 
 
+def dense(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+    """y = x @ kernel with a kernel held [in, out] (a checkpoint's [out, in] weight transposed once at
+    load); x [..., in] -> [..., out] in x.dtype (`hkv.numerics.matmul`: float32 accumulation, the same
+    bits for any number of rows). A decode step's few rows read a weight held this way ~1.7x faster
+    on XLA:CPU than through `linear`'s transposed operand (benchmarks/README.md, e2e_gemma3.py)."""
+    return numerics.matmul(x, kernel.astype(x.dtype)).astype(x.dtype)
+
+
+def kernel_param(dtype, *weights) -> nnx.Param:
+    """Checkpoint weights [out_i, in] as one [in, sum(out_i)] kernel that `dense` reads (outputs in
+    the order given). One product of the joined kernel replaces a product per weight: a decode step
+    reads all of them in one pass (q/k/v, gate/up)."""
+    return nnx.Param(jnp.asarray(np.concatenate([np.asarray(w) for w in weights]).T, dtype))
+
+
 def cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     """positions int[...] -> (cos, sin) float32[..., 2 * len(inv_freq)] (frequencies repeated for both halves)."""
     angles = numerics.mul(positions.astype(jnp.float32)[..., None], jnp.asarray(inv_freq, jnp.float32))
@@ -102,7 +117,9 @@ def dense_attention(
 
 
 class Attention(nnx.Module):
-    """Gemma 3 self-attention weights (`layers.N.self_attn.*`): q/k/v/o projections and q/k RMSNorms."""
+    """Gemma 3 self-attention weights (`layers.N.self_attn.*`): the q/k/v projections joined into one
+    kernel `qkv_proj` [hidden, (H + 2 Hkv) * D], `o_proj` [H * D, hidden] (kernels held [in, out], see
+    `dense` and `kernel_param`) and the q/k RMSNorms."""
 
     def __init__(self, cfg: Gemma3Config, layer: int, tensors: dict, dtype):
         p = f"layers.{layer}.self_attn."
@@ -110,40 +127,43 @@ class Attention(nnx.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.q_proj = nnx.Param(jnp.asarray(tensors[p + "q_proj.weight"], dtype))
-        self.k_proj = nnx.Param(jnp.asarray(tensors[p + "k_proj.weight"], dtype))
-        self.v_proj = nnx.Param(jnp.asarray(tensors[p + "v_proj.weight"], dtype))
-        self.o_proj = nnx.Param(jnp.asarray(tensors[p + "o_proj.weight"], dtype))
+        # q, k and v projections joined: [hidden, (H + 2 Hkv) * D]
+        self.qkv_proj = kernel_param(dtype, *(tensors[p + n + "_proj.weight"] for n in "qkv"))
+        self.o_proj = kernel_param(dtype, tensors[p + "o_proj.weight"])
         self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], dtype))
         self.k_norm = nnx.Param(jnp.asarray(tensors[p + "k_norm.weight"], dtype))
 
     def project_qkv(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray):
         """Normed hidden x [B, T, hidden] -> q [B, T, H, D], k [B, T, Hkv, D] (q/k-normed, roped), v [B, T, Hkv, D]."""
         b, t, _ = x.shape
-        q = linear(x, self.q_proj.value).reshape(b, t, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj.value).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.value).reshape(b, t, self.num_kv_heads, self.head_dim)
+        qkv = dense(x, self.qkv_proj.value)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[..., :nq].reshape(b, t, self.num_heads, self.head_dim)
+        k = qkv[..., nq : nq + nkv].reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = qkv[..., nq + nkv :].reshape(b, t, self.num_kv_heads, self.head_dim)
         q = apply_rope(gemma_rms_norm(q, self.q_norm.value, self.eps), cos, sin)
         k = apply_rope(gemma_rms_norm(k, self.k_norm.value, self.eps), cos, sin)
         return q, k, v
 
     def project_output(self, o: jnp.ndarray) -> jnp.ndarray:
         """Attention output o [B, T, H, D] -> [B, T, hidden]."""
-        return linear(o.reshape(*o.shape[:2], -1), self.o_proj.value)
+        return dense(o.reshape(*o.shape[:2], -1), self.o_proj.value)
 
 
 class MLP(nnx.Module):
-    """Gated GELU-tanh MLP (`layers.N.mlp.{gate,up,down}_proj`)."""
+    """Gated GELU-tanh MLP (`layers.N.mlp.{gate,up,down}_proj`): `gate_up_proj` [hidden, 2 * intermediate]
+    (gate then up, joined) and `down_proj` [intermediate, hidden], kernels held [in, out] (`dense`)."""
 
     def __init__(self, cfg: Gemma3Config, layer: int, tensors: dict, dtype):
         p = f"layers.{layer}.mlp."
-        self.gate_proj = nnx.Param(jnp.asarray(tensors[p + "gate_proj.weight"], dtype))
-        self.up_proj = nnx.Param(jnp.asarray(tensors[p + "up_proj.weight"], dtype))
-        self.down_proj = nnx.Param(jnp.asarray(tensors[p + "down_proj.weight"], dtype))
+        self.gate_up_proj = kernel_param(dtype, tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"])
+        self.down_proj = kernel_param(dtype, tensors[p + "down_proj.weight"])
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        gate = numerics.gelu_tanh(linear(x, self.gate_proj.value))
-        return linear(gate * linear(x, self.up_proj.value), self.down_proj.value)
+        gate_up = dense(x, self.gate_up_proj.value)
+        inner = gate_up.shape[-1] // 2
+        gate = numerics.gelu_tanh(gate_up[..., :inner])
+        return dense(gate * gate_up[..., inner:], self.down_proj.value)
 
 
 class DecoderLayer(nnx.Module):

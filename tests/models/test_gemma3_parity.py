@@ -217,7 +217,10 @@ def test_bf16_checkpoint(tmp_path):
     ours16 = gemma3.load(tmp_path, dtype=jnp.bfloat16)
     assert ours16.embed_tokens.value.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
-        np.asarray(ours16.layers[0].attn.q_proj.value.astype(jnp.float32)),
+        # held [in, out], q/k/v joined: q's columns first
+        np.asarray(ours16.layers[0].attn.qkv_proj.value.astype(jnp.float32))[
+            :, : cfg.num_attention_heads * cfg.head_dim
+        ].T,
         hf.model.layers[0].self_attn.q_proj.weight.detach().float().numpy(),
     )
     got16 = np.asarray(gemma3.forward_fn(ours16)(ids))
@@ -301,7 +304,8 @@ def test_loader_names_wrong_shape_missing_and_unknown_tensors(saved_tensors, tmp
     _write(tmp_path / "ok", cfg, tensors)
     ours = gemma3.load(tmp_path / "ok")
     np.testing.assert_array_equal(
-        np.asarray(ours.layers[1].mlp.up_proj.value), tensors["model.layers.1.mlp.up_proj.weight"]
+        np.asarray(ours.layers[1].mlp.gate_up_proj.value)[:, cfg.intermediate_size :].T,  # [in, gate | up]
+        tensors["model.layers.1.mlp.up_proj.weight"],
     )
 
     bad = dict(tensors)

@@ -294,7 +294,7 @@ def test_an_unstacked_model_holds_one_module_per_layer_and_computes_as_the_stack
     assert flat.layers.runs == tuple(LayerRun(i, 1, 1) for i in range(6))
     assert not isinstance(flat.layers[3], ls.LayerView)
     np.testing.assert_array_equal(
-        np.asarray(flat.layers[3].attn.q_proj.value), np.asarray(stacked.layers[3].attn.q_proj.value)
+        np.asarray(flat.layers[3].attn.qkv_proj.value), np.asarray(stacked.layers[3].attn.qkv_proj.value)
     )
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 512, (2, 40)), jnp.int32)
     a, b = np.asarray(jax.jit(lambda t: stacked(t))(tokens)), np.asarray(jax.jit(lambda t: flat(t))(tokens))
