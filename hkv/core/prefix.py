@@ -49,9 +49,16 @@ def _row_range(layout: CacheLayout, g: int, length):
     return lo, hi, lo // ps, (hi + ps - 1) // ps
 
 
+_UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
 def _bytes_checksum(x: jax.Array, salt: int) -> jax.Array:
-    """Position-weighted sum of bytes mod 2**32 with odd weights: any single changed byte changes it."""
-    b = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
+    """Position-weighted sum of x's elements, each read as the unsigned integer of its bits, mod 2**32
+    with odd weights: any single changed element (any changed byte of 1-, 2- or 4-byte elements)
+    changes it, an odd weight being invertible mod 2**32. One term per element, not per byte: a
+    snapshot's window rows are checksummed at every block boundary a prefill chunk records."""
+    word = _UINT_OF_SIZE.get(jnp.dtype(x.dtype).itemsize, jnp.uint8)  # (other sizes: byte by byte)
+    b = jax.lax.bitcast_convert_type(x, word).reshape(-1).astype(jnp.uint32)
     w = (jnp.arange(b.shape[0], dtype=jnp.uint32) + jnp.uint32(salt)) * jnp.uint32(2654435761) | jnp.uint32(1)
     return jnp.sum((b + jnp.uint32(1)) * w, dtype=jnp.uint32)
 
