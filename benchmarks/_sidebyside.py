@@ -12,6 +12,7 @@ model and in `hkv.Engine`.
 * `run_context`: per context L, the cold prompt (L random tokens) and a warm prompt sharing its first
   `SHARED` of tokens, on transformers and on hkv's tuned engine (and optionally its defaults engine);
   `compare_tokens` checks every hkv continuation against transformers' (near-ties reported, not counted).
+  With `rounds` > 1, `more_rounds` repeats the cold prompt on both, alternating, and keeps medians.
 
 Importing this module sets `OMP_WAIT_POLICY=PASSIVE` (unless set) before torch loads: import it before torch.
 """
@@ -247,12 +248,15 @@ def compare_tokens(label: str, got: list[int], ref: dict) -> str:
     return "mismatch"
 
 
-def run_context(ctx: int, hf, model, rng, *, vocab: int, new: int, with_hf: bool, defaults: bool) -> dict:
+def run_context(
+    ctx: int, hf, model, rng, *, vocab: int, new: int, with_hf: bool, defaults: bool, rounds: int = 1
+) -> dict:
     """One context: transformers (when `with_hf`) on the cold and warm prompts, hkv's tuned engine
     (fresh, warmed up) on both, then with `defaults` (and `with_hf`) a defaults engine on both; every
     hkv continuation compared with transformers'. Keys: hf, hf_warm, cold, warm, compile,
     cold_defaults, warm_defaults, compile_defaults, verdicts ({hkv key: compare_tokens' verdict}),
-    checks, mismatches, ties."""
+    checks, mismatches, ties; with `rounds` > 1 also "rounds" (see `more_rounds`): hf and cold then
+    hold the medians of every round's cold prefill / TTFT and decode."""
     cold, warm, shared = prompts_for(ctx, vocab, rng)
     max_context = -(-(ctx + new) // BLOCK) * BLOCK
     r: dict = {"ctx": ctx, "shared": shared, "mismatches": 0, "ties": 0, "checks": 0, "verdicts": {}}
@@ -278,6 +282,8 @@ def run_context(ctx: int, hf, model, rng, *, vocab: int, new: int, with_hf: bool
     )
     r["warm"] = hkv_request(engine, warm, new)
     log(f"  hkv tuned warm: TTFT {r['warm']['ttft']:.3f} s, plan {r['warm']['plan']}")
+    if rounds > 1:
+        more_rounds(r, rounds, hf if with_hf else None, engine, cold, new)
     del engine
     release_programs()
     if with_hf and defaults:
@@ -298,6 +304,50 @@ def run_context(ctx: int, hf, model, rng, *, vocab: int, new: int, with_hf: bool
                 r["mismatches"] += verdict == "mismatch"
                 r["ties"] += verdict == "near-tie"
     return r
+
+
+def more_rounds(r: dict, rounds: int, hf, engine: hkv.Engine, cold: list[int], new: int) -> None:
+    """Rounds 2..`rounds` of the cold prompt, transformers (when `hf`) then hkv (prefixes evicted
+    first, so the request is cold again), alternating so that both meet the same minutes of a
+    drifting machine. Adds r["rounds"] = {"hf_prefill", "hf_decode_ms", "ttft", "decode_ms": one
+    figure per round}, and replaces r["hf"] / r["cold"]'s prefill, TTFT and decode ms with the
+    medians over the rounds; every round's hkv tokens must equal the first round's."""
+    per = {"hf_prefill": [], "hf_decode_ms": [], "ttft": [r["cold"]["ttft"]], "decode_ms": [r["cold"]["decode_ms"]]}
+    if hf is not None:
+        per["hf_prefill"].append(r["hf"]["prefill"])
+        per["hf_decode_ms"].append(r["hf"]["decode_ms"])
+    for k in range(2, rounds + 1):
+        if hf is not None:
+            h = hf_generate(hf, cold, new)
+            per["hf_prefill"].append(h["prefill"])
+            per["hf_decode_ms"].append(h["decode_ms"])
+        engine.evict_prefixes()
+        c = hkv_request(engine, cold, new)
+        if c["tokens"] != r["cold"]["tokens"]:
+            raise SystemExit(f"hkv's tokens changed between rounds 1 and {k} at {r['ctx']}: {c['tokens']}")
+        per["ttft"].append(c["ttft"])
+        per["decode_ms"].append(c["decode_ms"])
+        hf_part = f"transformers {per['hf_prefill'][-1]:.2f} s / {per['hf_decode_ms'][-1]:.1f} ms, " if hf else ""
+        log(f"  round {k}: {hf_part}hkv {c['ttft']:.2f} s / {c['decode_ms']:.1f} ms")
+    r["rounds"] = per
+    if hf is not None:
+        r["hf"]["prefill"] = float(np.median(per["hf_prefill"]))
+        r["hf"]["decode_ms"] = float(np.median(per["hf_decode_ms"]))
+    r["cold"]["ttft"] = float(np.median(per["ttft"]))
+    r["cold"]["decode_ms"] = float(np.median(per["decode_ms"]))
+
+
+def round_ratios(r: dict) -> str:
+    """'prefill x a-b, decode x c-d over N rounds' (per-round transformers / hkv), or '' for one round."""
+    per = r.get("rounds")
+    if not per or not per["hf_prefill"]:
+        return ""
+    p = [h / t for h, t in zip(per["hf_prefill"], per["ttft"], strict=True)]
+    d = [h / t for h, t in zip(per["hf_decode_ms"], per["decode_ms"], strict=True)]
+    return (
+        f"over {len(p)} alternating rounds (medians in the tables): prefill x {min(p):.1f}-{max(p):.1f}, "
+        f"decode x {min(d):.1f}-{max(d):.1f}"
+    )
 
 
 def extrapolate(results: list[dict], ctx: int) -> float | None:

@@ -4,6 +4,7 @@
     python benchmarks/e2e.py                     # 1K / 4K / 8K vs transformers, 32K hkv alone (~25 min on 2 cores)
     python benchmarks/e2e.py --quick             # 1K only, 24 new tokens: a smoke run (a few minutes)
     python benchmarks/e2e.py --contexts 1024,4096,8192 --hkv-only-contexts 32768 --new-tokens 32
+    python benchmarks/e2e.py --contexts 8192 --hkv-only-contexts '' --rounds 3   # medians of 3 alternating cold rounds
 
 Weights: a transformers `DeepseekV4Config` (8 layers: sliding, then CSA m=4 / HCA m=128 alternating;
 hidden 256, 8 heads x 64, MQA, window 128, indexer 16 heads x 32 with top-k 128, hc_mult 2, 8 routed
@@ -86,6 +87,7 @@ from _sidebyside import (
     TIE_MARGIN,
     fmt_s,
     log,
+    round_ratios,
     run_context,
     run_hkv_only,
     say,
@@ -196,6 +198,8 @@ def report(results: list[dict], args) -> int:
         )
         if compiled:
             line += f"; {compiled:.1f} s compiled inside timed requests"
+        if round_ratios(r):
+            line += f"; {round_ratios(r)}"
         say(line)
 
     total = sum(r["mismatches"] for r in results)
@@ -248,7 +252,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-defaults", action="store_true", help="no default-settings engine")
     ap.add_argument("--quick", action="store_true", help="1K only, 24 new tokens, no hkv-only context")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="cold-prompt rounds per context, transformers and hkv alternating (medians reported; >= 1)",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} must be >= 1")
     if args.quick:
         args.contexts, args.hkv_only_contexts, args.new_tokens = "1024", "", 24
     contexts = [int(c) for c in args.contexts.split(",") if c]
@@ -288,7 +300,12 @@ def main() -> None:
     )
 
     rng = np.random.default_rng(args.seed)
-    run_options = {"vocab": HF_CONFIG["vocab_size"], "new": args.new_tokens, "defaults": not args.skip_defaults}
+    run_options = {
+        "vocab": HF_CONFIG["vocab_size"],
+        "new": args.new_tokens,
+        "defaults": not args.skip_defaults,
+        "rounds": args.rounds,
+    }
     results = []
     for ctx in contexts:
         results.append(run_context(ctx, hf, model, rng, with_hf=True, **run_options))

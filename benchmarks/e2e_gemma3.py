@@ -7,6 +7,7 @@ The Gemma 3 counterpart of `benchmarks/e2e.py` (DeepSeek-V4); what both do is `b
     python benchmarks/e2e_gemma3.py                  # 1K / 4K / 8K vs transformers, 32K hkv alone (6-8 min quiet)
     python benchmarks/e2e_gemma3.py --contexts 1024,8192 --hkv-only-contexts '' --json /tmp/g3.json
     python benchmarks/e2e_gemma3.py --new-tokens 64  # decode from 7 dispatches of 8 tokens per context, not 1
+    python benchmarks/e2e_gemma3.py --contexts 8192 --hkv-only-contexts '' --rounds 3  # medians of 3 alternating rounds
 
 Measuring another tree (hkv is an editable install of the main checkout, so PYTHONPATH must name the
 tree measured; the header's "hkv at" line says which tree was imported):
@@ -40,8 +41,10 @@ counted, any other makes the script exit 1.
 `--hkv-only-contexts` (32768): the tuned engine alone, skipped when its cold prefill extrapolated from
 the two largest measured contexts exceeds `--hkv-only-budget` seconds. hkv's decode ms/token is also
 printed per context against its decode at the smallest context (the issue's "8K within 2x of 1K").
-`--json PATH` writes every figure. Progress lines (stderr) carry the 1-minute load average; tables go
-to stdout.
+`--rounds N` (1): N cold-prompt rounds per context, transformers then hkv (prefixes evicted),
+alternating; the tables then hold the medians and the details each ratio's range over the rounds (a
+drifting shared CPU moves either engine by 15-25% between minutes). `--json PATH` writes every
+figure. Progress lines (stderr) carry the 1-minute load average; tables go to stdout.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from _sidebyside import (
     fmt_s,
     log,
     measured_tree,
+    round_ratios,
     run_context,
     run_hkv_only,
     say,
@@ -229,6 +233,8 @@ def report(results: list[dict], done: list[dict], skipped: list[str], args) -> N
             line += f"; {compiled:.1f} s compiled inside timed requests"
         loads = [r[k]["load"] for k in ("hf", "hf_warm", "cold", "warm") if k in r]
         line += f"; load average {min(loads):.1f}-{max(loads):.1f}"
+        if round_ratios(r):
+            line += f"; {round_ratios(r)}"
         say(line)
 
     if not results:
@@ -295,7 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="gemma3.tiny_config() instead of the small model")
     ap.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     ap.add_argument("--quick", action="store_true", help="1K only, no hkv-only context")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="cold-prompt rounds per context, transformers and hkv alternating (medians reported; >= 1)",
+    )
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} must be >= 1")
     if args.quick:
         args.contexts, args.hkv_only_contexts = "1024", ""
     contexts = [int(c) for c in args.contexts.split(",") if c]
@@ -345,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     rng = np.random.default_rng(args.seed)
-    run_options = {"vocab": cfg.vocab_size, "new": args.new_tokens, "defaults": args.defaults}
+    run_options = {"vocab": cfg.vocab_size, "new": args.new_tokens, "defaults": args.defaults, "rounds": args.rounds}
     results = [run_context(ctx, hf, model, rng, with_hf=True, **run_options) for ctx in contexts]
     del hf
     done, skipped = run_hkv_only(hkv_only, results, model, rng, args.hkv_only_budget, run_options)
