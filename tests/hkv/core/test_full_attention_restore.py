@@ -18,7 +18,7 @@ from hkv.core import transitions as tr
 from hkv.core.layout import CacheConfig, CacheLayout, Status
 from hkv.core.policy import receptive_field, window_rebuild_tokens
 from hkv.core.reasons import Reason
-from hkv.engine.block_keys import ROOT, key_words, next_key
+from tests.hkv.core.chains import record_chain
 from tests.hkv.core.test_state_machine import Harness, deepseek_like_spec, gemma_like_spec
 
 BT = 8
@@ -33,27 +33,7 @@ def _recorded_chain(spec, blocks=3, *, retain=False, tail_snapshots=None):
     h = Harness(layout)
     s = h.claim()
     assert h.append([(s, blocks * BT)]) == Status.OK
-    cache = h.cache
-    nb = layout.num_blocks
-    keys = np.zeros((nb, 4), np.uint32)
-    toks = np.zeros((nb, BT), np.int32)
-    parent, key = -1, ROOT
-    for n in range(1, blocks + 1):
-        toks[n - 1] = np.arange(BT) + 10 * n
-        key = next_key(key, toks[n - 1].tolist())
-        keys[n - 1] = key_words(key)
-        cache, r, st = px.record(
-            layout,
-            cache,
-            jnp.int32(s),
-            jnp.asarray(keys[n - 1]),
-            jnp.int32(parent),
-            jnp.asarray(toks[n - 1]),
-            jnp.bool_(retain),
-            jnp.int32(n * BT),
-        )
-        assert int(st) == Status.OK
-        parent = int(r)
+    cache, keys, toks, _ = record_chain(layout, h.cache, s, blocks, retain=retain)
     cache, _ = tr.release_slot(layout, cache, jnp.int32(s))
     cache, slot, st = tr.claim_slot(layout, cache)
     assert int(st) == Status.OK

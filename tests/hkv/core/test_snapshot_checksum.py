@@ -12,7 +12,7 @@ from hkv.core import transitions as tr
 from hkv.core.layout import CacheConfig, CacheLayout, Status
 from hkv.core.reasons import Reason
 from hkv.core.spec import CacheSpec, LayerSpec
-from hkv.engine.block_keys import ROOT, key_words, next_key
+from tests.hkv.core.chains import record_chain
 from tests.hkv.core.test_state_machine import Harness
 
 BT = 8
@@ -27,22 +27,9 @@ def _snapshotted_chain(dtype: str):
     h = Harness(layout)
     s = h.claim()
     assert h.append([(s, BLOCKS * BT)]) == Status.OK
-    cache = h.cache
-    keys = np.zeros((layout.num_blocks, 4), np.uint32)
-    toks = np.zeros((layout.num_blocks, BT), np.int32)
-    parent, key = -1, ROOT
-    for n in range(1, BLOCKS + 1):
-        toks[n - 1] = np.arange(BT) + 10 * n
-        key = next_key(key, toks[n - 1].tolist())
-        keys[n - 1] = key_words(key)
-        cache, r, st = px.record(
-            layout, cache, jnp.int32(s), jnp.asarray(keys[n - 1]), jnp.int32(parent), jnp.asarray(toks[n - 1]),
-            jnp.bool_(True), jnp.int32(n * BT),
-        )  # fmt: skip
-        assert int(st) == Status.OK
-        parent = int(r)
+    cache, keys, toks, last = record_chain(layout, h.cache, s, BLOCKS, retain=True)
     cache, _ = tr.release_slot(layout, cache, jnp.int32(s))
-    return layout, cache, keys, toks, parent
+    return layout, cache, keys, toks, last
 
 
 def _flip_low_bit(pool: jnp.ndarray, layer: int, page: int, row: int, col: int) -> jnp.ndarray:
