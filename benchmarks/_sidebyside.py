@@ -317,17 +317,18 @@ def more_rounds(r: dict, rounds: int, hf, engine: hkv.Engine, cold: list[int], n
         per["hf_prefill"].append(r["hf"]["prefill"])
         per["hf_decode_ms"].append(r["hf"]["decode_ms"])
     for k in range(2, rounds + 1):
+        hf_part = ""
         if hf is not None:
             h = hf_generate(hf, cold, new)
             per["hf_prefill"].append(h["prefill"])
             per["hf_decode_ms"].append(h["decode_ms"])
+            hf_part = f"transformers {h['prefill']:.2f} s / {h['decode_ms']:.1f} ms, "
         engine.evict_prefixes()
         c = hkv_request(engine, cold, new)
         if c["tokens"] != r["cold"]["tokens"]:
             raise SystemExit(f"hkv's tokens changed between rounds 1 and {k} at {r['ctx']}: {c['tokens']}")
         per["ttft"].append(c["ttft"])
         per["decode_ms"].append(c["decode_ms"])
-        hf_part = f"transformers {per['hf_prefill'][-1]:.2f} s / {per['hf_decode_ms'][-1]:.1f} ms, " if hf else ""
         log(f"  round {k}: {hf_part}hkv {c['ttft']:.2f} s / {c['decode_ms']:.1f} ms")
     r["rounds"] = per
     if hf is not None:
