@@ -354,10 +354,13 @@ def gqa_decode_attention_reference(
     batch, num_heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
     span = attended_span(window, page_table, kv_pool.shape[1])
-    rows, valid = numerics.paged_tiles(kv_pool, page_table, lengths, span)  # [B, T, KT, row]
-    t, kt = rows.shape[1:3]
-    k = rows[..., : num_kv_heads * head_dim].reshape(batch, 1, t, kt, num_kv_heads, head_dim)
-    v = k if shared_kv else rows[..., num_kv_heads * head_dim :].reshape(batch, 1, t, kt, num_kv_heads, head_dim)
+    # K and V tiles gathered head-major ([B, T, Hkv, KT, D]): the value product reads a head's rows
+    # contiguously without a transposed copy of the gathered tiles; presented to `numerics.attend` in
+    # its [B, 1, T, KT, Hkv, D] order as a transposed view, which XLA folds into the gather.
+    pairs = ((0, num_kv_heads),) if shared_kv else ((0, num_kv_heads), (num_kv_heads, num_kv_heads))
+    tiles, valid = numerics.paged_head_tiles(kv_pool, page_table, lengths, span, head_dim, pairs)
+    k = tiles[0].transpose(0, 1, 3, 2, 4)[:, None]
+    v = k if shared_kv else tiles[1].transpose(0, 1, 3, 2, 4)[:, None]
     group = num_heads // num_kv_heads
     qg = q.reshape(batch, 1, num_kv_heads, group, head_dim)
     out = numerics.attend(qg, [numerics.KeyTiles(k, v, valid[:, None])], scale=scale, sinks=sinks, softcap=softcap)

@@ -526,15 +526,11 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
     return _normalized(q, *totals, shift, sink)
 
 
-def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
-    """The tiles holding each sequence's last `span` positions, read from a paged pool by absolute position.
-
-    pool: [num_pages, page_size, row]; page_table: int32[B, pages_per_seq] (position p at row p %
-    page_size of page `page_table[b, (p // page_size) % pages_per_seq]`, a ring if short); lengths:
-    int32[B] tokens per sequence (the newest at t = lengths - 1). Returns (rows [B, T, KEY_TILE, row],
-    valid bool[B, T, KEY_TILE]) over T = `tile_count(span)` tiles from the tile boundary at or below
-    t + 1 - span: valid where t + 1 - span <= p <= t and p >= 0; invalid rows are zeros."""
-    page_size = pool.shape[1]
+def paged_rows(
+    page_table: jax.Array, lengths: jax.Array, span: int, page_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where the tiles of each sequence's last `span` positions lie in a paged pool (see `paged_tiles`):
+    int32 (pages, rows) and bool valid, each [B, T, KEY_TILE]; invalid positions point at row 0 of page 0."""
     pages_per_seq = page_table.shape[1]
     first = lengths - span
     positions = tile_positions(first, tile_count(span))  # [B, T, KT]
@@ -546,8 +542,38 @@ def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span
         jnp.take_along_axis(page_table, logical.reshape(page_table.shape[0], -1), axis=1).reshape(logical.shape),
         0,
     )
-    rows = pool[pages, safe % page_size]
-    return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
+    return pages, safe % page_size, valid
+
+
+def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
+    """The tiles holding each sequence's last `span` positions, read from a paged pool by absolute position.
+
+    pool: [num_pages, page_size, row]; page_table: int32[B, pages_per_seq] (position p at row p %
+    page_size of page `page_table[b, (p // page_size) % pages_per_seq]`, a ring if short); lengths:
+    int32[B] tokens per sequence (the newest at t = lengths - 1). Returns (rows [B, T, KEY_TILE, row],
+    valid bool[B, T, KEY_TILE]) over T = `tile_count(span)` tiles from the tile boundary at or below
+    t + 1 - span: valid where t + 1 - span <= p <= t and p >= 0; invalid rows are zeros."""
+    pages, rows, valid = paged_rows(page_table, lengths, span, pool.shape[1])
+    got = pool[pages, rows]
+    return jnp.where(valid[..., None], got, jnp.zeros((), got.dtype)), valid
+
+
+def paged_head_tiles(
+    pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int, head_dim: int, heads: Sequence[int]
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """`paged_tiles` read head by head: pool rows [row] hold heads of `head_dim` ([K heads | V heads]);
+    `heads` are (start, count) pairs of head indices to read. Returns (one [B, T, count, KEY_TILE,
+    head_dim] array per pair, head-major: a head's keys are contiguous, as the value product reads
+    them, with no transpose of the gathered tiles; invalid rows zero, valid bool[B, T, KEY_TILE]).
+    The values are those of `paged_tiles`; only their arrangement differs."""
+    pages, rows, valid = paged_rows(page_table, lengths, span, pool.shape[1])
+    by_head = pool.reshape(pool.shape[0], pool.shape[1], -1, head_dim)
+    out = []
+    for start, count in heads:
+        h = start + jnp.arange(count, dtype=jnp.int32)[None, None, :, None]
+        got = by_head[pages[:, :, None, :], rows[:, :, None, :], h]  # [B, T, count, KT, D]
+        out.append(jnp.where(valid[:, :, None, :, None], got, jnp.zeros((), got.dtype)))
+    return tuple(out), valid
 
 
 def entry_tiles(rows: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
