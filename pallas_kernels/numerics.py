@@ -174,6 +174,11 @@ def fixed_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Arra
     return mul(fixed_sum(x, axis, keepdims), jnp.asarray(1 / n, x.dtype))
 
 
+# Terms up to which `ordered_sum` is a straight chain of adds (beyond: a loop over groups of terms,
+# which compiles in constant time; decode attention at 128K context sums 2049 tiles).
+ORDERED_SUM_UNROLLED = 4096
+
+
 def ordered_sum(x: jax.Array, axis: int = 0) -> jax.Array:
     """Sum over `axis` strictly in index order: ((x0 + x1) + x2) + ... Leading or trailing exact zeros
     change nothing, so a path that holds more (all-zero) terms gets the same bits."""
@@ -182,10 +187,14 @@ def ordered_sum(x: jax.Array, axis: int = 0) -> jax.Array:
     if n == 0:
         return jnp.zeros(x.shape[1:], x.dtype)
     unroll = 64
-    if n <= unroll:
+    if n <= ORDERED_SUM_UNROLLED:
+        # A straight chain, cut every `unroll` terms into fusions of their own (`materialized`): XLA:CPU
+        # runs a fusion of a few hundred terms, or a loop over groups of terms, several times slower.
         acc = x[0]
         for j in range(1, n):
             acc = acc + x[j]
+            if j % unroll == unroll - 1 and j < n - 1 and acc.size:
+                acc = materialized(acc)
         return acc
     groups = -(-n // unroll)
     x = jnp.pad(x, [(0, groups * unroll - n)] + [(0, 0)] * (x.ndim - 1))  # trailing zeros: no effect

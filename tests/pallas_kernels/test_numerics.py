@@ -101,7 +101,7 @@ def test_elementwise_functions_do_not_depend_on_the_array_length(name, fn):
     np.testing.assert_array_equal(_f32(f(x[:91].reshape(7, 13))).ravel(), full[:91])
 
 
-def test_fixed_sum_is_a_fixed_tree_and_ordered_sum_a_left_fold():
+def test_fixed_sum_is_a_fixed_tree_and_ordered_sum_a_left_fold(monkeypatch):
     x = RNG.normal(0, 1, (37, 5, 11)).astype(np.float32)
     got = _f32(nm.jit(lambda v: nm.fixed_sum(v, axis=-1))(x))
     tree = np.pad(x, ((0, 0), (0, 0), (0, 5)))
@@ -113,10 +113,12 @@ def test_fixed_sum_is_a_fixed_tree_and_ordered_sum_a_left_fold():
     for j in range(1, 5):
         fold = fold + x[:, j]
     np.testing.assert_array_equal(_f32(nm.jit(lambda v: nm.ordered_sum(v, axis=1))(x)), fold)
-    many = RNG.normal(0, 1, (150, 3)).astype(np.float32)  # past the unrolled length: a scan of chunks
+    many = RNG.normal(0, 1, (150, 3)).astype(np.float32)  # a chain cut into fusions of 64 terms
     fold = many[0]
     for j in range(1, 150):
         fold = fold + many[j]
+    np.testing.assert_array_equal(_f32(nm.jit(nm.ordered_sum)(many)), fold)
+    monkeypatch.setattr(nm, "ORDERED_SUM_UNROLLED", 100)  # past the unrolled length: a scan of chunks
     np.testing.assert_array_equal(_f32(nm.jit(nm.ordered_sum)(many)), fold)
 
 
