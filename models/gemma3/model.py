@@ -47,12 +47,6 @@ def gemma_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarr
     return numerics.mul(y, 1.0 + weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
-    """y = x @ weight.T with a PyTorch-layout weight [out, in]; x [..., in] -> [..., out] in x.dtype
-    (`hkv.numerics.linear`: float32 accumulation, the same bits for any number of rows)."""
-    return numerics.linear(x, weight)
-
-
 def dense(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
     """y = x @ kernel with a kernel held [in, out] (a checkpoint's [out, in] weight transposed once at
     load); x [..., in] -> [..., out] in x.dtype (`hkv.numerics.matmul`: float32 accumulation, the same
@@ -216,11 +210,14 @@ class Gemma3(nnx.Module):
     def __init__(self, cfg: Gemma3Config, tensors: dict, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        self.embed_tokens = nnx.Param(jnp.asarray(tensors["embed_tokens.weight"], dtype))
+        # The head is held [hidden, vocab] (`dense`). Tied (every Gemma 3 release): the embedding table is
+        # held only so, and `embed` reads its columns; untied: the table [vocab, hidden] beside it.
         if cfg.tie_word_embeddings:
-            self.lm_head = None
+            self.embed_tokens = None
+            self.lm_head = kernel_param(dtype, tensors["embed_tokens.weight"])
         else:
-            self.lm_head = nnx.Param(jnp.asarray(tensors["lm_head.weight"], dtype))
+            self.embed_tokens = nnx.Param(jnp.asarray(tensors["embed_tokens.weight"], dtype))
+            self.lm_head = kernel_param(dtype, tensors["lm_head.weight"])
         self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], dtype))
         # repeating runs of layers (5 sliding : 1 full) are held stacked so that steps scan them;
         # `self.layers[i]` is still layer i (`models.layer_stack.LayerStack`)
@@ -242,14 +239,16 @@ class Gemma3(nnx.Module):
 
     def embed(self, tokens: jnp.ndarray) -> jnp.ndarray:
         """int32[B, T] -> [B, T, hidden] in the model dtype, scaled by sqrt(hidden) (in that dtype)."""
-        w = self.embed_tokens.value
-        return numerics.mul(w[tokens], jnp.asarray(self._embed_scale, jnp.float32).astype(w.dtype))
+        if self.embed_tokens is None:  # tied: the table's rows are the head kernel's columns
+            rows = jnp.moveaxis(self.lm_head.value[:, tokens], 0, -1)
+        else:
+            rows = self.embed_tokens.value[tokens]
+        return numerics.mul(rows, jnp.asarray(self._embed_scale, jnp.float32).astype(rows.dtype))
 
     def logits(self, x: jnp.ndarray) -> jnp.ndarray:
         """Final hidden [B, T, hidden] -> float32[B, T, vocab]: final norm, (tied) head, final softcap."""
         h = gemma_rms_norm(x, self.norm.value, self.cfg.rms_norm_eps)
-        head = self.embed_tokens.value if self.lm_head is None else self.lm_head.value
-        out = linear(h, head)
+        out = dense(h, self.lm_head.value)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             out = jnp.tanh(out / cap) * cap

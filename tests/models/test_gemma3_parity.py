@@ -108,7 +108,9 @@ def test_config_round_trip(case):
     assert case["ours"].cfg == case["cfg"]
     has_head = "lm_head.weight" in read_safetensors(os.path.join(case["path"], "model.safetensors"))
     assert has_head == (not case["cfg"].tie_word_embeddings)
-    assert (case["ours"].lm_head is None) == case["cfg"].tie_word_embeddings
+    # the head is held [hidden, vocab]; tied, it is the only copy of the embedding table
+    assert (case["ours"].embed_tokens is None) == case["cfg"].tie_word_embeddings
+    assert case["ours"].lm_head.value.shape == (case["cfg"].hidden_size, case["cfg"].vocab_size)
 
 
 def test_logits_match_transformers(case):
@@ -215,7 +217,7 @@ def test_bf16_checkpoint(tmp_path):
     assert max_err(gemma3.forward_fn(ours32)(ids), want32) < TOL
     # bf16 compute: weights kept bit-exact, logits near transformers' own bf16 run
     ours16 = gemma3.load(tmp_path, dtype=jnp.bfloat16)
-    assert ours16.embed_tokens.value.dtype == jnp.bfloat16
+    assert ours16.lm_head.value.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
         # held [in, out], q/k/v joined: q's columns first
         np.asarray(ours16.layers[0].attn.qkv_proj.value.astype(jnp.float32))[
