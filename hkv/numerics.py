@@ -36,6 +36,7 @@ from pallas_kernels.numerics import (
     sigmoid,
     silu,
     softmax,
+    tile_rows_floor,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "sigmoid",
     "silu",
     "softmax",
+    "tile_rows_floor",
 ]

@@ -232,6 +232,16 @@ def min_rows(*dtypes) -> int:
     return F32_MIN_ROWS if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else MIN_ROWS
 
 
+def tile_rows_floor(dtype, k: int, n: int, rows: int) -> int:
+    """`batched_matmul`'s `rows_floor` for [G, M, k] x [G, k, n] products of `dtype` whose row count M
+    differs between paths, up to `rows` (a tile's): `MIN_ROWS` where products of 2 .. rows rows share one
+    order (every dtype but float32; float32 where `matmul_rows.batched_floor` measured it), else
+    `F32_MIN_ROWS`. A decode step's one row per expert then costs a 2-row product, not a tile's."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return MIN_ROWS
+    return matmul_rows.batched_floor(k, n, rows)
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N] -> float32 [..., N], accumulated in float32 by a kernel whose per-element
     order does not depend on the number of rows (`matmul_rows`: rows padded to `MIN_ROWS`; a float32

@@ -120,10 +120,14 @@ class MoE(nnx.Module):
         dt = rows.dtype
         ws = (self.w_gate, self.w_up, self.w_down)
         wg, wu, wd = (w.value.astype(dt) if expert is None else w.value.astype(dt)[expert] for w in ws)
-        floor = numerics.min_rows(dt)  # bfloat16: any count >= 2 rows; float32: TILE (= F32_MIN_ROWS)
-        gate = numerics.batched_matmul(rows, wg, rows_floor=floor).astype(dt)
-        up = numerics.batched_matmul(rows, wu, rows_floor=floor).astype(dt)
-        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor)
+        # rows per product: a tile's (TILE) or, in decode, one per token: padded to where every count up
+        # to TILE sums in one order (2 rows; float32 products whose kernel changes below TILE: TILE)
+        hidden, inter = wg.shape[-2:]
+        floor_in = numerics.tile_rows_floor(dt, hidden, inter, TILE)
+        floor_out = numerics.tile_rows_floor(dt, inter, hidden, TILE)
+        gate = numerics.batched_matmul(rows, wg, rows_floor=floor_in).astype(dt)
+        up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
+        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
 
     def experts_tiled(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """Grouped matmul in tiles: the N*k (token, slot) pairs sorted by expert, each expert's run

@@ -59,6 +59,27 @@ def test_row_plan_is_measured_per_shape_on_cpu_and_pads_elsewhere():
         matmul_rows.row_plan(0, 8)
 
 
+@pytest.mark.parametrize("k,n", [(256, 128), (128, 256), (256, 1024)])
+def test_tile_rows_floor_keeps_a_row_from_one_row_to_a_tile_in_float32(k, n):
+    """A batched float32 product given `tile_rows_floor` rows at least (the MoE's experts: one row per token
+    in decode, 64-row tiles in prefill) keeps each row's bits for every count up to the tile; the floor is
+    2 where the probe found one order (a decode row is not padded to a tile), 64 where it did not."""
+    from pallas_kernels import matmul_rows
+
+    floor = nm.tile_rows_floor(jnp.float32, k, n, 64)
+    assert floor in (2, nm.F32_MIN_ROWS)
+    assert nm.tile_rows_floor(jnp.bfloat16, k, n, 64) == nm.MIN_ROWS
+    assert matmul_rows.batched_floor(k, n, 64, "gpu") == nm.F32_MIN_ROWS
+    a = jnp.asarray(RNG.normal(0, 1, (4, 64, k)), jnp.float32)
+    b = jnp.asarray(RNG.normal(0, 0.05, (4, k, n)), jnp.float32)
+    f = nm.jit(lambda a, b: nm.batched_matmul(a, b, rows_floor=floor))
+    tile = _f32(f(a, b))
+    for rows in (1, 2, 3, 8, 31, 64):
+        np.testing.assert_array_equal(_f32(f(a[:, :rows], b)), tile[:, :rows], err_msg=f"{rows} rows")
+    with pytest.raises(ValueError, match="rows=1"):
+        matmul_rows.batched_floor(k, n, 1)
+
+
 def test_row_plan_is_available_while_a_program_is_traced():
     """A model's matmul asks for the plan inside jit: the probe runs as a program of its own."""
     x = jnp.asarray(RNG.normal(0, 1, (3, 192)), jnp.float32)
