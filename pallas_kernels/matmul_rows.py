@@ -126,12 +126,17 @@ def row_plan(k: int, n: int, platform: str | None = None) -> RowPlan:
     return _probe(int(k), int(n))
 
 
-def batched_floor(k: int, n: int, rows: int, platform: str | None = None) -> int:
+# `batched_floor`'s `rows` for products whose row count has no bound (a prefill chunk's queries, the
+# stateless forward's): agreement from 2 to this many rows is taken for every count, as `row_plan` does.
+ANY_ROWS = _PROBE_ROWS
+
+
+def batched_floor(k: int, n: int, rows: int = ANY_ROWS, platform: str | None = None) -> int:
     """The fewest rows to give a batched float32 product [G, M, k] x [G, k, n] whose row count M varies
-    between paths up to `rows` (a tile): 2 when, on the CPU, products of 2 rows and of every probed count
-    up to `rows` agree bit for bit in two batch sizes (measured once per shape and process, like
-    `row_plan`), else `FALLBACK_ROWS` (also off the CPU). With 2, a decode step's few rows are not
-    padded to a whole tile."""
+    between paths up to `rows` (a tile's; `ANY_ROWS` when unbounded): 2 when, on the CPU, products of 2
+    rows and of every probed count up to `rows` agree bit for bit in two batch sizes (measured once per
+    shape and process, like `row_plan`), else `FALLBACK_ROWS` (also off the CPU). With 2, a decode
+    step's few rows are not padded to `FALLBACK_ROWS`."""
     if k < 1 or n < 1 or not 2 <= rows <= _PROBE_ROWS:
         raise ValueError(f"k={k}, n={n} must be >= 1 and rows={rows} in [2, {_PROBE_ROWS}]")
     platform = platform or jax.default_backend()
@@ -140,47 +145,45 @@ def batched_floor(k: int, n: int, rows: int, platform: str | None = None) -> int
     return _batched_probe(int(k), int(n), int(rows))
 
 
+def _counts_to(rows: int) -> tuple[int, ...]:
+    return tuple(sorted({m for m in _COUNTS if m <= rows} | {rows}))
+
+
 def _batched_outputs(x, w):
-    """2-row products over x's rows, and products of each probed count, in batches of 4 and of 2."""
+    """Per batch size (4, 2): 2-row products over x's first rows (up to 32), then one product of each
+    probed count (their first rows are compared with the pairs, as `row_plan`'s probe does)."""
     dims = (((2,), (1,)), ((0,), (0,)))
+    first = min(32, x.shape[1] - x.shape[1] % 2)
     outs = []
     for g in (4, 2):
         xs, ws = x[:g], w[:g]
-        outs.append(
-            jnp.concatenate(
-                [
-                    lax.dot_general(xs[:, i : i + 2], ws, dims, preferred_element_type=jnp.float32)
-                    for i in range(0, x.shape[1], 2)
-                ],
-                axis=1,
-            )
-        )
+        pairs = [
+            lax.dot_general(xs[:, i : i + 2], ws, dims, preferred_element_type=jnp.float32) for i in range(0, first, 2)
+        ]
+        outs.append(jnp.concatenate(pairs, axis=1))
         outs.extend(
             lax.dot_general(xs[:, :m], ws, dims, preferred_element_type=jnp.float32) for m in _counts_to(x.shape[1])
         )
     return outs
 
 
-def _counts_to(rows: int) -> tuple[int, ...]:
-    return tuple(sorted({m for m in _COUNTS if m <= rows} | {rows}))
-
-
 @functools.cache
 def _batched_probe(k: int, n: int, rows: int) -> int:
     rng = np.random.default_rng(k * 100019 + n * 7 + rows)
     cpu = jax.local_devices(backend="cpu")[0]
-    even = rows + rows % 2
-    x = rng.standard_normal((4, even, k)).astype(np.float32)
+    x = rng.standard_normal((4, rows, k)).astype(np.float32)
     w = (rng.standard_normal((4, k, n)) / np.sqrt(k)).astype(np.float32)
 
     def run() -> int:
         args = [jax.device_put(a, cpu) for a in (x, w)]
         outs = [np.asarray(o) for o in jax.jit(_batched_outputs, compiler_options=compiler_options("cpu"))(*args)]
-        per = 1 + len(_counts_to(even))
-        pairs4, pairs2 = outs[0], outs[per]
-        same = np.array_equal(pairs2, pairs4[:2])
-        for f, pairs in ((0, pairs4), (per, pairs2)):
-            same = same and all(np.array_equal(o, pairs[:, : o.shape[1]]) for o in outs[f + 1 : f + per])
+        per = 1 + len(_counts_to(rows))
+        same = np.array_equal(outs[per], outs[0][:2])  # the batch size changes nothing
+        for f in (0, per):
+            pairs = outs[f]
+            for o in outs[f + 1 : f + per]:
+                m = min(o.shape[1], pairs.shape[1])
+                same = same and np.array_equal(o[:, :m], pairs[:, :m])
         return 2 if same else FALLBACK_ROWS
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hkv-row-probe") as pool:

@@ -26,8 +26,10 @@ for any batch count and any row count >= 2. A float32 x float32 non-batched prod
 kernel with the row count (at K=256, N=1024: one order for 2..50 rows, another from 51), so float32
 `matmul` / `linear` follow `matmul_rows.row_plan`, measured per shape: at most a block of rows (<= 32)
 per product, more rows a block at a time, and a single row padded to 2 (a decode step multiplies 2
-rows, not 64). Batched float32 products whose row count varies (DeepSeek-V4's expert tiles) still
-pad to `F32_MIN_ROWS` (`min_rows`). Programs that call these
+rows, not 64). Batched float32 products whose row count varies between paths (DeepSeek-V4's expert
+tiles, its indexer's queries, its grouped output projection) are padded to `tile_rows_floor`: 2 rows
+where `matmul_rows.batched_floor` measured one order for every count of the shape, else
+`F32_MIN_ROWS`. Programs that call these
 functions must be compiled with `compiler_options()` (the engine, the stateless forward and
 `hkv.jit` do); a program compiled without them still runs, without the contract.
 
@@ -232,14 +234,15 @@ def min_rows(*dtypes) -> int:
     return F32_MIN_ROWS if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else MIN_ROWS
 
 
-def tile_rows_floor(dtype, k: int, n: int, rows: int) -> int:
+def tile_rows_floor(dtype, k: int, n: int, rows: int | None = None) -> int:
     """`batched_matmul`'s `rows_floor` for [G, M, k] x [G, k, n] products of `dtype` whose row count M
-    differs between paths, up to `rows` (a tile's): `MIN_ROWS` where products of 2 .. rows rows share one
-    order (every dtype but float32; float32 where `matmul_rows.batched_floor` measured it), else
-    `F32_MIN_ROWS`. A decode step's one row per expert then costs a 2-row product, not a tile's."""
-    if jnp.dtype(dtype) != jnp.float32:
+    differs between paths: up to `rows` (a tile's), or without bound (None). `MIN_ROWS` where products
+    of 2 rows and more share one order (every dtype but float32; float32 where
+    `matmul_rows.batched_floor` measured it), else `F32_MIN_ROWS`. A decode step's one row then costs a
+    2-row product, not a 64-row one."""
+    if jnp.dtype(dtype) != jnp.float32 or k < 1 or n < 1:  # (an empty product: nothing to order)
         return MIN_ROWS
-    return matmul_rows.batched_floor(k, n, rows)
+    return matmul_rows.batched_floor(k, n, matmul_rows.ANY_ROWS if rows is None else rows)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -330,8 +333,8 @@ def batched_matmul(a: jax.Array, b: jax.Array, rows_floor: int | None = None) ->
     `rows_floor` rows (default `MIN_ROWS`), is padded: either would take another kernel). Each
     product's elements are the same bits whatever the batch is. The batch dimensions stay separate
     (not merged by a reshape), so a mesh that splits one of them (attention heads) splits the products
-    without moving data. Pass `rows_floor=F32_MIN_ROWS` for float32 products whose row count varies
-    between paths and whose K x N is large (attention's tiles are small enough not to need it)."""
+    without moving data. Pass `rows_floor=tile_rows_floor(...)` for products whose row count varies
+    between paths (float32 kernels may change with it; attention's tiles are small enough not to)."""
     lead = a.shape[:-2]
     m = a.shape[-2]
     one = all(d == 1 for d in lead)
@@ -615,7 +618,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: flo
     head sum is a `fixed_sum`. Returns float32[N, Q, E]."""
     n, _, h, d = q.shape
     e = keys.shape[1]
-    floor = min_rows(q.dtype)
+    floor = tile_rows_floor(q.dtype, d, e)  # query rows: one in decode, a chunk's in prefill
     km = jnp.broadcast_to(
         keys.astype(q.dtype).transpose(0, 2, 1)[:, None], (n, h, d, e)
     )  # per head: heads stay a batch dim

@@ -104,7 +104,7 @@ class Attention(nnx.Module):
         g = self.o_groups
         grouped = o.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, rows, in]: groups a batch dimension
         w = self.wo_a.value.astype(o.dtype).reshape(g, self.o_lora_rank, -1).transpose(0, 2, 1)  # [g, in, rank]
-        floor = numerics.min_rows(o.dtype)
+        floor = numerics.tile_rows_floor(o.dtype, w.shape[1], w.shape[2])  # rows: one per token
         mixed = numerics.batched_matmul(grouped, w, floor).astype(o.dtype)  # [g, rows, rank]
         mixed = mixed.transpose(1, 0, 2).reshape(b, t, g * self.o_lora_rank)
         return linear(mixed, self.wo_b.value)

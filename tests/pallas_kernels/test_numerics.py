@@ -80,6 +80,21 @@ def test_tile_rows_floor_keeps_a_row_from_one_row_to_a_tile_in_float32(k, n):
         matmul_rows.batched_floor(k, n, 1)
 
 
+def test_tile_rows_floor_without_a_row_bound_keeps_a_row_from_one_row_to_many():
+    """Rows without a bound (the indexer's queries: one in decode, a chunk's in prefill): the floor holds
+    from 1 row to past the probed 512; an empty product needs no probe."""
+    k, n = 32, 272
+    floor = nm.tile_rows_floor(jnp.float32, k, n)
+    assert floor in (2, nm.F32_MIN_ROWS)
+    assert nm.tile_rows_floor(jnp.float32, k, 0) == nm.MIN_ROWS
+    a = jnp.asarray(RNG.normal(0, 1, (2, 700, k)), jnp.float32)
+    b = jnp.asarray(RNG.normal(0, 0.05, (2, k, n)), jnp.float32)
+    f = nm.jit(lambda a, b: nm.batched_matmul(a, b, rows_floor=floor))
+    full = _f32(f(a, b))
+    for rows in (1, 2, 5, 64, 512):
+        np.testing.assert_array_equal(_f32(f(a[:, :rows], b)), full[:, :rows], err_msg=f"{rows} rows")
+
+
 def test_row_plan_is_available_while_a_program_is_traced():
     """A model's matmul asks for the plan inside jit: the probe runs as a program of its own."""
     x = jnp.asarray(RNG.normal(0, 1, (3, 192)), jnp.float32)
