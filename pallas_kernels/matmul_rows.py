@@ -108,8 +108,12 @@ def _probe(k: int, n: int) -> RowPlan:
         outs = jax.jit(_probe_outputs, compiler_options=compiler_options("cpu"))(*args)
         return _plan_of([np.asarray(o) for o in outs])
 
-    # on a thread of its own: a trace in progress (the caller's jit) is per thread, so the probe runs
-    # as a program of its own even when a model's matmul asks for the plan while being traced
+    return _apart(run)
+
+
+def _apart(run):
+    """run() on a thread of its own: a trace in progress (the caller's jit) is per thread, so a probe
+    runs as a program of its own even when a model's matmul asks for its plan while being traced."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hkv-row-probe") as pool:
         return pool.submit(run).result()
 
@@ -186,8 +190,7 @@ def _batched_probe(k: int, n: int, rows: int) -> int:
                 same = same and np.array_equal(o[:, :m], pairs[:, :m])
         return 2 if same else FALLBACK_ROWS
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hkv-row-probe") as pool:
-        return pool.submit(run).result()
+    return _apart(run)
 
 
 # Products of more than a block's rows: up to this many blocks are written out as separate dots

@@ -581,7 +581,12 @@ def paged_tiles(pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span
 
 
 def paged_head_tiles(
-    pool: jax.Array, page_table: jax.Array, lengths: jax.Array, span: int, head_dim: int, heads: Sequence[int]
+    pool: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    span: int,
+    head_dim: int,
+    heads: Sequence[tuple[int, int]],
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """`paged_tiles` read head by head: pool rows [row] hold heads of `head_dim` ([K heads | V heads]);
     `heads` are (start, count) pairs of head indices to read. Returns (one [B, T, count, KEY_TILE,
