@@ -11,7 +11,8 @@ A keyed store (`hkv.DiskTier(key=...)`) is checked with the key in the `HKV_STOR
 variable (hex); without it every manifest of a keyed store is reported as `disk_auth`.
 
 Exit codes: 0 every published block is intact (data of interrupted writes, "orphaned segments",
-is reported but is not a failure); 1 any published block, manifest or hit file fails verification
+and blocks a writer stopped before indexing, "unindexed blocks", are reported but are not a
+failure); 1 any published block, manifest or hit file fails verification
 (every problem is reported: verify never stops at the first); 2 a usage error or a store that
 cannot be opened.
 """
@@ -159,6 +160,7 @@ def cmd_verify(args) -> int:
             "blocks_ok": report["blocks_ok"],
             **{r: report[r] for r in DISK_REASONS},
             "orphaned_segments": report["orphaned_segments"],
+            "unindexed_blocks": report["unindexed_blocks"],
             "problems": problems,
             "orphans": orphans,
         }
@@ -174,6 +176,15 @@ def cmd_verify(args) -> int:
         + (
             "  (data without a manifest, left by interrupted writes: never read; not a failure)"
             if report["orphaned_segments"]
+            else ""
+        )
+    )
+    print(
+        f"unindexed blocks     {report['unindexed_blocks']}"
+        + (
+            "  (published and intact, but no lookup reaches them: a writer stopped between its manifest"
+            " and its pointers; not a failure)"
+            if report["unindexed_blocks"]
             else ""
         )
     )

@@ -35,7 +35,9 @@ manifest, so a manifest that claims another fingerprint is rejected as `disk_abi
 written shard by shard (each a whole-file write, pipelined with the copy and checksum of the next)
 and the manifest is written only after every shard has committed (a single-key write, atomic in
 every kvstore); a reader never sees a partial block, and a writer killed mid-write leaves only
-unreferenced data that `verify` reports as orphaned. Two writers never share a segment name
+unreferenced data that `verify` reports as orphaned (or, killed between publishing a manifest and
+naming the segment in its blocks' pointers, a segment no lookup reaches: `unindexed_blocks`). A
+write that fails in the process publishes nothing. Two writers never share a segment name
 (random ids), so engines sharing a store cannot corrupt each other.
 
 Writes are asynchronous (`write_async` returns a `concurrent.futures.Future` that resolves once the
@@ -454,6 +456,7 @@ class DiskTier:
         Returns:
             {"segments": published segments indexed, "blocks_ok": n, per reason in `DISK_REASONS`: n
             (blocks, bad manifests and bad hit files), "orphaned_segments": data with no manifest,
+            "unindexed_blocks": published blocks whose pointer does not name their segment,
             "problems": ["<key>: <reason>: <why>", ..., "data/<abi>/<segment>/: no manifest ..."]}.
         """
         self._check_open("verify")

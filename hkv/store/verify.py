@@ -30,6 +30,10 @@ class VerifyReport:
         blocks_ok: blocks that passed every check (their bytes, and the pointer a lookup reads).
         reasons: per reason in `DISK_REASONS`: blocks, bad manifests and bad hit files.
         orphaned_segments: data folders with no manifest.
+        unindexed_blocks: blocks of a published segment that lookups do not reach, their bytes intact:
+            their pointer is missing or no longer names the segment (a writer stopped between
+            publishing a manifest and its pointers, or a block held by more than
+            `hkv.store.records.MAX_HOLDERS` segments). Not a failure; not in `blocks_ok`.
         problems: one line each: "<key>: <reason>: <why>", ..., "data/<abi>/<segment>/: no manifest ...".
     """
 
@@ -37,6 +41,7 @@ class VerifyReport:
     blocks_ok: int = 0
     reasons: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(DISK_REASONS, 0))
     orphaned_segments: int = 0
+    unindexed_blocks: int = 0
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def add(self, reason: str, problem: str) -> None:
@@ -48,13 +53,15 @@ class VerifyReport:
         """The report as `DiskTier.verify` returns it.
 
         Returns:
-            {"segments", "blocks_ok", one key per reason in `DISK_REASONS`, "orphaned_segments", "problems"}.
+            {"segments", "blocks_ok", one key per reason in `DISK_REASONS`, "orphaned_segments",
+            "unindexed_blocks", "problems"}.
         """
         return {
             "segments": self.segments,
             "blocks_ok": self.blocks_ok,
             **self.reasons,
             "orphaned_segments": self.orphaned_segments,
+            "unindexed_blocks": self.unindexed_blocks,
             "problems": self.problems,
         }
 
@@ -75,24 +82,39 @@ def _segment_problems(refs: list[BlockRef], read: Callable[..., ReadResult]) -> 
     return ok, problems
 
 
-def _pointer_problems(ctx: TierContext, blocks: list[dict]) -> list[tuple[str, str, str]]:
-    """The damaged block pointers of one segment's blocks (a lookup stops at them): [(reason, "block
-    <i>", detail)] for each pointer that is unreadable or refused (`disk_malformed`, `disk_auth`). A
-    missing pointer, or one that no longer names the segment, is not reported: a writer publishes its
-    manifest before its pointers, and a pointer keeps only its newest holders."""
+def _pointer_problems(
+    ctx: TierContext, sid: tuple[str, str], blocks: list[dict]
+) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """The block pointers of one segment's blocks as a lookup reads them.
+
+    Args:
+        ctx: the tier's shared state.
+        sid: the segment's (abi, name).
+        blocks: its manifest's blocks.
+    Returns:
+        (damaged: [(reason, "block <i>", detail)] for each pointer that is unreadable or refused
+        (`disk_malformed`, `disk_auth`: a lookup stops there), unindexed: [("block <i>", detail)] for
+        each block whose pointer is missing or does not name the segment: a lookup does not reach it).
+    """
     reads = [(b, read_fixed(ctx.kv, pointer_key(b["key"]), POINTER_BYTES)) for b in blocks]
-    out = []
+    damaged, unindexed = [], []
     for b, fut in reads:
+        where, name = f"block {b['index']}", pointer_key(b["key"])
         raw, _, why = fixed_result(fut)
         if raw is None:
             if why is not None:
-                out.append((MALFORMED, f"block {b['index']}", f"pointer {pointer_key(b['key'])}: {why}"))
+                damaged.append((MALFORMED, where, f"pointer {name}: {why}"))
+            else:
+                unindexed.append((where, f"pointer {name} is missing"))
             continue
         try:
-            parse_pointer(raw, b["key"], ctx.key)
+            p = parse_pointer(raw, b["key"], ctx.key)
         except ManifestError as e:
-            out.append((e.reason, f"block {b['index']}", f"pointer {pointer_key(b['key'])}: {e}"))
-    return out
+            damaged.append((e.reason, where, f"pointer {name}: {e}"))
+            continue
+        if all(h.sid != sid for h in p.holders):
+            unindexed.append((where, f"pointer {name} does not name the segment"))
+    return damaged, unindexed
 
 
 def _unpublished(ctx: TierContext, manifest: str) -> bool:
@@ -151,10 +173,13 @@ def verify_store(
                 gone.add(m.sid)
                 index.drop(m.sid)
                 continue
-            problems += (pointers := _pointer_problems(ctx, m.doc["blocks"]))
+            pointers, unindexed = _pointer_problems(ctx, m.sid, m.doc["blocks"])
+            problems += pointers
             report.segments += 1
-            report.blocks_ok += max(ok - len(pointers), 0)
+            report.blocks_ok += max(ok - len(pointers) - len(unindexed), 0)
+            report.unindexed_blocks += len(unindexed)
             lines += [(reason, f"{m.key} {where}: {reason}: {detail}") for reason, where, detail in problems]
+            report.problems += [f"{m.key} {w}: not indexed: {d} (an interrupted write; ignored)" for w, d in unindexed]
     for key, (reason, why) in sorted(bad.items()):
         report.add(reason, f"{key}: {reason}: {why}")
     for reason, line in lines:

@@ -5,7 +5,8 @@ to `max_segment_bytes`), lays its bytes out (`hkv.store.layout.Layout`), issues 
 by one while it copies and checksums the next, and hands it to a publisher thread, which publishes
 its manifest once every shard has committed (then the blocks exist), then names the segment in each
 of its blocks' pointers (then the blocks are found by lookups) and resolves the requests' futures. A
-manifest that would be refused is never written, nor its data.
+manifest that would be refused is never written, nor its data; one whose pointers fail is deleted
+again (a writer killed between the two leaves blocks `verify` reports as `unindexed_blocks`).
 """
 
 from __future__ import annotations
@@ -367,8 +368,15 @@ class SegmentWriter:
             with contextlib.suppress(Exception):  # advisory (before the manifest: see hkv.store.coord)
                 add_usage(ctx, doc["abi"], 1, doc["stored_bytes"])
             ctx.kv.write(key, raw).result()  # published: from here on the blocks exist
-            # then findable: each block's pointer names the segment (compare-and-swap)
-            pointers = update_pointers(ctx.kv, ctx.key, pointer_adds(doc, len(raw)))
+            # then findable: each block's pointer names the segment (compare-and-swap). A pointer
+            # naming a segment without a manifest would be a `disk_missing` ref to a concurrent
+            # reader, so the manifest goes first; a write that fails here is unpublished again.
+            try:
+                pointers = update_pointers(ctx.kv, ctx.key, pointer_adds(doc, len(raw)))
+            except BaseException:
+                with contextlib.suppress(Exception):  # the pointer failure is the one raised
+                    ctx.kv.write(key, None).result()  # None: delete the key
+                raise
             self.index.add(key, doc, raw, pointers)
             with ctx.lock:
                 ctx.counters["segments_written"] += 1

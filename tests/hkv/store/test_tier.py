@@ -149,6 +149,43 @@ def test_failed_write_publishes_nothing(tmp_path):
     assert not os.path.exists(tmp_path / "manifests")
 
 
+def test_a_write_whose_pointers_fail_publishes_nothing_and_verify_counts_unindexed_blocks(tmp_path, monkeypatch):
+    """Regression: a segment's manifest is published before its blocks' pointers. A pointer update
+    that failed left the manifest published (the write reported failed, `verify` counted its blocks
+    ok, no lookup reached them); a writer killed between the two did the same, unreported."""
+    import hkv.store.write as write_mod
+    from hkv.store.cli import main
+    from hkv.store.records import pointer_key
+
+    tier = DiskTier(str(tmp_path))
+    blocks = chain("p", 3)
+    keys, toks = [b.key for b in blocks], [b.tokens for b in blocks]
+
+    def stopped(*a, **kw):
+        raise OSError("pointer update failed")
+
+    monkeypatch.setattr(write_mod, "update_pointers", stopped)
+    with pytest.raises(OSError, match="pointer update failed"):
+        tier.write(ABI, blocks)
+    monkeypatch.undo()
+    assert segments(tier) == []  # the failed write is not published
+    assert len(tier.find_chain(ABI, keys, toks).refs) == 0
+    report = tier.verify()
+    assert report["segments"] == 0 and report["orphaned_segments"] == 1 and report["unindexed_blocks"] == 0
+
+    # what a writer killed between its manifest and its pointers leaves: verify counts those blocks
+    # as unindexed (intact, reached by no lookup), not ok, and that is not a failure
+    assert tier.write(ABI, blocks) == keys
+    for b in blocks[1:]:
+        os.remove(tmp_path / pointer_key(b.key.hex()))  # an unkeyed store names blocks by hex
+    tier.refresh(force=True)
+    assert len(tier.find_chain(ABI, keys, toks).refs) == 1
+    report = tier.verify()
+    assert (report["blocks_ok"], report["unindexed_blocks"]) == (1, 2), report
+    assert sum(report[r] for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi")) == 0
+    assert main(["store", "verify", "--json", str(tmp_path)]) == 0
+
+
 def test_manifest_schema_errors_name_the_field():
     blocks = [
         {

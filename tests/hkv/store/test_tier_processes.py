@@ -320,8 +320,8 @@ def _kill_round(path: str, chain: str, mode: str, delay: float) -> tuple[int, st
 def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path, capsys):
     path = str(tmp_path / "store")
     rounds = [("pause", 0.0), ("run", 0.0), ("run", random.uniform(0.002, 0.015)), ("run", random.uniform(0.015, 0.04))]
-    published: dict[str, int] = {}  # chain -> segments published
-    outcomes, orphans = [], 0
+    published: dict[str, int] = {}  # chain -> segments published that lookups reach
+    outcomes, orphans, unindexed = [], 0, 0
     for r, (mode, delay) in enumerate(rounds):
         chain = f"kill{r}"
         reported, last = _kill_round(path, chain, mode, delay)
@@ -339,7 +339,13 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
         assert n in (reported, reported + 1), (n, reported)  # the killed write may have published just before
         if mode == "pause":
             assert n == reported == 1
-        published[chain] = n
+        report = tier.verify()
+        # killed between its manifest and its pointers, the last write's blocks are unindexed: whole,
+        # intact, and reached by no lookup (never a block of a segment the writer reported done)
+        new_unindexed = report["unindexed_blocks"] - unindexed
+        assert new_unindexed in (0, KILL_PER_SEG) and (new_unindexed == 0 or n == reported + 1), (new_unindexed, n)
+        unindexed = report["unindexed_blocks"]
+        published[chain] = n - new_unindexed // KILL_PER_SEG
 
         # every published block of every round reads back verified, with the very bytes written
         for c, segs in published.items():
@@ -351,12 +357,12 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
             assert res.reason is None, (res.reason, res.detail)
             assert [mismatch(p, c, i, KILL_BLOCK) for i, p in enumerate(res.payloads)] == [None] * want
 
-        report = tier.verify()
         _assert_clean(report, blocks=sum(published.values()) * KILL_PER_SEG)
         assert report["orphaned_segments"] >= orphans
         if mode == "pause":  # its data was committed, its manifest never written
             assert report["orphaned_segments"] == orphans + 1
-        outcomes.append((mode, round(delay, 4), last, reported, n, report["orphaned_segments"] - orphans))
+        new_orphans = report["orphaned_segments"] - orphans
+        outcomes.append((mode, round(delay, 4), last, reported, n, new_unindexed, new_orphans))
         orphans = report["orphaned_segments"]
         tier.close()
 
@@ -379,7 +385,7 @@ def test_writer_killed_mid_write_leaves_only_published_verified_blocks(tmp_path,
     report = tier.verify()
     _assert_clean(report, blocks=sum(published.values()) * KILL_PER_SEG + 3, orphans=orphans)
     tier.close()
-    print("kill outcomes (mode, delay, last line, segments reported, published, new orphans):", outcomes)
+    print("kill outcomes (mode, delay, last line, segments reported, published, unindexed, new orphans):", outcomes)
 
 
 # ----------------------------------------------------------------------------- 2. two writers
