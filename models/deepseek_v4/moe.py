@@ -5,9 +5,11 @@ Routed experts run as one grouped matmul (`jax.lax.ragged_dot`) over (token, slo
 expert, so cost scales with tokens x top-k, not tokens x experts, and shapes stay static. That holds
 where XLA has a native grouped matmul (GPU, TPU). On CPU `ragged_dot` lowers to a dense masked product
 over every (pair, expert): tokens x top-k x experts, worse than computing every expert for every token.
-There (`jax.lax.platform_dependent`) a few tokens (decode) run every expert densely, weighted by the
-routing (tokens x experts), and many tokens (prefill) run in tiles of `TILE` pairs that each belong to
-one expert, each expert's pairs padded to whole tiles (tokens x top-k + experts x TILE rows).
+There (`jax.lax.platform_dependent`) fewer (token, slot) pairs than experts (decode of a few
+sequences) run each pair through its own expert's gathered weights (tokens x top-k), a few more
+tokens run every expert densely, weighted by the routing (tokens x experts), and many tokens
+(prefill) run in tiles of `TILE` pairs that each belong to one expert, each expert's pairs padded to
+whole tiles (tokens x top-k + experts x TILE rows).
 """
 
 from __future__ import annotations
@@ -101,18 +103,33 @@ class MoE(nnx.Module):
         return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-        """`experts` without `ragged_dot`: every expert for every token when that is fewer rows than the
-        tiled grouping (decode), else `experts_tiled`. Both compute each (token, expert) pair as a row of
+        """`experts` without `ragged_dot`: `experts_routed` while tokens x top-k < experts, every expert
+        for every token while that is fewer rows than the tiled grouping, else `experts_tiled`. Both compute each (token, expert) pair as a row of
         the same product ([`TILE` rows, hidden] x [hidden, inter], batched), so a token's output is the
         same bits on either path (the numerical contract)."""
         n, k = idx.shape
         e = self.n_experts
+        if n * k < e:
+            return self.experts_routed(x, weights, idx)
         if n * e <= 2 * (n * k + e * TILE):
             dt = x.dtype
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
             y = self._expert_rows(xe, None)  # [E, N, hidden] float32
             return _combine(jnp.swapaxes(y, 0, 1), weights, idx, dt)
         return self.experts_tiled(x, weights, idx)
+
+    def experts_routed(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """Each (token, slot) pair through its own expert only, one row per product, against that
+        expert's weights gathered for it: the arithmetic and weight reads of tokens x top-k experts, not
+        of every expert (what `experts_cpu` runs while tokens x top-k < experts: a decode step of a
+        few sequences). A pair's row is multiplied as in `experts_tiled` (rows padded to the same
+        floor), so a token's output is the same bits as on the other paths. x [N, hidden] -> [N, hidden]."""
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        y = self._expert_rows(jnp.repeat(x, k, axis=0)[:, None, :], flat)[:, 0]  # [N * k, hidden] float32
+        rows = jnp.arange(n)[:, None]
+        per_expert = jnp.zeros((n, self.n_experts, y.shape[-1]), y.dtype).at[rows, idx].set(y.reshape(n, k, -1))
+        return _combine(per_expert, weights, idx, x.dtype)
 
     def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
         """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,

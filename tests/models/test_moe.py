@@ -1,5 +1,6 @@
-"""DeepSeek-V4's routed experts: the CPU paths (dense for few tokens, tiles for many) equal the
-`ragged_dot` grouped matmul that GPUs and TPUs run, whatever the routing's skew."""
+"""DeepSeek-V4's routed experts: the CPU paths (each pair through its own expert for fewer pairs than
+experts, dense for a few tokens, tiles for many) equal the `ragged_dot` grouped matmul that GPUs and
+TPUs run, whatever the routing's skew."""
 
 from __future__ import annotations
 
@@ -34,15 +35,15 @@ def test_cpu_paths_equal_the_grouped_matmul(layer, n, skew):
     idx = jnp.asarray(idx, jnp.int32)
     w = jnp.asarray(rng.random((n, k)), jnp.float32)
     want = np.asarray(jax.jit(layer.experts_ragged)(x, w, idx))
-    for path in (layer.experts_cpu, layer.experts_tiled):
+    for path in (layer.experts_cpu, layer.experts_tiled, layer.experts_routed):
         np.testing.assert_allclose(np.asarray(jax.jit(path)(x, w, idx)), want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dense_and_tiled_paths_give_each_token_the_same_bits(layer, dtype):
     """The numerical contract inside the experts: a token's output is the same bits whether it ran
-    alone or beside others on the dense path (decode) or in the tiles of a long prompt (prefill), in
-    float32 (products padded to 64 rows) and bfloat16 (to 2)."""
+    alone or beside others, through its own experts only or the dense path (decode) or in the tiles of
+    a long prompt (prefill), in float32 and bfloat16 (products padded to the probed row floor)."""
     from hkv import numerics
 
     rng = np.random.default_rng(7)
@@ -52,6 +53,9 @@ def test_dense_and_tiled_paths_give_each_token_the_same_bits(layer, dtype):
     w = jnp.asarray(rng.random((n, k)), jnp.float32)
     tiled = np.asarray(numerics.jit(layer.experts_tiled)(x, w, idx))
     dense = numerics.jit(layer.experts_cpu)
+    routed = numerics.jit(layer.experts_routed)
     for rows in ([5], [0, 1], [3, 9, 200]):
-        got = np.asarray(dense(x[jnp.asarray(rows)], w[jnp.asarray(rows)], idx[jnp.asarray(rows)]))
-        np.testing.assert_array_equal(got, tiled[rows], err_msg=f"rows {rows} in {jnp.dtype(dtype).name}")
+        sel = (x[jnp.asarray(rows)], w[jnp.asarray(rows)], idx[jnp.asarray(rows)])
+        for name, path in (("experts_cpu", dense), ("experts_routed", routed)):
+            got = np.asarray(path(*sel))
+            np.testing.assert_array_equal(got, tiled[rows], err_msg=f"{name}, rows {rows} in {jnp.dtype(dtype).name}")
