@@ -615,18 +615,29 @@ def _two_rows(x: jax.Array) -> jax.Array:
     return jnp.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1)) if x.shape[0] == 1 else x
 
 
+# Entries per indexer product: the entry axis is cut into tiles of this many columns (a batch dimension
+# beyond), so every product has one shape whatever the entry count (a decode step scores the cache's
+# capacity, a prefill chunk its read bucket: the kernel's order may change with the column count).
+INDEXER_TILE = 256
+
+
 def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
     """Lightning-indexer scores  scale * sum_h w[h] * relu(q_h . k_e), in this module's order.
 
     q: [N, Q, H, Dh] (keys' dtype); weights: [N, Q, H] (float32); keys: [N, E, Dh] shared by the Q
-    queries of a row. The dot products accumulate in float32 (batched over N, Q * H rows each), the
-    head sum is a `fixed_sum`. Returns float32[N, Q, E]."""
-    n, _, h, d = q.shape
+    queries and H heads of a row. The dot products accumulate in float32: per row, one product of the
+    H * Q (head, query) rows (heads major) with each tile of `INDEXER_TILE` keys (tiles batched; the
+    keys are not copied per head), rows padded to `tile_rows_floor`; the head sum is a `fixed_sum`.
+    Returns float32[N, Q, E]."""
+    n, nq, h, d = q.shape
     e = keys.shape[1]
-    floor = tile_rows_floor(q.dtype, d, e)  # query rows: one in decode, a chunk's in prefill
-    km = jnp.broadcast_to(
-        keys.astype(q.dtype).transpose(0, 2, 1)[:, None], (n, h, d, e)
-    )  # per head: heads stay a batch dim
-    dots = batched_matmul(q.transpose(0, 2, 1, 3), km, floor).transpose(0, 2, 1, 3)  # [N, Q, H, E]
+    t = max(2, -(-e // INDEXER_TILE))  # >= 2 tiles: with one, XLA hands bfloat16 another kernel
+    kp = jnp.pad(keys.astype(q.dtype), [(0, 0), (0, t * INDEXER_TILE - e), (0, 0)])
+    km = kp.reshape(n, t, INDEXER_TILE, d).transpose(0, 1, 3, 2)  # [N, T, Dh, tile]
+    rows = materialized(q.transpose(0, 2, 1, 3).reshape(n, 1, h * nq, d))  # heads major: a mesh splits them
+    floor = tile_rows_floor(q.dtype, d, INDEXER_TILE)  # rows: H in decode, H x a chunk's queries in prefill
+    dots = batched_matmul(jnp.broadcast_to(rows, (n, t, h * nq, d)), km, floor)  # [N, T, H * Q, tile]
+    dots = dots.reshape(n, t, h, nq, INDEXER_TILE).transpose(0, 3, 2, 1, 4).reshape(n, nq, h, t * INDEXER_TILE)
+    dots = dots[..., :e]  # [N, Q, H, E]
     w = weights.astype(jnp.float32)[..., None]
     return fixed_sum(jnp.maximum(dots, 0.0) * w, axis=2) * jnp.float32(scale)

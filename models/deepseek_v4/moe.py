@@ -104,9 +104,10 @@ class MoE(nnx.Module):
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` without `ragged_dot`: `experts_routed` while tokens x top-k < experts, every expert
-        for every token while that is fewer rows than the tiled grouping, else `experts_tiled`. Both compute each (token, expert) pair as a row of
-        the same product ([`TILE` rows, hidden] x [hidden, inter], batched), so a token's output is the
-        same bits on either path (the numerical contract)."""
+        for every token while that is fewer rows than the tiled grouping, else `experts_tiled`. All
+        compute each (token, expert) pair as a row of the same product ([rows, hidden] x [hidden,
+        inter], batched, rows padded to one floor), so a token's output is the same bits on every path
+        (the numerical contract)."""
         n, k = idx.shape
         e = self.n_experts
         if n * k < e:

@@ -95,6 +95,28 @@ def test_tile_rows_floor_without_a_row_bound_keeps_a_row_from_one_row_to_many():
         np.testing.assert_array_equal(_f32(f(a[:, :rows], b)), full[:, :rows], err_msg=f"{rows} rows")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_indexer_scores_keep_their_bits_whatever_the_entry_and_query_counts(dtype):
+    """A query's indexer score of an entry is the same bits whether the keys end at the entries it sees
+    (a prefill chunk's read bucket) or run on to a cache's capacity (a decode step), and whether it is
+    scored alone (decode) or among a chunk's queries (prefill): the entry axis is cut into tiles of
+    `INDEXER_TILE`, so no product's shape follows either count."""
+    h, d, tile = 16, 32, nm.INDEXER_TILE
+    q = jnp.asarray(RNG.normal(0, 1, (1, 40, h, d)), dtype)
+    w = jnp.asarray(RNG.random((1, 40, h)), jnp.float32)
+    keys = jnp.asarray(RNG.normal(0, 1, (1, 3 * tile + 5, d)), dtype)
+    f = nm.jit(lambda q, w, k: nm.indexer_scores(q, w, k, d**-0.5))
+    full = _f32(f(q, w, keys))
+    assert full.shape == (1, 40, 3 * tile + 5)
+    for e in (1, tile - 1, tile, tile + 7, 2 * tile + 1):
+        for rows in (slice(0, 1), slice(3, 4), slice(0, 40)):
+            got = _f32(f(q[:, rows], w[:, rows], keys[:, :e]))
+            np.testing.assert_array_equal(got, full[:, rows, :e], err_msg=f"{e} entries, queries {rows}")
+    want = np.einsum("nqhd,ned->nqhe", np.asarray(q, np.float32), np.asarray(keys, np.float32))
+    want = (np.maximum(want, 0) * np.asarray(w)[..., None]).sum(2) * d**-0.5
+    np.testing.assert_allclose(full, want, rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4, atol=1e-2)
+
+
 def test_row_plan_is_available_while_a_program_is_traced():
     """A model's matmul asks for the plan inside jit: the probe runs as a program of its own."""
     x = jnp.asarray(RNG.normal(0, 1, (3, 192)), jnp.float32)
