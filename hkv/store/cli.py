@@ -162,6 +162,7 @@ def cmd_verify(args) -> int:
             "orphaned_segments": report["orphaned_segments"],
             "unindexed_blocks": report["unindexed_blocks"],
             "problems": problems,
+            "unindexed": report["unindexed"],
             "orphans": orphans,
         }
         print(json.dumps(out, indent=2))
@@ -191,6 +192,10 @@ def cmd_verify(args) -> int:
     if problems:
         print("problems:")
         for p in problems:
+            print(f"  {p}")
+    if report["unindexed"]:
+        print("unindexed blocks (intact, not a failure):")
+        for p in report["unindexed"]:
             print(f"  {p}")
     if orphans:
         print("orphaned data:")

@@ -457,6 +457,7 @@ class DiskTier:
             {"segments": published segments indexed, "blocks_ok": n, per reason in `DISK_REASONS`: n
             (blocks, bad manifests and bad hit files), "orphaned_segments": data with no manifest,
             "unindexed_blocks": published blocks whose pointer does not name their segment,
+            "unindexed": a line per such block,
             "problems": ["<key>: <reason>: <why>", ..., "data/<abi>/<segment>/: no manifest ..."]}.
         """
         self._check_open("verify")

@@ -34,6 +34,7 @@ class VerifyReport:
             their pointer is missing or no longer names the segment (a writer stopped between
             publishing a manifest and its pointers, or a block held by more than
             `hkv.store.records.MAX_HOLDERS` segments). Not a failure; not in `blocks_ok`.
+        unindexed: one line per unindexed block: "<manifest key> block <i>: not indexed: <why>".
         problems: one line each: "<key>: <reason>: <why>", ..., "data/<abi>/<segment>/: no manifest ...".
     """
 
@@ -42,6 +43,7 @@ class VerifyReport:
     reasons: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(DISK_REASONS, 0))
     orphaned_segments: int = 0
     unindexed_blocks: int = 0
+    unindexed: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def add(self, reason: str, problem: str) -> None:
@@ -54,7 +56,7 @@ class VerifyReport:
 
         Returns:
             {"segments", "blocks_ok", one key per reason in `DISK_REASONS`, "orphaned_segments",
-            "unindexed_blocks", "problems"}.
+            "unindexed_blocks", "unindexed", "problems"}.
         """
         return {
             "segments": self.segments,
@@ -62,6 +64,7 @@ class VerifyReport:
             **self.reasons,
             "orphaned_segments": self.orphaned_segments,
             "unindexed_blocks": self.unindexed_blocks,
+            "unindexed": self.unindexed,
             "problems": self.problems,
         }
 
@@ -179,7 +182,7 @@ def verify_store(
             report.blocks_ok += max(ok - len(pointers) - len(unindexed), 0)
             report.unindexed_blocks += len(unindexed)
             lines += [(reason, f"{m.key} {where}: {reason}: {detail}") for reason, where, detail in problems]
-            report.problems += [f"{m.key} {w}: not indexed: {d} (an interrupted write; ignored)" for w, d in unindexed]
+            report.unindexed += [f"{m.key} {w}: not indexed: {d}" for w, d in unindexed]
     for key, (reason, why) in sorted(bad.items()):
         report.add(reason, f"{key}: {reason}: {why}")
     for reason, line in lines:

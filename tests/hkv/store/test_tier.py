@@ -182,6 +182,7 @@ def test_a_write_whose_pointers_fail_publishes_nothing_and_verify_counts_unindex
     assert len(tier.find_chain(ABI, keys, toks).refs) == 1
     report = tier.verify()
     assert (report["blocks_ok"], report["unindexed_blocks"]) == (1, 2), report
+    assert len(report["unindexed"]) == 2 and all(p.startswith("data/") for p in report["problems"]), report
     assert sum(report[r] for r in ("disk_checksum", "disk_missing", "disk_truncated", "disk_abi")) == 0
     assert main(["store", "verify", "--json", str(tmp_path)]) == 0
 
