@@ -316,15 +316,16 @@ def tile_positions(first: jax.Array, tiles: int) -> jax.Array:
     return base[:, None, None] + jnp.arange(tiles * KEY_TILE, dtype=jnp.int32).reshape(1, tiles, KEY_TILE)
 
 
-def pad_tiles(x: jax.Array, axis: int) -> jax.Array:
-    """Zero-pad `axis` to a multiple of KEY_TILE and split it into [T, KEY_TILE] (index order kept)."""
+def pad_tiles(x: jax.Array, axis: int, tile: int = KEY_TILE, min_tiles: int = 1) -> jax.Array:
+    """Zero-pad `axis` to a multiple of `tile` (at least `min_tiles` tiles) and split it into [T, tile]
+    (index order kept)."""
     axis = axis % x.ndim
     n = x.shape[axis]
-    t = max(1, -(-n // KEY_TILE))
+    t = max(min_tiles, -(-n // tile))
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, t * KEY_TILE - n)
+    pad[axis] = (0, t * tile - n)
     x = jnp.pad(x, pad)
-    return x.reshape(x.shape[:axis] + (t, KEY_TILE) + x.shape[axis + 1 :])
+    return x.reshape(x.shape[:axis] + (t, tile) + x.shape[axis + 1 :])
 
 
 def batched_matmul(a: jax.Array, b: jax.Array, rows_floor: int | None = None) -> jax.Array:
@@ -631,9 +632,9 @@ def indexer_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, scale: flo
     Returns float32[N, Q, E]."""
     n, nq, h, d = q.shape
     e = keys.shape[1]
-    t = max(2, -(-e // INDEXER_TILE))  # >= 2 tiles: with one, XLA hands bfloat16 another kernel
-    kp = jnp.pad(keys.astype(q.dtype), [(0, 0), (0, t * INDEXER_TILE - e), (0, 0)])
-    km = kp.reshape(n, t, INDEXER_TILE, d).transpose(0, 1, 3, 2)  # [N, T, Dh, tile]
+    # >= 2 tiles: with one, XLA hands bfloat16 another kernel
+    km = pad_tiles(keys.astype(q.dtype), 1, INDEXER_TILE, min_tiles=2).transpose(0, 1, 3, 2)  # [N, T, Dh, tile]
+    t = km.shape[1]
     rows = materialized(q.transpose(0, 2, 1, 3).reshape(n, 1, h * nq, d))  # heads major: a mesh splits them
     floor = tile_rows_floor(q.dtype, d, INDEXER_TILE)  # rows: H in decode, H x a chunk's queries in prefill
     dots = batched_matmul(jnp.broadcast_to(rows, (n, t, h * nq, d)), km, floor)  # [N, T, H * Q, tile]

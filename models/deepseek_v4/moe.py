@@ -43,6 +43,14 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     return numerics.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
+def _combine_pairs(pairs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, n_experts: int, dtype) -> jnp.ndarray:
+    """`_combine` of each token's k pair outputs: pairs [N, k, hidden] (pair j of token n ran expert
+    idx[n, j]) placed at their experts (zeros elsewhere), weights [N, k], idx int32[N, k] -> [N, hidden]."""
+    n = idx.shape[0]
+    per_expert = jnp.zeros((n, n_experts, pairs.shape[-1]), pairs.dtype).at[jnp.arange(n)[:, None], idx].set(pairs)
+    return _combine(per_expert, weights, idx, dtype)
+
+
 def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype) -> jnp.ndarray:
     """sum_e w[n, e] * outputs[n, e] over every expert e (w zero where token n did not pick e), as one
     [1, E] x [E, hidden] float32 product per token (`numerics.batched_matmul`: the same bits for any
@@ -128,9 +136,7 @@ class MoE(nnx.Module):
         n, k = idx.shape
         flat = idx.reshape(-1)
         y = self._expert_rows(jnp.repeat(x, k, axis=0)[:, None, :], flat)[:, 0]  # [N * k, hidden] float32
-        rows = jnp.arange(n)[:, None]
-        per_expert = jnp.zeros((n, self.n_experts, y.shape[-1]), y.dtype).at[rows, idx].set(y.reshape(n, k, -1))
-        return _combine(per_expert, weights, idx, x.dtype)
+        return _combine_pairs(y.reshape(n, k, -1), weights, idx, self.n_experts, x.dtype)
 
     def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
         """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
@@ -167,10 +173,7 @@ class MoE(nnx.Module):
         tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
         tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
         y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
-        per_expert = (
-            jnp.zeros((n, e, y.shape[-1]), y.dtype).at[jnp.arange(n)[:, None], idx].set(y[dest].reshape(n, k, -1))
-        )
-        return _combine(per_expert, weights, idx, x.dtype)
+        return _combine_pairs(y[dest].reshape(n, k, -1), weights, idx, e, x.dtype)
 
     def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` as one `jax.lax.ragged_dot` per projection over the pairs sorted by expert."""
@@ -183,8 +186,7 @@ class MoE(nnx.Module):
         u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
         y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
         out = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
-        per_expert = jnp.zeros((n, self.n_experts, y.shape[-1]), y.dtype).at[jnp.arange(n)[:, None], idx].set(out)
-        return _combine(per_expert, weights, idx, x.dtype)
+        return _combine_pairs(out, weights, idx, self.n_experts, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(
