@@ -141,7 +141,9 @@ class ToyModel(nnx.Module):
 
     def __init__(self, cfg: ToyConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden, rngs=rngs)
+        # dtype: the activations' (nnx.Embed otherwise computes in float32 whatever its table's dtype:
+        # bfloat16 weights gave float32 activations, and a cache the engine refuses)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.layers = nnx.List([Layer(cfg, kind, rngs) for kind in cfg.layers])
         self.head = nnx.Linear(cfg.hidden, cfg.vocab_size, use_bias=False, rngs=rngs)
 

@@ -52,6 +52,15 @@ def test_toy_hybrid_with_full_attention_conforms(tmp_path):
     assert "compilations" in report.checks and report.max_abs_diff < 1e-4
 
 
+def test_toy_hybrid_conforms_in_bfloat16_bit_for_bit():
+    """The toy model in bfloat16 (weights, activations and cache): its embedding computed in float32,
+    so every engine call failed on a cache of another dtype than its K/V rows."""
+    model = toy.init(dataclasses.replace(MIX, dtype="bfloat16"), seed=0)
+    report = check_model(model, chunk_sizes=(16,), new_tokens=2)
+    assert set(report.routes) == {"snapshot", "disk", "window_refused"}
+    assert report.max_abs_diff == 0.0
+
+
 class TooFar(toy.ToyModel):
     """Broken on purpose: its cache spec (so its cached path) attends one token further than its forward."""
 

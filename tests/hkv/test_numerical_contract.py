@@ -151,8 +151,14 @@ def _toy_layer(kind: str, window: int | None, kv_heads: int):
 def test_random_specs_keep_the_contract_by_every_path_and_route(layers, dtype, seed):
     """Random hybrid specs (windowed, full, compressed and sparse layers) in either dtype: `check_model`
     (cold prefill in chunks 16 and 32, a prefill batch, decode, restores from device snapshots, the disk
-    tier and window rebuilds) finds every logit bitwise equal to the stateless forward."""
+    tier and window rebuilds) finds every logit bitwise equal to the stateless forward, and a spec with
+    a full-attention layer never takes the window-rebuild route (tests/hkv/core/test_random_specs.py
+    runs more specs, with other block sizes, in `make test-slow`)."""
     cfg = toy.ToyConfig(layers=tuple(_toy_layer(*spec) for spec in layers), dtype=dtype)
     model = toy.init(cfg, seed=seed)
     report = check_model(model, chunk_sizes=(16, 32), new_tokens=2)
     assert report.max_abs_diff == 0.0
+    has_full = any(kind == "attn" and window is None for kind, window, _ in layers)
+    assert ("window" in report.routes) is (not has_full)  # rebuilt exactly when every layer is windowed
+    assert ("window_refused" in report.routes) is has_full
+    assert "snapshot" in report.routes and "disk" in report.routes

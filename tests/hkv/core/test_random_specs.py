@@ -38,12 +38,8 @@ COMMON = dict(
 )  # no shrinking: each example compiles engines
 
 
-@settings(max_examples=2, **COMMON)  # make test: 2 random specs (~20 s); `slow`: 25
-@given(specs)
-def test_random_specs_restore_exactly(spec):
-    _check(*spec)
-
-
+# `make test` runs random specs through tests/hkv/test_numerical_contract.py (in both dtypes, with the
+# same route checks); these 25, with blocks of 4 and 8 tokens too, run in `make test-slow`.
 @pytest.mark.slow
 @settings(max_examples=25, **COMMON)
 @given(specs)

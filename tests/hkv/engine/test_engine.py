@@ -327,6 +327,7 @@ def test_reserve_rejects_a_slot_twice_or_a_shrinking_length(model):
         _assert_same(before, _snapshot(out))
 
 
+@pytest.mark.slow  # ~55 s on a cold cache; tests/models/test_scan_layers.py keeps stacked == unrolled in `make test`
 def test_a_model_holding_stacked_layers_generates_restores_and_fingerprints_exactly():
     """A model whose repeating layers are held stacked (layers 1-4: (CSA, HCA) x 2, scanned): the
     engine's tokens equal the stateless forward's, a second turn restores its prefix exactly, and a

@@ -64,7 +64,10 @@ def test_deepseek_v4_stateless_forward_takes_prompts_shorter_than_a_window():
     for t in (1, 2, 3):
         np.testing.assert_array_equal(np.asarray(fwd(jnp.asarray([[5, 7, 9, 11, 13][:t]]))), full[:, :t])
     toks, _ = greedy_stateless(model, [[5]], 2)
-    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=64, prefix_records=0))
+    # the layout and options of tests/hkv/engine/test_generation.py's engines: their compiled steps are
+    # shared through the suite's compilation cache (a layout of its own cost ~25 s of compiling)
+    config = hkv.CacheConfig(slots=2, max_context=160, page_size=8, prefix_records=32)
+    engine = hkv.Engine(model, config, prefill_chunk=16, decode_steps=4, block_tokens=16)
     assert engine.generate([[5]], 2)[0].tokens == toks[0]
 
 

@@ -226,6 +226,7 @@ def check_disk_restore(engine: hkv.MeshEngine, reference) -> None:
         hkv.check_invariants(engine.layout, engine.shard_cache(d))
 
 
+@pytest.mark.slow  # ~100 s of compiling on a cold cache; `make test` keeps the README's mesh example
 def test_mesh_restores_from_a_shared_disk_tier(model, reference, tmp_path):
     tier = DiskTier(str(tmp_path / "store"))
     engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), disk=tier, **OPTS)
