@@ -329,7 +329,9 @@ def put_rows(pool: jax.Array, layer, page: jax.Array, off: jax.Array, values: ja
     pool)`), so a decode step that wrote one row per layer read and wrote every pool once per row:
     its cost grew with the pools (max_context, slots and the prefix cache's pages), not with the
     rows written. Here each row is an in-place `dynamic_update_slice` at an index clamped into the
-    pool, writing back the value already there when the row is masked.
+    pool, writing back the value already there when the row is masked. Up to 16 rows (a decode step)
+    the loop is unrolled; beyond (a prefill chunk) unrolled by 8, which drops most of the loop's own
+    per-row work (its counter and carry copies): XLA:CPU runs each of them as a thunk of its own.
 
     Args:
       pool: [L, P, page_size, D]; layer: the layer index (int or traced int32).
@@ -349,7 +351,7 @@ def put_rows(pool: jax.Array, layer, page: jax.Array, off: jax.Array, values: ja
         return jax.lax.dynamic_update_slice(pool, jnp.where(ok[i], vals[i].reshape(1, 1, 1, d), cur), at)
 
     n = page.shape[0]
-    return jax.lax.fori_loop(0, n, one, pool, unroll=n <= 16)
+    return jax.lax.fori_loop(0, n, one, pool, unroll=n if n <= 16 else 8)
 
 
 def zero_pages(pool: jax.Array, pages: jax.Array, need: jax.Array) -> jax.Array:
