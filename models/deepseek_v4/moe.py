@@ -46,8 +46,14 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
 def _combine_pairs(pairs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, n_experts: int, dtype) -> jnp.ndarray:
     """`_combine` of each token's k pair outputs: pairs [N, k, hidden] (pair j of token n ran expert
     idx[n, j]) placed at their experts (zeros elsewhere), weights [N, k], idx int32[N, k] -> [N, hidden]."""
-    n = idx.shape[0]
-    per_expert = jnp.zeros((n, n_experts, pairs.shape[-1]), pairs.dtype).at[jnp.arange(n)[:, None], idx].set(pairs)
+    # a select per slot, not a scatter: XLA:CPU runs a scatter as a loop of one-row updates (N * k
+    # iterations, each its own thunks), ~5% of a long prefill. The same values land (the last slot
+    # naming an expert wins, as the scatter's updates in order), so the same bits follow.
+    n, k = idx.shape
+    at = idx[:, :, None] == jnp.arange(n_experts, dtype=idx.dtype)  # [N, k, E]
+    per_expert = jnp.zeros((n, n_experts, pairs.shape[-1]), pairs.dtype)
+    for j in range(k):
+        per_expert = jnp.where(at[:, j, :, None], pairs[:, j, None, :], per_expert)
     return _combine(per_expert, weights, idx, dtype)
 
 
@@ -166,10 +172,19 @@ class MoE(nnx.Module):
         padded_end = jnp.cumsum(padded)
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         expert = flat[order]
-        rank = jnp.arange(m, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its expert
-        dest = jnp.zeros((m,), jnp.int32).at[order].set(padded_end[expert] - padded[expert] + rank)
+        starts = jnp.cumsum(sizes) - sizes  # each expert's first place among the sorted pairs
+        rank = jnp.arange(m, dtype=jnp.int32) - starts[expert]  # place within its expert
+        # gathers, not scatters (XLA:CPU runs a scatter as a loop of one-row updates): pair i's padded
+        # row, through the inverse of `order`; and each padded row's pair (or none: a zero row)
+        dest = (padded_end[expert] - padded[expert] + rank)[jnp.argsort(order)]
         tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
-        rows = jnp.zeros((tiles * TILE, x.shape[1]), x.dtype).at[dest].set(x[jnp.arange(m) // k])
+        p = jnp.arange(tiles * TILE, dtype=jnp.int32)
+        run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
+        run_c = jnp.minimum(run, e - 1)
+        off = p - (padded_end - padded)[run_c]
+        real = (run < e) & (off < sizes[run_c])
+        pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
+        rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
         tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
         tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
         y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
@@ -185,7 +200,7 @@ class MoE(nnx.Module):
         g = jax.lax.ragged_dot(rows, self.w_gate.value.astype(x.dtype), sizes)
         u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
         y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
-        out = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
+        out = y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
         return _combine_pairs(out, weights, idx, self.n_experts, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
