@@ -180,13 +180,12 @@ class MoE(nnx.Module):
         tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
         p = jnp.arange(tiles * TILE, dtype=jnp.int32)
         run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
-        run_c = jnp.minimum(run, e - 1)
+        run_c = jnp.minimum(run, e - 1)  # rows past the last run: any expert (their rows are zeros)
         off = p - (padded_end - padded)[run_c]
         real = (run < e) & (off < sizes[run_c])
         pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
         rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
-        tile_expert = jnp.searchsorted(padded_end, jnp.arange(tiles, dtype=jnp.int32) * TILE, side="right")
-        tile_expert = jnp.minimum(tile_expert, e - 1).astype(jnp.int32)  # tiles past the last run: any expert
+        tile_expert = run_c[::TILE]  # a tile lies in one expert's run: its first row's
         y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
         return _combine_pairs(y[dest].reshape(n, k, -1), weights, idx, e, x.dtype)
 
