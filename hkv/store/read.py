@@ -3,12 +3,23 @@ returned (stage 2: ABI; stage 4: dtype, shape, alignment, per-object crc32 on to
 and in a keyed store the manifest's HMAC and each object's sha256). A failure is a reason
 (`disk_missing`, `disk_checksum`, `disk_truncated`, `disk_abi`, `disk_auth`, `disk_malformed`) with
 a detail, classified by the raw shard files where the data failed (`BlockReader.probe`).
+
+The objects a read needs from one segment are read as pieces: runs of objects adjacent in the
+segment's bytes (a chain's blocks are written one after another) of up to `PIECE_BYTES`, all issued
+at once; each object is a view of its piece. The digests (crc32, sha256) are computed on a thread
+pool as the pieces arrive (zlib and hashlib release the GIL), overlapping the reads still in flight.
+A piece that fails is read again object by object, so a failure is found, and classified, exactly
+where it lies: an object is refused only for its own bytes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
+import math
+import os
+import threading
 import zlib
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,10 +30,11 @@ from . import manifest as mf
 from .blocks import AUTH, CHECKSUM, MALFORMED, MISSING, TRUNCATED, BlockPayload, BlockRef, ReadResult, dtype_of
 from .context import SmallFile, TierContext, manifest_key
 from .hits import HitCounts
-from .index import SegmentIndex
+from .index import SegmentIndex, entry_map
 from .layout import Layout, data_prefix, open_array
 
 MAX_PROBED_SHARDS = 64  # shard files `probe` reads to classify one failed read
+PIECE_BYTES = 4 << 20  # the most bytes one read of adjacent objects covers
 
 # entry -> {object name: (dtype, shape)} the running engine needs for that block
 Expect = Callable[[BlockRef], dict[str, tuple[np.dtype, tuple]]]
@@ -44,17 +56,95 @@ class BlockCheck(NamedTuple):
     payload: BlockPayload | None
 
 
-def listed(doc: dict, ref: BlockRef) -> dict | None:
+def listed(entries: dict[str, list[dict]], ref: BlockRef) -> dict | None:
     """The entry of a re-read manifest that is exactly the one `ref` was found by (a segment may
     list a key twice: with and without its snapshot, from two requests committed together).
 
     Args:
-        doc: the checked manifest.
+        entries: the checked manifest's `index.entry_map` ({block id: its entries}).
         ref: the block as it was indexed.
     Returns:
         The entry, or None.
     """
-    return next((b for b in doc["blocks"] if b["key"] == ref.entry["key"] and b == ref.entry), None)
+    return next((b for b in entries.get(ref.entry["key"], ()) if b == ref.entry), None)
+
+
+class Digests(NamedTuple):
+    """An object's bytes as read, with their crc32 and (keyed store) sha256 hex digest (else None)."""
+
+    raw: np.ndarray
+    crc32: int
+    sha256: str | None
+
+
+def _digests(raw: np.ndarray, keyed: bool) -> Digests:
+    return Digests(raw, zlib.crc32(raw), hashlib.sha256(raw).hexdigest() if keyed else None)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that wait for pieces and compute their objects' digests (shared by every tier)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="hkv-read")
+        return _POOL
+
+
+class _Piece:
+    """One read of adjacent objects [lo, hi) of a segment's data array, and the digests of each object
+    (`spans`: (start, stop) byte ranges inside [lo, hi)) computed on `_pool` once it arrives."""
+
+    def __init__(self, arr, lo: int, hi: int, spans: list[tuple[int, int]], keyed: bool):
+        self.arr, self.lo, self.keyed = arr, lo, keyed
+        read = arr[lo:hi].read()
+        self.done = _pool().submit(self._check, read, spans)
+
+    def _check(self, read, spans: list[tuple[int, int]]) -> dict[tuple[int, int], Digests]:
+        data = read.result()
+        return {(a, b): _digests(data[a - self.lo : b - self.lo], self.keyed) for a, b in spans}
+
+    def get(self, start: int, stop: int) -> Digests:
+        """The object [start, stop): from the piece, or (the piece failed) read again on its own, so
+        only a failure in its own bytes raises (zarr's crc32c, a short or a missing chunk)."""
+        try:
+            return self.done.result()[(start, stop)]
+        except Exception:
+            return _digests(self.arr[start:stop].read().result(), self.keyed)
+
+
+class _ObjectRead(NamedTuple):
+    """One object of a block: `result()` gives its `Digests` or raises what its read raised."""
+
+    piece: _Piece
+    start: int
+    stop: int
+
+    def result(self) -> Digests:
+        return self.piece.get(self.start, self.stop)
+
+
+def _pieces(arr, spans: list[tuple[int, int]], keyed: bool) -> dict[tuple[int, int], _ObjectRead]:
+    """Issue the reads of one segment's object byte ranges `spans` as pieces (runs of objects at most
+    `manifest.ALIGN` bytes apart, up to `PIECE_BYTES` each, or one object larger than that)."""
+    out: dict[tuple[int, int], _ObjectRead] = {}
+    run: list[tuple[int, int]] = []
+
+    def flush() -> None:
+        if run:
+            piece = _Piece(arr, run[0][0], run[-1][1], list(run), keyed)
+            out.update({sp: _ObjectRead(piece, *sp) for sp in run})
+            run.clear()
+
+    for a, b in sorted(set(spans)):
+        if run and (a - run[-1][1] >= mf.ALIGN or a < run[-1][1] or b - run[0][0] > PIECE_BYTES):
+            flush()
+        run.append((a, b))
+    flush()
+    return out
 
 
 class BlockReader:
@@ -81,17 +171,19 @@ class BlockReader:
         """
         checked: dict[tuple[str, str], ManifestCheck] = {}
         arrays: dict[tuple[str, str], object] = {}
+        entries: dict[tuple[str, str], dict[str, list[dict]]] = {}
         for sid, fut in self._manifest_reads(refs).items():
             checked[sid] = self.checked_manifest(sid, fut)
             if checked[sid].doc is not None:
                 arrays[sid] = self._open(sid, checked[sid].doc)
-        reads = self._object_reads(refs, checked, arrays)
+                entries[sid] = entry_map(checked[sid].doc)
+        reads = self._object_reads(refs, checked, entries, arrays)
         out: list[BlockPayload] = []
         for r, objs in zip(refs, reads, strict=True):
             sid = (r.abi, r.segment)
             reason, detail, doc = checked[sid]
             if reason is None:
-                reason, detail, payload = self.check_block(r, doc, objs, expect)
+                reason, detail, payload = self.check_block(r, doc, objs, expect, entries[sid])
             if reason is not None:
                 with self.ctx.lock:
                     self.ctx.counters[f"rejected_{reason}"] += count
@@ -142,24 +234,33 @@ class BlockReader:
         except Exception:  # classified per block (`probe`)
             return None
 
-    def _object_reads(self, refs: list[BlockRef], checked: dict, arrays: dict) -> list:
-        """Per ref, its objects' read futures: [] where its manifest failed or no longer lists it, None
-        where its data array could not be opened or read (both classified by `check_block`)."""
-        # every object read issued at once (tensorstore decodes concurrent reads in parallel, which
-        # measured faster than one read over a segment's byte span)
-        reads: list = []
+    def _object_reads(self, refs: list[BlockRef], checked: dict, entries: dict, arrays: dict) -> list:
+        """Per ref, its objects' reads (`result()` -> `Digests`): [] where its manifest failed or no
+        longer lists it, None where its data array could not be opened (both classified by
+        `check_block`). Every segment's objects are read in pieces, all issued at once (`_pieces`)."""
+        listed_refs: list[tuple[tuple[str, str], dict | None]] = []
+        spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for r in refs:
             sid = (r.abi, r.segment)
-            reason, _, doc = checked[sid]
-            entry = None if reason is not None else listed(doc, r)
+            entry = None if checked[sid].reason is not None else listed(entries[sid], r)
+            listed_refs.append((sid, entry))
+            if entry is not None:
+                spans.setdefault(sid, []).extend((o["offset"], o["offset"] + o["nbytes"]) for o in entry["objects"])
+        keyed = self.ctx.key is not None
+        pieces: dict[tuple[str, str], dict | None] = {}
+        for sid, sp in spans.items():
+            try:
+                pieces[sid] = _pieces(arrays[sid].result(), sp, keyed)
+            except Exception:  # checked (and classified) per block below
+                pieces[sid] = None
+        reads: list = []
+        for sid, entry in listed_refs:
             if entry is None:
                 reads.append([])
-                continue
-            try:
-                arr = arrays[sid].result()
-                reads.append([arr[o["offset"] : o["offset"] + o["nbytes"]].read() for o in entry["objects"]])
-            except Exception:  # checked (and classified) per block below
+            elif pieces[sid] is None:
                 reads.append(None)
+            else:
+                reads.append([pieces[sid][(o["offset"], o["offset"] + o["nbytes"])] for o in entry["objects"]])
         return reads
 
     def checked_manifest(self, sid: tuple[str, str], fut) -> ManifestCheck:
@@ -204,20 +305,23 @@ class BlockReader:
             raw, why = fresh
         return ManifestCheck(err.reason, f"manifest of segment {sid[1]}: {err}", None)
 
-    def check_block(self, ref: BlockRef, doc: dict, objs: list | None, expect: Expect | None) -> BlockCheck:
+    def check_block(
+        self, ref: BlockRef, doc: dict, objs: list | None, expect: Expect | None, entries: dict | None = None
+    ) -> BlockCheck:
         """Verify one block of a checked manifest against the engine's expectation and its bytes.
 
         Args:
             ref: the block.
             doc: its segment's checked manifest.
-            objs: its objects' read futures, in entry order ([] when the manifest no longer lists it,
-                None when the data array could not be opened).
+            objs: its objects' reads (`result()` -> `Digests`), in entry order ([] when the manifest
+                no longer lists it, None when the data array could not be opened).
             expect: see `read`.
+            entries: `index.entry_map(doc)`, if the caller has it.
         Returns:
             A `BlockCheck`.
         """
         sid = (ref.abi, ref.segment)
-        entry = listed(doc, ref)
+        entry = listed(entry_map(doc) if entries is None else entries, ref)
         if entry is None:
             return BlockCheck(
                 CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None
@@ -237,7 +341,7 @@ class BlockReader:
         objects = {}
         for o, fut in zip(entry["objects"], objs, strict=True):
             dt = dtype_of(o["dtype"])
-            n = int(np.prod(o["shape"], dtype=np.int64)) * dt.itemsize
+            n = math.prod(o["shape"]) * dt.itemsize
             if o["offset"] % mf.ALIGN or n != o["nbytes"]:
                 return BlockCheck(
                     CHECKSUM,
@@ -257,12 +361,12 @@ class BlockReader:
                     None,
                 )
             try:
-                raw = fut.result()
+                raw, crc, sha = fut.result()
             except Exception as e:  # zarr's crc32c, a short or a missing chunk
                 return self.probe(sid, doc, str(e), o["offset"], o["nbytes"])
-            if zlib.crc32(raw) != o["crc32"]:
+            if crc != o["crc32"]:
                 return self.probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"], o["nbytes"])
-            if self.ctx.key is not None and hashlib.sha256(raw).hexdigest() != o["sha256"]:
+            if self.ctx.key is not None and sha != o["sha256"]:
                 return BlockCheck(
                     AUTH,
                     (

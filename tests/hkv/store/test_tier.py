@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hkv.store import manifest as mf
+from hkv.store import read as read_path
 from hkv.store.layout import Layout
 from hkv.store.tier import BlockPayload, DiskBacklogError, DiskTier
 
@@ -75,6 +76,34 @@ def test_round_trip_returns_the_exact_bytes_and_dtypes(tmp_path):
     res = tier.read(found.refs)
     assert res.reason is None and len(res.payloads) == 5
     assert_same_payloads(res.payloads, blocks)
+
+
+@pytest.mark.parametrize("piece", [1, 20 << 10, 4 << 20])
+def test_a_chain_over_two_segments_reads_back_exactly_whatever_the_piece_size(tmp_path, monkeypatch, piece):
+    """Reads are grouped into pieces of adjacent objects (`read.PIECE_BYTES`): one object per piece,
+    a few blocks per piece, or a whole segment per piece give the same blocks and bytes, across two
+    segments, and a block whose bytes fail is refused while the blocks before it (read in the same
+    piece) are restored."""
+    monkeypatch.setattr(read_path, "PIECE_BYTES", piece)
+    tier = DiskTier(str(tmp_path), chunk_bytes=4096)
+    blocks = chain("p", 8, snapshot_every=3, kib=6)
+    tier.write(ABI, blocks[:3])
+    tier.write(ABI, blocks[3:])
+    refs = tier.find_chain(ABI, [b.key for b in blocks], [b.tokens for b in blocks]).refs
+    assert len({r.segment for r in refs}) == 2
+    res = tier.read(refs)
+    assert res.reason is None
+    assert_same_payloads(res.payloads, blocks)
+    seg = refs[5].segment
+    obj = refs[5].entry["objects"][0]
+    shard = tmp_path / "data" / ABI / seg / "c" / "0"
+    raw = bytearray(shard.read_bytes())
+    chunk = obj["offset"] // 4096 + 1  # a chunk inside block 5's first object (each chunk + its crc32c)
+    raw[chunk * (4096 + 4) + 7] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    res = tier.read(refs)
+    assert res.reason == "disk_checksum" and len(res.payloads) == 5, (res.reason, res.detail)
+    assert_same_payloads(res.payloads, blocks[:5])
 
 
 def test_chain_stops_at_an_absent_block_a_collision_or_a_foreign_abi(tmp_path):
