@@ -27,6 +27,7 @@ from flax import nnx
 from . import numerics as nm
 from .core.invariants import check_invariants
 from .core.layout import CacheConfig, CacheLayout
+from .core.plan import ROUTES
 from .core.policy import RetentionPolicy, window_rebuild_tokens
 from .core.protocol import check_protocol
 from .engine.engine import Engine
@@ -147,8 +148,18 @@ def _engine(model, block_tokens, chunk, max_context, prefix: bool, disk=None, ke
                   retention=RetentionPolicy(every_n_blocks=1), kernel_options=kernel_options, disk=disk)  # fmt: skip
 
 
-def _force(engine: Engine, route: str | None) -> None:
-    """Make the engine's restore choice prefer `route` whenever it is offered (None: its own costs)."""
+def force_route(engine: Engine, route: str | None) -> None:
+    """Make `engine` restore by `route` whenever that route is offered, so a test reaches a route the
+    cost model would not pick (None: back to the engine's own costs).
+
+    Args:
+        engine: the engine whose `prefix_manager` chooses routes.
+        route: a restore route of `hkv.core.plan.ROUTES` ("shrink", "window", "disk"), or None.
+    Raises:
+        ValueError: another route name.
+    """
+    if route is not None and route not in ROUTES:
+        raise ValueError(f"route={route!r} must be None or one of {ROUTES}")
     manager = engine.prefix_manager
     if route is None:
         manager.__dict__.pop("estimate", None)
@@ -283,7 +294,7 @@ def _check_disk(ck: _Checker, eng: Engine, pr: _Prompts, disk_dir: str | None) -
     tier = DiskTier(disk_dir if disk_dir is not None else own_dir.name)
     try:
         eng.disk = tier
-        _force(eng, "disk")
+        force_route(eng, "disk")
         eng.write_through()
         eng.flush_disk()
         for cut in pr.cuts:
@@ -292,7 +303,7 @@ def _check_disk(ck: _Checker, eng: Engine, pr: _Prompts, disk_dir: str | None) -
         eng.flush_disk()
     finally:
         eng.disk = None
-        _force(eng, None)
+        force_route(eng, None)
         tier.close()
         if own_dir is not None:
             own_dir.cleanup()
@@ -302,7 +313,7 @@ def _check_window(ck: _Checker, eng: Engine, pr: _Prompts) -> None:
     """(c) with the snapshots forgotten, every cut rebuilds the window where the spec allows it; a spec
     with a full-attention layer refuses the route and restores nothing."""
     ck.generate("re-warm", eng, [pr.base], pr.new_tokens)  # every record of the base chain on device again
-    _force(eng, "window")  # rebuild the window whenever the engine may
+    force_route(eng, "window")  # rebuild the window whenever the engine may
     try:
         for cut in pr.cuts:
             _forget(eng, snapshots_only=True)
@@ -318,7 +329,7 @@ def _check_window(ck: _Checker, eng: Engine, pr: _Prompts) -> None:
             else:  # the boundary is inside the receptive field: nothing to rebuild from
                 ck.generate(check, eng, [pr.by_route["window", cut]], pr.new_tokens)
     finally:
-        _force(eng, None)
+        force_route(eng, None)
 
 
 def check_model(
@@ -385,4 +396,4 @@ def check_model(
     return report
 
 
-__all__ = ["ConformanceReport", "check_model"]
+__all__ = ["ConformanceReport", "check_model", "force_route"]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import hkv
-from hkv.testing import check_model
+from hkv.testing import check_model, force_route
 from models import deepseek_v4, gemma3, toy
 
 MIX = toy.ToyConfig(
@@ -79,3 +79,13 @@ def test_check_model_fails_on_a_model_that_attends_one_token_too_far():
 def test_check_model_fails_on_something_that_is_not_a_cached_model():
     with pytest.raises(AssertionError, match="check_model: protocol"):
         check_model(object())
+
+
+def test_force_route_names_an_unknown_route_and_changes_nothing():
+    class Untouched:  # force_route must refuse before it reaches the engine
+        @property
+        def prefix_manager(self):
+            raise AssertionError("force_route touched the engine before checking the route")
+
+    with pytest.raises(ValueError, match=r"route='disc' must be None or one of \('shrink', 'window', 'disk'\)"):
+        force_route(Untouched(), "disc")

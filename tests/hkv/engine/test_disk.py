@@ -21,7 +21,7 @@ from hkv.core import prefix as px
 from hkv.store import manifest as mf
 from hkv.store import records
 from hkv.store.tier import DiskTier
-from hkv.testing import _force
+from hkv.testing import force_route
 from models.deepseek_v4 import init
 from models.stateless import greedy_stateless
 
@@ -34,7 +34,7 @@ def make_engine(model, **kw):
     what comes back from disk, and the engine's cost-based choice may rightly prefer recomputing a
     tiny model's blocks (a CI run's measured disk reads, slowed by the other worker, did)."""
     engine = _make_engine(model, **kw)
-    _force(engine, "disk")
+    force_route(engine, "disk")
     return engine
 
 

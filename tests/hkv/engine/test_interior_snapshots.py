@@ -22,7 +22,7 @@ from hkv.engine.block_keys import chain_keys
 from hkv.engine.page_budget import short_of_pages
 from hkv.engine.prefix_tools import pack_records
 from hkv.store.tier import DiskTier
-from hkv.testing import _force
+from hkv.testing import force_route
 from models import deepseek_v4, toy
 
 BT = 16  # the engine's default block_tokens
@@ -86,7 +86,7 @@ def test_every_boundary_of_every_chunk_is_restorable_with_the_cold_logits(toy_mo
 
 def test_an_interior_snapshot_comes_back_from_the_disk_tier(toy_model, tmp_path):
     engine = _engine(toy_model, disk=DiskTier(str(tmp_path / "store")))
-    _force(engine, "disk")
+    force_route(engine, "disk")
     engine.generate([PROMPT], 2)
     engine.evict_prefixes()  # every snapshot block goes to disk first
     engine.flush_disk()
