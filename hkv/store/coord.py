@@ -14,7 +14,10 @@ deleting it; the ledger only *triggers* eviction (one GET says whether the store
 evictor decides from a fresh listing and then corrects the ledger, so a ledger that drifted (a writer
 killed between the two) never makes anyone evict more than needed. Only the holder of an unexpired
 lease evicts, and it renews the lease (a conditional write) before each deletion: two processes never
-evict at once. Hot files carry every writer's restores into the evictor's ranking (least recently
+evict at once. A lease expires when another process has seen it unchanged (the same storage
+generation: no renewal) for `ttl` seconds of its own monotonic clock, so no two hosts' wall clocks
+are compared (a host whose clock runs ahead cannot take a live lease; "expires" is written for
+readers only). Hot files carry every writer's restores into the evictor's ranking (least recently
 hit first, store-wide). All three are advisory: unreadable or damaged, they read as empty.
 """
 
@@ -138,13 +141,17 @@ class Lease:
 
     Args:
         ctx: the tier's shared state.
-        ttl: seconds a lease lasts without renewal (a killed holder's lease is taken over after it).
+        ttl: seconds a lease lasts without renewal: another holder's lease is taken over once this
+            tier has seen it unchanged for that long (by `clock`); a killed holder's lease is thus
+            taken over within ttl of its being first seen.
+        clock: this process's monotonic seconds (`time.monotonic`; tests pass their own).
     """
 
-    def __init__(self, ctx: TierContext, ttl: float = 30.0):
-        self.ctx, self.ttl = ctx, ttl
+    def __init__(self, ctx: TierContext, ttl: float = 30.0, clock=time.monotonic):
+        self.ctx, self.ttl, self.clock = ctx, ttl, clock
         self.generation: bytes | None = None  # ours while held
         self.token = ""
+        self.seen: tuple[bytes, float] | None = None  # (another holder's generation, when first seen)
 
     def _seal(self) -> bytes:
         doc = {
@@ -165,12 +172,12 @@ class Lease:
         cur = fixed_result(read_fixed(self.ctx.kv, LEASE_KEY, LEASE_BYTES))
         if cur.raw is not None:
             try:
-                doc = open_record(cur.raw, "lease", LEASE_KEY, None, max_depth=2)
-                expires = doc.get("expires")
-                if isinstance(expires, (int, float)) and expires > time.time():
-                    return False  # another holder's, alive
+                open_record(cur.raw, "lease", LEASE_KEY, None, max_depth=2)
+                if not self._expired(cur.generation):
+                    return False  # another holder's, renewed less than ttl ago as far as we have seen
             except mf.ManifestError:
                 pass  # a damaged lease is free
+        self.seen = None
         self.token = uuid.uuid4().hex
         if cur.generation == b"":  # unreadable: overwrite it, then check that ours stands
             self.ctx.kv.write(LEASE_KEY, self._seal()).result()
@@ -178,6 +185,16 @@ class Lease:
         gen = self.ctx.kv.write(LEASE_KEY, self._seal(), if_equal=cur.generation).result().generation
         self.generation = bytes(gen) if gen != b"" else None
         return self.generation is not None
+
+    def _expired(self, generation: bytes) -> bool:
+        """Whether another holder's lease at `generation` has been seen unchanged for `ttl` seconds of
+        this process's clock (the first sighting of a generation starts the count; an unknown
+        generation, b"", never expires: the lease is then treated as alive)."""
+        now = self.clock()
+        if not generation or self.seen is None or self.seen[0] != generation:
+            self.seen = (generation, now) if generation else None
+            return False
+        return now - self.seen[1] >= self.ttl
 
     def renew(self) -> bool:
         """Extend the lease (a conditional write on the generation this tier last wrote).
