@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .blocks import CHECKSUM, MISSING, BlockPayload, BlockRef, ChainLookup, ReadResult
+from .blocks import MISSING, BlockPayload, BlockRef, ChainLookup, ReadResult
 from .host import HOST_SEGMENT, HostTier, mismatch
 from .tier import DiskTier, DiskTierClosedError
 
@@ -284,15 +284,17 @@ class TieredStore:
         self, ref: BlockRef, expect: Expect | None, count: bool
     ) -> tuple[BlockPayload | None, str | None, str]:
         """Disk block `ref` from its prefetch piece or from host memory: (payload, None, "") when there
-        and verified, (None, reason, detail) when that copy fails, (None, None, "") when neither has it."""
+        and verified, (None, reason, detail) when that copy fails, (None, None, "") when neither has it
+        or the prefetched copy is not what `expect` needs (the disk tier's own read then refuses it,
+        counted, with its reason)."""
         with self._lock:
             got = self._loading.get(_ref_id(ref))
         if got is not None:
             piece, pos = got
             res = piece.read.result()
             if pos < len(res.payloads):
-                bad = mismatch(ref, res.payloads[pos].objects, expect)
-                return (None, CHECKSUM, bad) if bad is not None else (res.payloads[pos], None, "")
+                usable = mismatch(ref, res.payloads[pos].objects, expect) is None
+                return (res.payloads[pos], None, "") if usable else (None, None, "")
             if pos == len(res.payloads) and res.reason is not None and not res.detail.startswith("prefetch:"):
                 return None, res.reason, res.detail
         hr = self.host.ref_of(ref.abi, _key(ref), ref.snapshot)

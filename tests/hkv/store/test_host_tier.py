@@ -6,6 +6,7 @@ tier through the engine ending in a shorter plan with its reason and exact token
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import threading
 
@@ -191,6 +192,70 @@ def test_a_chain_found_on_disk_is_prefetched_and_the_first_blocks_do_not_wait_fo
     assert_same_payloads(res.payloads, blocks)
     assert disk.counters["blocks_read"] == read_before  # from host memory
     store.close()
+
+
+@pytest.mark.parametrize("how", ["raises", "fails_later"])
+def test_a_failed_spill_drops_the_blocks_and_counts_them(how):
+    """Blocks evicted to a spill that fails (at once, or once its write resolves) are dropped, counted
+    in `spill_failures` (not `blocks_spilled`), and stay readable until the spill resolves."""
+    a, b = chain("a", 4, snapshot_every=2), chain("b", 2, snapshot_every=2)
+    pending: list = []
+
+    def spill(abi, payloads):
+        if how == "raises":
+            raise OSError("disk full")
+        fut = concurrent.futures.Future()
+        pending.append(fut)
+        return fut
+
+    host = HostTier(budget_bytes=nbytes(a), spill=spill)
+    host.write(ABI, a)
+    host.write(ABI, b)  # over budget: a's two last blocks (its leaves, least recently used) leave
+    if how == "fails_later":
+        assert host.holds(ABI, a[3].key)  # readable until the spill resolves
+        assert_same_payloads(host.read(lookup(host, a).refs).payloads, a)
+        (fut,) = pending
+        fut.set_exception(OSError("disk full"))
+    assert [host.holds(ABI, x.key) for x in a] == [True, True, False, False]
+    assert host.counters["spill_failures"] == 2 and host.counters["blocks_spilled"] == 0
+    found = lookup(host, a)
+    assert len(found.refs) == 2
+    assert_same_payloads(host.read(found.refs).payloads, a[:2])
+    host.close()
+
+
+def test_a_prefetched_block_the_engine_cannot_use_is_refused_and_counted(tmp_path):
+    """A block still in its prefetch piece whose objects are not what the engine expects is refused
+    with the disk tier's reason and counted as that tier's rejection, as a direct disk read is."""
+    disk = DiskTier(str(tmp_path / "d"), linger_seconds=0)
+    blocks = chain("a", 4, snapshot_every=2)
+    disk.write(ABI, blocks)
+    store = TieredStore(HostTier(), disk, prefetch_blocks=4)
+    gate, real_put = threading.Event(), store.host.put
+
+    def held(*args, **kwargs):  # promotion waits: the blocks stay in their prefetch piece
+        assert gate.wait(30)
+        return real_put(*args, **kwargs)
+
+    store.host.put = held
+    found = lookup(store, blocks)
+    store.wait_prefetch(timeout=1.0)  # the piece's disk read is done; its promotion is held
+    assert not any(store.host.holds(ABI, b.key) for b in blocks)
+
+    def expect(ref):
+        want = {n: (a.dtype, a.shape) for n, (a, _) in blocks[ref.entry["index"]].objects.items()}
+        if ref.entry["index"] == 1:
+            dt, shape = want["g0.rows"]
+            want["g0.rows"] = (dt, (shape[0] + 1,) + shape[1:])
+        return want
+
+    before = store.counters.get("rejected_disk_checksum", 0)
+    res = store.read(found.refs, expect=expect)
+    assert res.reason == "disk_checksum" and "g0.rows" in res.detail
+    assert_same_payloads(res.payloads, blocks[:1])
+    assert store.counters["rejected_disk_checksum"] == before + 1
+    gate.set()
+    store.close(persist=False)
 
 
 # ------------------------------------------------------------------------- through the engine
