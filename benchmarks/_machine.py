@@ -1,9 +1,11 @@
-"""What a benchmark prints about where it ran: CPU cores available, and the hkv revision."""
+"""What a benchmark prints about where it ran (CPU cores available, the hkv revision), and the one way
+the benchmarks time an engine's decode steps (`step_until_done`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 
 def cores() -> int:
@@ -25,3 +27,25 @@ def hkv_revision() -> str:
         )
     except OSError:
         return "?"
+
+
+def step_until_done(engine, handle) -> list[float]:
+    """Drive `engine.step()` until request `handle` is done, timing each step on its own.
+
+    Args:
+        engine: an `hkv.Engine` holding the request.
+        handle: the request's handle (`engine.submit(...)`).
+    Returns:
+        Seconds per token of every step that only decoded for it (a token existed before the step and
+        the step added some), in order; prefill steps are left out.
+    """
+    per_token = []
+    while not handle.done:
+        had = len(handle.tokens)
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        got = len(handle.tokens) - had
+        if had and got:
+            per_token.append(dt / got)
+    return per_token

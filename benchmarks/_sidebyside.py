@@ -31,6 +31,7 @@ import time
 # waits for a core); PASSIVE keeps its figures close to a quiet machine's. Set it yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import _machine  # benchmarks/_machine.py (the importer's folder is on sys.path)
 import numpy as np
 import torch
 
@@ -156,15 +157,7 @@ def hkv_request(engine: hkv.Engine, prompt: list[int], new: int) -> dict:
     before = engine.stats()
     t0 = time.perf_counter()
     h = engine.submit(prompt, new)
-    per_token = []  # seconds per token of each step that only decoded (a token existed before it)
-    while not h.done:
-        had = len(h.tokens)
-        ts = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - ts
-        got = len(h.tokens) - had
-        if had and got:
-            per_token.append(dt / got)
+    per_token = _machine.step_until_done(engine, h)  # seconds per token of each step that only decoded
     wall = time.perf_counter() - t0
     g = h.result()
     after = engine.stats()

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+import _machine  # benchmarks/_machine.py (the script's folder is on sys.path)
 import numpy as np
 from workload import (
     build_model,
@@ -44,14 +45,7 @@ class DecodeRun:
 def decode(engine: hkv.Engine, prompt: list[int], new: int) -> DecodeRun:
     """Run `prompt` for `new` tokens, stepping by hand so each decode step is timed alone."""
     h = engine.submit(prompt, new)
-    per_token = []
-    while not h.done:
-        had = len(h.tokens)
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        if had and len(h.tokens) > had:
-            per_token.append(dt / (len(h.tokens) - had))
+    per_token = _machine.step_until_done(engine, h)
     ms = 1e3 * float(np.median(per_token)) if per_token else float("nan")  # nan: no step only decoded
     return DecodeRun(ms, tuple(h.result().tokens))
 
