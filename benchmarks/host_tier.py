@@ -95,37 +95,25 @@ def seq_read_gbs(path: str, nbytes: int, repeats: int) -> tuple[float, float, fl
     return size / b / 1e9, size / m / 1e9, size / w / 1e9
 
 
-def restorer(tier, layout, chain):
-    """fn() restoring `chain` from `tier` with the engine's expectations (raises on a short restore)."""
+def restorer(tier, layout, chain, lookup: bool = True):
+    """fn() restoring `chain` from `tier` with the engine's expectations (raises on a short restore).
+    With `lookup` False the chain is looked up once, here, and fn() only reads its blocks."""
     from hkv.engine import offload as swap
 
     abi = layout.spec.fingerprint()
     keys, toks = [b.key for b in chain], [b.tokens for b in chain]
+    found = None if lookup else tier.find_chain(abi, keys, toks)
 
     def expect(ref):
         return swap.expected_objects(layout, ref.length, ref.snapshot)
 
     def restore() -> None:
-        found = tier.find_chain(abi, keys, toks)
-        res = tier.read(found.refs, expect=expect)
+        refs = (found if found is not None else tier.find_chain(abi, keys, toks)).refs
+        res = tier.read(refs, expect=expect)
         if res.reason is not None or len(res.payloads) != len(chain):
             raise SystemExit(f"restore failed: {len(res.payloads)}/{len(chain)} blocks, {res.reason}: {res.detail}")
 
     return restore
-
-
-def reader(tier, layout, chain):
-    """fn() reading `chain`'s blocks from `tier` (looked up once, here) with the engine's expectations."""
-    from hkv.engine import offload as swap
-
-    refs = tier.find_chain(layout.spec.fingerprint(), [b.key for b in chain], [b.tokens for b in chain]).refs
-
-    def read() -> None:
-        res = tier.read(refs, expect=lambda ref: swap.expected_objects(layout, ref.length, ref.snapshot))
-        if res.reason is not None or len(res.payloads) != len(chain):
-            raise SystemExit(f"read failed: {len(res.payloads)}/{len(chain)} blocks, {res.reason}: {res.detail}")
-
-    return read
 
 
 def check_bytes(tier, layout, chain) -> None:
@@ -177,7 +165,7 @@ def run(args, root: str) -> dict:
     b, m = best_med(restorer(disk, layout, chain), args.repeats, lambda: drop_page_cache(store))
     out["disk"] = (size / b / 1e9, size / m / 1e9)
     say(f"disk restore (cold): {out['disk'][0]:.2f} GB/s best, {out['disk'][1]:.2f} median")
-    b, m = best_med(reader(disk, layout, chain), args.repeats, lambda: drop_page_cache(store))
+    b, m = best_med(restorer(disk, layout, chain, lookup=False), args.repeats, lambda: drop_page_cache(store))
     out["disk_read"] = (size / b / 1e9, size / m / 1e9)
     say(f"disk read alone (cold): {out['disk_read'][0]:.2f} GB/s best, {out['disk_read'][1]:.2f} median")
     disk.close()

@@ -183,7 +183,7 @@ class BlockReader:
             sid = (r.abi, r.segment)
             reason, detail, doc = checked[sid]
             if reason is None:
-                reason, detail, payload = self.check_block(r, doc, objs, expect, entries[sid])
+                reason, detail, payload = self.check_block(r, doc, entries[sid], objs, expect)
             if reason is not None:
                 with self.ctx.lock:
                     self.ctx.counters[f"rejected_{reason}"] += count
@@ -306,22 +306,22 @@ class BlockReader:
         return ManifestCheck(err.reason, f"manifest of segment {sid[1]}: {err}", None)
 
     def check_block(
-        self, ref: BlockRef, doc: dict, objs: list | None, expect: Expect | None, entries: dict | None = None
+        self, ref: BlockRef, doc: dict, entries: dict, objs: list | None, expect: Expect | None
     ) -> BlockCheck:
         """Verify one block of a checked manifest against the engine's expectation and its bytes.
 
         Args:
             ref: the block.
             doc: its segment's checked manifest.
+            entries: `index.entry_map(doc)`.
             objs: its objects' reads (`result()` -> `Digests`), in entry order ([] when the manifest
                 no longer lists it, None when the data array could not be opened).
             expect: see `read`.
-            entries: `index.entry_map(doc)`, if the caller has it.
         Returns:
             A `BlockCheck`.
         """
         sid = (ref.abi, ref.segment)
-        entry = listed(entry_map(doc) if entries is None else entries, ref)
+        entry = listed(entries, ref)
         if entry is None:
             return BlockCheck(
                 CHECKSUM, f"segment {sid[1]}'s manifest no longer lists block {ref.entry['key']} as indexed", None

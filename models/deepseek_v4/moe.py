@@ -170,18 +170,19 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         padded = (sizes + TILE - 1) // TILE * TILE
         padded_end = jnp.cumsum(padded)
+        padded_start = padded_end - padded  # each expert's first padded row
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         expert = flat[order]
         starts = jnp.cumsum(sizes) - sizes  # each expert's first place among the sorted pairs
         rank = jnp.arange(m, dtype=jnp.int32) - starts[expert]  # place within its expert
         # gathers, not scatters (XLA:CPU runs a scatter as a loop of one-row updates): pair i's padded
         # row, through the inverse of `order`; and each padded row's pair (or none: a zero row)
-        dest = (padded_end[expert] - padded[expert] + rank)[jnp.argsort(order)]
+        dest = (padded_start[expert] + rank)[jnp.argsort(order)]
         tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
         p = jnp.arange(tiles * TILE, dtype=jnp.int32)
         run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
         run_c = jnp.minimum(run, e - 1)  # rows past the last run: any expert (their rows are zeros)
-        off = p - (padded_end - padded)[run_c]
+        off = p - padded_start[run_c]
         real = (run < e) & (off < sizes[run_c])
         pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
         rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
