@@ -27,7 +27,7 @@ from .core.policy import RetentionPolicy
 from .core.protocol import CachedModel
 from .core.reasons import Reason
 from .core.sampling import SamplingBatch, SamplingParams
-from .core.spec import CacheSpec, CompressorSpec, Group, LayerSpec, ObjectKind
+from .core.spec import CacheSpec, CompressorSpec, Group, KVQuant, LayerSpec, ObjectKind
 from .core.state import HybridCache, init_cache
 from .core.weights import weights_digest
 from .engine.checkpoint import EngineCheckpointError
@@ -68,6 +68,7 @@ __all__ = [
     "HybridCache",
     "InteriorSnapshots",
     "InvariantError",
+    "KVQuant",
     "LayerCache",
     "LayerSpec",
     "MeshEngine",

@@ -1,6 +1,7 @@
 """hkv's pure, jittable core: imports only jax, flax, numpy and `pallas_kernels`.
 
 spec.py          CacheSpec / LayerSpec / CompressorSpec: what each layer keeps (model-agnostic)
+kv_quant.py      FP8 rows (KVQuant): pack / unpack / round, dequantized page views for decode
 layout.py        CacheConfig, CacheLayout (static shapes), Status, Residency, pytree node types
 state.py         HybridCache (the one pytree), init_cache, check_layout, counters
 transitions.py   pure transitions: claim/release slot, reserve, typed writes, advance, slide

@@ -52,6 +52,7 @@ import pallas_kernels as pk
 from pallas_kernels import index_math as im
 from pallas_kernels import numerics as nm
 
+from . import kv_quant as kvq
 from . import transitions as tr
 from .layout import CacheLayout, Status, TailState
 from .spec import ObjectKind
@@ -649,15 +650,37 @@ class LayerCache:
             return gi, self._index[kind]
         return gi, self._layout.groups[gi].layers.index(self.layer)
 
+    def _dim(self, kind: ObjectKind) -> int:
+        """Values in one row of this layer's `kind` object."""
+        if kind == ObjectKind.SWA:
+            return self.spec.kv_dim
+        return (self.spec.compressor if kind == ObjectKind.COMPRESSED else self.spec.indexer).entry_dim
+
     def _read(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, valid: jax.Array) -> jax.Array:
-        """`transitions.read_rows` of this layer's `kind` rows[B, R] -> [B, R, D] (traced index too)."""
+        """`transitions.read_rows` of this layer's `kind` rows[B, R] -> [B, R, D] in the spec's dtype
+        (dequantized with `kv_quant`; traced index too)."""
         if kind not in self._index:
-            return tr.read_rows(self._layout, cache, kind, self.layer, self.step.slots, rows, valid)
+            vals = tr.read_rows(self._layout, cache, kind, self.layer, self.step.slots, rows, valid)
+        else:
+            gi, li = self._group(kind)
+            g = cache.groups[gi]
+            page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
+            vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
+            vals = jnp.where(ok[..., None], vals, 0)
+        return kvq.load(self._layout.spec, vals, self._dim(kind))
+
+    def _pages(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array, int | jax.Array]:
+        """(pool, this step's page table int32[B, M], layer index) of this layer's `kind` object as the
+        decode kernels read it: the stacked pool itself, or with `kv_quant` the step's pages
+        dequantized (`kv_quant.dequantized_pages`, layer index None)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
-        page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
-        vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
-        return jnp.where(ok[..., None], vals, 0)
+        pt = im.take(g.page_table, self.step.slots)
+        spec = self._layout.spec
+        if spec.kv_quant is None:
+            return g.pool, pt, li
+        pool, pt = kvq.dequantized_pages(spec, g.pool, li, pt, self._dim(kind))
+        return pool, pt, None
 
     def _write(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, values: jax.Array, valid: jax.Array):
         """Write values[B, R, D] at this layer's `kind` rows[B, R] where valid, at a traced pool index
@@ -705,7 +728,7 @@ class LayerCache:
         """
         st = self.step
         rows = self._rows(k, v)
-        pool_dtype = cache.groups[self._group(ObjectKind.SWA)[0]].pool.dtype
+        pool_dtype = self._layout.spec.storage_dtype
         if rows.dtype != pool_dtype:
             raise ValueError(
                 f"layer {self.layer}: its K/V rows are {rows.dtype} but the cache stores {pool_dtype} "
@@ -713,6 +736,7 @@ class LayerCache:
                 "or cast k/v before write_kv; the decode kernels need one dtype for queries and cache"
             )
         valid = st.valid & st.mask[:, None]
+        rows = kvq.store(self._layout.spec, rows)
         if ObjectKind.SWA not in self._index:
             return tr.write_swa(self._layout, cache, self.layer, st.slots, st.positions, rows, valid, st.hold)
         keep = self._layout.groups[self._group(ObjectKind.SWA)[0]].keep  # as `transitions.write_swa`
@@ -796,12 +820,12 @@ class LayerCache:
             # The model's pooling runs only on steps that close a window: a decode step closes one on
             # 1 step in `ratio` per row (skipping it was ~10% of a tiny-model decode step on CPU).
             # Entries of rows that close none are never written, so zeros stand in for them; both
-            # branches give the pool's dtype, which every write casts to anyway.
-            dtype = cache.groups[layout.spec.group_of(kind, self.layer)].pool.dtype
+            # branches give what the pool stores (packed rows with `kv_quant`).
+            sp = layout.spec
             entries = jax.lax.cond(
                 jnp.any(count > 0),
-                lambda: compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate).astype(dtype),
-                lambda: jnp.zeros((b, lb // m, d), dtype),
+                lambda: kvq.store(sp, compress_fn(buf_kv, buf_gate, first_entry * m, prior_kv, prior_gate)),
+                lambda: jnp.zeros((b, lb // m, sp.row_width(d)), sp.row_dtype()),
             )
             if kind not in self._index:
                 write = tr.seal_compressed if which == "compressor" else tr.write_indexer
@@ -839,13 +863,12 @@ class LayerCache:
         if not self.has_indexer:
             raise ValueError(f"layer {self.layer} has no indexer")
         st = self.step
-        gi, li = self._group(ObjectKind.INDEXER)
-        g = cache.groups[gi]
         m = self.ratio
         if st.decode:
             lengths = st.kernel_lengths
-            picks = pk.indexer_topk(q[:, 0], weights[:, 0], g.pool, im.take(g.page_table, st.slots), lengths,
-                                    im.div(lengths, m), k=k, compress_ratio=m, index_layer=li, backend=st.backend,
+            pool, pt, li = self._pages(cache, ObjectKind.INDEXER)
+            picks = pk.indexer_topk(q[:, 0], weights[:, 0], pool, pt, lengths, im.div(lengths, m), k=k,
+                                    compress_ratio=m, index_layer=li, backend=st.backend,
                                     interpret=st.interpret)  # fmt: skip
             return picks[:, None]
         keys, limit = self._entries(cache, ObjectKind.INDEXER)
@@ -901,7 +924,7 @@ class LayerCache:
             raise ValueError(f"picks need compressed=True on a layer with an indexer (layer {self.layer})")
         if st.decode:
             return self._decode(cache, q[:, 0], sinks, scale, softcap, compressed, picks)[:, None]
-        rows = self._rows(k, v)
+        rows = kvq.round_rows(self._layout.spec.kv_quant, self._rows(k, v))  # the values the cache keeps
         keep = (self.window - 1) if self.window is not None else st.context_bound
         past_pos = st.start[:, None] - keep + jnp.arange(keep)[None, :]
         past = self._read(cache, ObjectKind.SWA, past_pos, past_pos >= 0)
@@ -937,28 +960,16 @@ class LayerCache:
         st = self.step
         kernels = dict(backend=st.backend, interpret=st.interpret)
         lengths = st.kernel_lengths
-        sg, sl = self._group(ObjectKind.SWA)
-        swa = cache.groups[sg]
-        pt = im.take(swa.page_table, st.slots)
+        swa_pool, pt, sl = self._pages(cache, ObjectKind.SWA)
         if not compressed:
             if self.shared_kv and self.num_kv_heads == 1 and self.window is not None and softcap is None:
-                return pk.swa_decode_attention(q, swa.pool, pt, lengths, sinks, window=self.window, window_layer=sl,
+                return pk.swa_decode_attention(q, swa_pool, pt, lengths, sinks, window=self.window, window_layer=sl,
                                                scale=scale, **kernels)  # fmt: skip
-            return pk.gqa_decode_attention(q, swa.pool, pt, lengths, sinks, num_kv_heads=self.num_kv_heads,
+            return pk.gqa_decode_attention(q, swa_pool, pt, lengths, sinks, num_kv_heads=self.num_kv_heads,
                                            window=self.window, layer=sl, scale=scale, softcap=softcap,
                                            shared_kv=self.shared_kv, **kernels)  # fmt: skip
-        cg, cl = self._group(ObjectKind.COMPRESSED)
-        comp = cache.groups[cg]
-        args = (
-            q,
-            swa.pool,
-            pt,
-            lengths,
-            sinks,
-            comp.pool,
-            im.take(comp.page_table, st.slots),
-            im.div(lengths, self.ratio),
-        )
+        comp_pool, comp_pt, cl = self._pages(cache, ObjectKind.COMPRESSED)
+        args = (q, swa_pool, pt, lengths, sinks, comp_pool, comp_pt, im.div(lengths, self.ratio))
         common = dict(window=self.window, window_layer=sl, compress_ratio=self.ratio, compressed_layer=cl,
                       scale=scale, **kernels)  # fmt: skip
         if picks is None:

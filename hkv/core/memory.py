@@ -98,7 +98,7 @@ def auto_snapshots(records: int, slots: int) -> int:
 def page_bytes(layout: CacheLayout, g: int) -> int:
     """Bytes of one physical page of group g (every layer of the group)."""
     grp = layout.groups[g]
-    return len(grp.layers) * layout.page_size * grp.dim * layout.spec.storage_dtype.itemsize
+    return len(grp.layers) * layout.page_size * layout.spec.row_bytes(grp.dim)
 
 
 def tree_bytes(tree) -> int:
@@ -141,11 +141,11 @@ def architectural_minimum(spec: CacheSpec, context: int) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     for layer in spec.layers:
         rows = context if layer.window is None else min(layer.window - 1, context)
-        out["SWA"] += rows * layer.kv_dim * item
+        out["SWA"] += rows * spec.row_bytes(layer.kv_dim)
         for kind, c in (("COMPRESSED", layer.compressor), ("INDEXER", layer.indexer)):
             if c is None:
                 continue
-            out[kind] += (context // c.ratio) * c.entry_dim * item
+            out[kind] += (context // c.ratio) * spec.row_bytes(c.entry_dim)
             out["TAIL"] += 2 * (context % c.ratio) * c.proj_width * item
             if c.overlap and context >= c.ratio:
                 out["TAIL"] += c.ratio * c.entry_dim * (item + 4)
@@ -167,7 +167,7 @@ def memory_report(layout: CacheLayout, cache: HybridCache) -> dict[str, dict[str
     live = dict.fromkeys(KINDS, 0)
     for gi, grp in enumerate(layout.groups):
         used = int((np.asarray(jax.device_get(cache.groups[gi].refcount)) > 0).sum())
-        live[grp.kind.name] += used * len(grp.layers) * layout.page_size * grp.dim * item
+        live[grp.kind.name] += used * page_bytes(layout, gi)
     lengths, active = np.asarray(jax.device_get(cache.lengths)), np.asarray(jax.device_get(cache.active))
     for _, _, spec in layout.spec.compressors():
         for s in np.nonzero(active)[0]:
@@ -205,9 +205,8 @@ def allocated_bytes(layout: CacheLayout) -> dict[str, int]:
 def uniform_full_kv_bytes(spec: CacheSpec, context: int, page_size: int = 16) -> int:
     """What a uniform paged full-KV cache (every layer keeps every token's K=V row, pages of
     `page_size` tokens) needs for one sequence of `context` tokens."""
-    item = spec.storage_dtype.itemsize
     pages = -(-context // page_size)
-    return sum(pages * page_size * l.kv_dim * item for l in spec.layers)
+    return sum(pages * page_size * spec.row_bytes(l.kv_dim) for l in spec.layers)
 
 
 register_sizing(resolve_config, budget_of)

@@ -61,7 +61,7 @@ def snapshot_bytes(spec: CacheSpec) -> int:
     item = spec.storage_dtype.itemsize
     total = 0
     for l in spec.layers:
-        total += (l.window - 1 if l.window else 0) * l.kv_dim * item
+        total += (l.window - 1 if l.window else 0) * spec.row_bytes(l.kv_dim)
         for c in (l.compressor, l.indexer):
             if c is not None:
                 total += 2 * c.ratio * c.proj_width * item + (c.ratio * c.entry_dim * (item + 4) if c.overlap else 0)
@@ -70,11 +70,10 @@ def snapshot_bytes(spec: CacheSpec) -> int:
 
 def record_bytes(spec: CacheSpec) -> int:
     """Bytes of COMPRESSED + INDEXER rows one block of `block_tokens` tokens adds."""
-    item = spec.storage_dtype.itemsize
     bt = spec.block_tokens
     return (
         sum(
-            max(bt // c.ratio, 1) * c.entry_dim * item
+            max(bt // c.ratio, 1) * spec.row_bytes(c.entry_dim)
             for l in spec.layers
             for c in (l.compressor, l.indexer)
             if c is not None

@@ -111,6 +111,55 @@ class LayerSpec:
         return self.kv_dim // (self.num_kv_heads * (1 if self.shared_kv else 2))
 
 
+KV_QUANT_FORMATS = ("fp8_e4m3",)
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuant:
+    """FP8 storage of the cache's rows (SWA rows, COMPRESSED entries, INDEXER keys), DeepSeek's FP8 KV
+    layout: each row's leading `dim - rope_dims` values as float8 e4m3 with one power-of-two scale
+    (ue8m0: a biased exponent byte) per `tile` values, and its trailing `rope_dims` values (the rotary
+    channels) kept in the spec's dtype. TAILs stay in the spec's dtype (they are projections not yet
+    compressed, at most `ratio` rows per compressor).
+
+    A row of `dim` values is stored as `row_bytes(dim, itemsize)` bytes:
+    `[e4m3 values (dim - rope_dims) | exponents ((dim - rope_dims) / tile) | rope values (rope_dims x itemsize)]`
+    (`hkv.core.kv_quant.pack_rows`). Power-of-two scales make quantize-dequantize exact arithmetic up
+    to the e4m3 rounding itself, so every path that rounds a row the same way gets the same bits.
+
+    format: "fp8_e4m3" (the only one). tile: values per scale (>= 1). rope_dims: trailing values
+    kept unquantized (>= 0).
+    """
+
+    format: str = "fp8_e4m3"
+    tile: int = 64
+    rope_dims: int = 0
+
+    def __post_init__(self):
+        if self.format not in KV_QUANT_FORMATS:
+            raise ValueError(f"format={self.format!r} must be one of {KV_QUANT_FORMATS}")
+        if not isinstance(self.tile, int) or self.tile < 1:
+            raise ValueError(f"tile={self.tile!r} must be an integer >= 1")
+        if not isinstance(self.rope_dims, int) or self.rope_dims < 0:
+            raise ValueError(f"rope_dims={self.rope_dims!r} must be an integer >= 0")
+
+    def check_dim(self, dim: int, what: str) -> None:
+        """Raise ValueError unless rows of `dim` values can be stored: `dim - rope_dims` a multiple of
+        `tile` (0: a row of rope values only, stored as is)."""
+        n = dim - self.rope_dims
+        if n < 0 or n % self.tile:
+            raise ValueError(
+                f"{what}: a row of {dim} values keeps {self.rope_dims} rope values, and the other {n} must be a "
+                f"multiple of tile={self.tile} (>= 0)"
+            )
+
+    def row_bytes(self, dim: int, itemsize: int) -> int:
+        """Bytes of one stored row of `dim` values (rope values of `itemsize` bytes)."""
+        n = dim - self.rope_dims
+        return n + n // self.tile + self.rope_dims * itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Layers sharing one paged pool. kind SWA/COMPRESSED/INDEXER; `unit` tokens per stored row;
@@ -134,6 +183,9 @@ class CacheSpec:
     weights_digest: the identity of the weights themselves (`hkv.weights.weights_digest`, 32 hex
       chars; every element, dtype, shape and parameter path) — part of the ABI fingerprint. `Engine`
       sets it from the model it runs; None: a spec not bound to any weights (layout-only uses, tests).
+    kv_quant: a `KVQuant` (FP8 rows: SWA, COMPRESSED and INDEXER pools hold packed uint8 rows; the
+      model's stateless forward must round its K/V the same way, `hkv.core.kv_quant.round_rows`), or
+      None: rows stored in `dtype`.
     """
 
     layers: tuple[LayerSpec, ...]
@@ -142,6 +194,7 @@ class CacheSpec:
     model_id: str = "unknown"
     kernel_layout_version: int = KERNEL_LAYOUT_VERSION
     weights_digest: str | None = None
+    kv_quant: KVQuant | None = None
 
     def __post_init__(self):
         if not self.layers:
@@ -149,6 +202,17 @@ class CacheSpec:
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens={self.block_tokens} must be >= 1")
         jnp.dtype(self.dtype)  # raises for an unknown dtype
+        q = self.kv_quant
+        if q is not None:
+            if not isinstance(q, KVQuant):
+                raise ValueError(f"kv_quant={q!r} must be a KVQuant or None")
+            if self.dtype not in ("bfloat16", "float16", "float32"):
+                raise ValueError(f"kv_quant needs a float dtype (bfloat16, float16, float32), not dtype={self.dtype!r}")
+            for i, l in enumerate(self.layers):
+                q.check_dim(l.kv_dim, f"layer {i} SWA")
+                for name, c in (("compressor", l.compressor), ("indexer", l.indexer)):
+                    if c is not None:
+                        q.check_dim(c.entry_dim, f"layer {i} {name}")
         d = self.weights_digest
         if d is not None and not (isinstance(d, str) and len(d) == 32 and all(c in "0123456789abcdef" for c in d)):
             raise ValueError(
@@ -157,7 +221,23 @@ class CacheSpec:
 
     @property
     def storage_dtype(self):
+        """The dtype of cache values as the model sees them (and of TAILs, which are never quantized)."""
         return jnp.dtype(self.dtype)
+
+    def row_dtype(self):
+        """The dtype of the SWA / COMPRESSED / INDEXER pools: uint8 (packed rows) with `kv_quant`, else
+        `storage_dtype`."""
+        return jnp.dtype(jnp.uint8) if self.kv_quant is not None else self.storage_dtype
+
+    def row_width(self, dim: int) -> int:
+        """Elements of `row_dtype` one stored row of `dim` values takes (its last pool axis)."""
+        if self.kv_quant is None:
+            return dim
+        return self.kv_quant.row_bytes(dim, self.storage_dtype.itemsize)
+
+    def row_bytes(self, dim: int) -> int:
+        """Bytes of one stored row of `dim` values."""
+        return self.row_width(dim) * self.row_dtype().itemsize
 
     def groups(self) -> tuple[Group, ...]:
         """Layers grouped by storage layout, in a stable order (SWA groups, compressed, indexer).
@@ -209,14 +289,17 @@ class CacheSpec:
 
     def abi_json(self) -> dict:
         """The fields the ABI fingerprint hashes: weights digest, storage dtype, dims, ratios, windows,
-        block_tokens, kernel layout version — not the `model_id` label."""
-        return {
+        block_tokens, kernel layout version, the FP8 row format if any — not the `model_id` label."""
+        out = {
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "dtype": self.dtype,
             "block_tokens": self.block_tokens,
             "kernel_layout_version": self.kernel_layout_version,
             "weights_digest": self.weights_digest,
         }
+        if self.kv_quant is not None:  # (absent otherwise: unquantized specs keep their fingerprints)
+            out["kv_quant"] = dataclasses.asdict(self.kv_quant)
+        return out
 
     def fingerprint(self) -> str:
         """ABI fingerprint: blake2b-128 (32 hex chars) over `abi_json()` — the weights themselves (their

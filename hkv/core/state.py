@@ -96,7 +96,7 @@ def _init_cache(layout: CacheLayout) -> HybridCache:
         p, m = layout.pool_pages(g), layout.logical_pages(g)
         groups.append(
             GroupState(
-                pool=jnp.zeros((len(grp.layers), p, layout.page_size, grp.dim), dt),
+                pool=jnp.zeros((len(grp.layers), p, layout.page_size, spec.row_width(grp.dim)), spec.row_dtype()),
                 page_table=jnp.full((s, m), -1, jnp.int32),
                 page_gen=jnp.zeros((s, m), jnp.int32),
                 refcount=jnp.zeros((p,), jnp.int32),

@@ -49,16 +49,17 @@ def window_rows(layout: CacheLayout, g: int, length: int) -> tuple[int, int]:
 def expected_objects(layout: CacheLayout, length: int, snapshot: bool) -> dict[str, tuple[np.dtype, tuple]]:
     """{object name: (dtype, shape)} of the block ending at boundary `length` (see hkv.disk_manifest)."""
     bt = layout.spec.block_tokens
-    dt = np.dtype(layout.spec.storage_dtype)
+    spec = layout.spec
+    dt, rdt = np.dtype(spec.storage_dtype), np.dtype(spec.row_dtype())  # TAILs; pool rows (packed with kv_quant)
     out = {}
     for gi, grp in enumerate(layout.groups):
         if grp.kind == ObjectKind.SWA:
             if snapshot:
                 lo, hi = window_rows(layout, gi, length)
-                out[f"g{gi}.window"] = (dt, (len(grp.layers), hi - lo, grp.dim))
+                out[f"g{gi}.window"] = (rdt, (len(grp.layers), hi - lo, spec.row_width(grp.dim)))
         else:
             n = length // grp.unit - (length - bt) // grp.unit
-            out[f"g{gi}.rows"] = (dt, (len(grp.layers), n, grp.dim))
+            out[f"g{gi}.rows"] = (rdt, (len(grp.layers), n, spec.row_width(grp.dim)))
     if snapshot:
         for ci, (_, _, c) in enumerate(layout.spec.compressors()):
             ov = c.ratio if c.overlap else 0
@@ -80,7 +81,7 @@ def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndar
     grp, ps = layout.groups[gi], layout.page_size
     pool = cache.groups[gi].pool
     if hi <= lo:
-        return np.zeros((len(grp.layers), 0, grp.dim), np.dtype(pool.dtype))
+        return np.zeros((len(grp.layers), 0, pool.shape[-1]), np.dtype(pool.dtype))
     p0, p1 = lo // ps, -(-hi // ps)
     ids = np.zeros((bucket(p1 - p0),), np.int32)
     ids[: p1 - p0] = page_row[p0:p1]

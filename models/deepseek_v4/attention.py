@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from hkv import numerics
+from hkv.core.kv_quant import round_rows
 from hkv.core.layers import causal_entry_limit, indexer_topk, sequence_attention
 
 from .compressor import Indexer, compressor_from_tensors
@@ -42,6 +43,7 @@ class Attention(nnx.Module):
         self.o_lora_rank = cfg.o_lora_rank
         self.eps = cfg.rms_norm_eps
         self.rope_family = "main" if self.layer_type == SLIDING else "compress"
+        self.kv_quant = cfg.kv_quant_spec()  # the cache's row format: K=V rows, entries, keys rounded to it
         self.wq_a = nnx.Param(jnp.asarray(tensors[p + "wq_a.weight"], dtype))
         self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], f32))
         self.wq_b = nnx.Param(jnp.asarray(tensors[p + "wq_b.weight"], dtype))
@@ -115,15 +117,17 @@ class Attention(nnx.Module):
         positions int32[B, T] (0..T-1), rope[family] = (cos, sin) float32[B, T, rope_dim // 2]."""
         cos, sin = rope[self.rope_family]
         q, q_residual = self.queries(x, cos, sin)
-        kv = self.shared_kv(x, cos, sin)
+        kv = round_rows(self.kv_quant, self.shared_kv(x, cos, sin))
         entries = limit = picks = None
         if self.compressor is not None:
-            entries = self.compressor.compress_prefix(x, freqs["compress"], self.eps)  # [B, n, D]
+            entries = round_rows(self.kv_quant, self.compressor.compress_prefix(x, freqs["compress"], self.eps))
             limit = causal_entry_limit(positions, self.ratio)  # [B, T]
             if self.indexer is not None:  # CSA: the indexer's top-k among causal entries
                 ccos, csin = rope["compress"]
                 iq = self.indexer.queries(q_residual, ccos, csin)
-                ikeys = self.indexer.compressor.compress_prefix(x, freqs["compress"], self.eps)
+                ikeys = round_rows(
+                    self.kv_quant, self.indexer.compressor.compress_prefix(x, freqs["compress"], self.eps)
+                )
                 picks = indexer_topk(iq, self.indexer.head_weights(x), ikeys, limit, self.indexer.topk)
         k = kv[:, :, None, :]  # one shared K=V head
         o = sequence_attention(q, k, k, window=self.window, scale=self.head_dim**-0.5, sinks=self.attn_sink.value,

@@ -28,4 +28,6 @@ def cache_spec(
             m = cfg.compress_rate_hca
             comp = CompressorSpec(ratio=m, entry_dim=cfg.head_dim, proj_width=cfg.head_dim, overlap=False)
         layers.append(LayerSpec(kv_dim=cfg.head_dim, window=cfg.sliding_window, compressor=comp, indexer=idx))
-    return CacheSpec(layers=tuple(layers), dtype=dtype, block_tokens=block_tokens, model_id=model_id)
+    return CacheSpec(
+        layers=tuple(layers), dtype=dtype, block_tokens=block_tokens, model_id=model_id, kv_quant=cfg.kv_quant_spec()
+    )

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from hkv.core.spec import KV_QUANT_FORMATS, KVQuant
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -114,6 +116,12 @@ class DeepseekV4Config:
     rms_norm_eps: float = 1.0e-6
     tie_word_embeddings: bool = False
     quantization: str | None = None  # e.g. "fp8" (block-scaled), recorded from `quantization_config`
+    # hkv's own: the KV cache's row format. None: rows in the model's dtype; "fp8_e4m3": DeepSeek's FP8
+    # KV layout (`hkv.KVQuant`: e4m3 with a power-of-two scale per `kv_quant_tile` values, the trailing
+    # `qk_rope_head_dim` rotary values kept in the model's dtype). The stateless forward rounds its K=V
+    # rows, compressed entries and indexer keys the same way, so cached and stateless stay exact.
+    kv_quant: str | None = None
+    kv_quant_tile: int = 64
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -131,6 +139,12 @@ class DeepseekV4Config:
         """Compression ratio m of layer `layer` (0 for a sliding-only layer)."""
         t = self.layer_types[layer]
         return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[t]
+
+    def kv_quant_spec(self) -> KVQuant | None:
+        """The cache's `hkv.KVQuant` for `kv_quant` (None: rows stored in the model's dtype)."""
+        if self.kv_quant is None:
+            return None
+        return KVQuant(self.kv_quant, tile=self.kv_quant_tile, rope_dims=self.qk_rope_head_dim)
 
     @property
     def rope_for(self) -> dict[str, RopeSpec]:
@@ -176,6 +190,15 @@ class DeepseekV4Config:
         bad = [t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES]
         if bad:
             raise ConfigError(f"mlp_layer_types has unknown entries {bad}; allowed: {MLP_LAYER_TYPES}")
+        if self.kv_quant is not None:
+            if self.kv_quant not in KV_QUANT_FORMATS:
+                raise ConfigError(f"kv_quant={self.kv_quant!r} must be None or one of {KV_QUANT_FORMATS}")
+            try:
+                q = KVQuant(self.kv_quant, tile=self.kv_quant_tile, rope_dims=self.qk_rope_head_dim)
+                q.check_dim(self.head_dim, "head_dim")
+                q.check_dim(self.index_head_dim, "index_head_dim")
+            except ValueError as e:
+                raise ConfigError(f"kv_quant={self.kv_quant!r}, kv_quant_tile={self.kv_quant_tile!r}: {e}") from None
         if self.scoring_func not in SCORING_FUNCS:
             raise ConfigError(f"scoring_func={self.scoring_func!r} must be one of {SCORING_FUNCS}")
         if not (0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0):

@@ -1,0 +1,122 @@
+"""FP8 cache rows (`hkv.KVQuant`): pack, unpack and round, the same bits on every path.
+
+A row of `dim` values in the spec's dtype is stored as bytes
+`[e4m3 values (n) | exponents (n / tile) | rope values (rope_dims, spec dtype)]`, n = dim - rope_dims:
+each tile of `tile` values shares one power-of-two scale 2**e, the smallest with
+max|x| * 2**-e <= 448 (e4m3's largest finite value), stored as the byte e + 127. Scaling by a power
+of two is exact, so `unpack(pack(x))` differs from x only by e4m3's own rounding (round to nearest
+even), and `round_rows` — what a model's stateless forward applies to its K/V — gives exactly the
+values a cached path reads back.
+
+Everything here is pure jnp, jittable and elementwise per row (no reduction crosses rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .spec import CacheSpec, KVQuant
+
+_BIAS = 127
+_E4M3_MAX_EXP = 9  # 448 = 0.875 * 2**9
+
+
+def _exponents(tiles: jax.Array) -> jax.Array:
+    """float32[..., T, tile] -> int32[..., T]: e with max|x| * 2**-e <= 448 (smallest such), in
+    [-127, 127]. Exact integer arithmetic on frexp's mantissa and exponent (no log, no division)."""
+    amax = jnp.max(jnp.abs(tiles), axis=-1)
+    m, ex = jnp.frexp(amax)  # amax = m * 2**ex, m in [0.5, 1) (0 for amax == 0)
+    e = jnp.where(m <= 0.875, ex - _E4M3_MAX_EXP, ex - _E4M3_MAX_EXP + 1)
+    return jnp.clip(jnp.where(amax > 0, e, -_BIAS), -_BIAS, _BIAS).astype(jnp.int32)
+
+
+def _split(quant: KVQuant, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    n = x.shape[-1] - quant.rope_dims
+    quant.check_dim(x.shape[-1], "row")
+    return x[..., :n], x[..., n:]
+
+
+def pack_rows(quant: KVQuant, x: jax.Array) -> jax.Array:
+    """Rows x[..., dim] (a float dtype) -> uint8[..., quant.row_bytes(dim, x.dtype.itemsize)]."""
+    nope, rope = _split(quant, x)
+    if not nope.shape[-1]:  # rope values only
+        return _to_bytes(rope)
+    tiles = nope.astype(jnp.float32).reshape(*nope.shape[:-1], -1, quant.tile)
+    e = _exponents(tiles)
+    q = jnp.ldexp(tiles, -e[..., None]).astype(jnp.float8_e4m3fn)
+    q_bytes = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(nope.shape)
+    e_bytes = (e + _BIAS).astype(jnp.uint8)
+    parts = [q_bytes, e_bytes]
+    if quant.rope_dims:
+        parts.append(_to_bytes(rope))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unpack_rows(quant: KVQuant, packed: jax.Array, dim: int, dtype) -> jax.Array:
+    """uint8[..., row_bytes] -> rows [..., dim] in `dtype` (an all-zero row unpacks to zeros)."""
+    dtype = jnp.dtype(dtype)
+    n = dim - quant.rope_dims
+    want = quant.row_bytes(dim, dtype.itemsize)
+    if packed.dtype != jnp.uint8 or packed.shape[-1] != want:
+        raise ValueError(f"packed rows are {packed.dtype}[..., {packed.shape[-1]}]; uint8[..., {want}] expected")
+    if not n:  # rope values only
+        return _from_bytes(packed, dtype, quant.rope_dims)
+    q = jax.lax.bitcast_convert_type(packed[..., :n], jnp.float8_e4m3fn).astype(jnp.float32)
+    e = packed[..., n : n + n // quant.tile].astype(jnp.int32) - _BIAS
+    tiles = jnp.ldexp(q.reshape(*q.shape[:-1], -1, quant.tile), e[..., None])
+    nope = tiles.reshape(q.shape).astype(dtype)
+    if not quant.rope_dims:
+        return nope
+    rope = _from_bytes(packed[..., n + n // quant.tile :], dtype, quant.rope_dims)
+    return jnp.concatenate([nope, rope], axis=-1)
+
+
+def round_rows(quant: KVQuant | None, x: jax.Array) -> jax.Array:
+    """x [..., dim] as the cache returns it after storing it: `unpack_rows(pack_rows(x))` (x itself
+    without `quant`). A stateless forward applies this to its K/V rows, compressed entries and
+    indexer keys so that it computes on the cache's values."""
+    if quant is None:
+        return x
+    return unpack_rows(quant, pack_rows(quant, x), x.shape[-1], x.dtype)
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+    if x.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8)  # [..., r, itemsize]
+    return b.reshape(*x.shape[:-1], -1)
+
+
+def _from_bytes(b: jax.Array, dtype, r: int) -> jax.Array:
+    if dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], r, dtype.itemsize), dtype)
+
+
+# ------------------------------------------------------------------ the spec's view
+def store(spec: CacheSpec, rows: jax.Array) -> jax.Array:
+    """Rows [..., dim] in the spec's dtype -> what the pools hold (packed with `kv_quant`, else cast)."""
+    if spec.kv_quant is None:
+        return rows.astype(spec.storage_dtype)
+    return pack_rows(spec.kv_quant, rows.astype(spec.storage_dtype))
+
+
+def load(spec: CacheSpec, stored: jax.Array, dim: int) -> jax.Array:
+    """What the pools hold [..., row_width] -> rows [..., dim] in the spec's dtype."""
+    if spec.kv_quant is None:
+        return stored
+    return unpack_rows(spec.kv_quant, stored, dim, spec.storage_dtype)
+
+
+def dequantized_pages(spec: CacheSpec, pool: jax.Array, layer, page_table: jax.Array, dim: int):
+    """The pages a decode kernel may read, dequantized: (pool [B * M, page_size, dim] in the spec's
+    dtype, page_table int32[B, M]) for a stacked packed pool [L, P, page_size, row_bytes], the layer
+    index `layer` (int or traced) and the step's page table int32[B, M]. Sequence b's logical page j is
+    physical page b * M + j of the new pool (-1 entries stay -1), so the kernels read the same rows
+    by the same addressing; only the pages those tables map are converted."""
+    b, m = page_table.shape
+    pages = pool[layer][jnp.maximum(page_table, 0)]  # [B, M, page_size, row_bytes]
+    rows = load(spec, pages, dim).reshape(b * m, *pages.shape[2:3], dim)
+    table = jnp.where(page_table >= 0, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), -1)
+    return rows, table
