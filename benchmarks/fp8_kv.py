@@ -83,7 +83,7 @@ def bytes_table(contexts: list[int]) -> list[str]:
             b = tier_bytes(flash_spec(q), n)
             kinds = " | ".join(f"{b.minimum[k]:,.0f}" for k in KINDS)
             rows.append(
-                f"| {n // 1024}K | {name} | {kinds} | **{b.minimum['total']:,.0f}** | {b.device:,.0f} "
+                f"| {label(n)} | {name} | {kinds} | **{b.minimum['total']:,.0f}** | {b.device:,.0f} "
                 f"| {b.tier_block:,.0f} |"
             )
     return rows
@@ -130,12 +130,12 @@ def continuation(model, prompt: list[int], new: int) -> tuple[list[int], np.ndar
     return list(g.tokens), np.asarray(g.logits), dt
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="8192,16384,32768", help="prompt lengths, comma-separated")
     ap.add_argument("--new", type=int, default=64, help="greedy tokens per prompt (>= 1)")
     ap.add_argument("--bytes-only", action="store_true", help="print the bytes table and stop")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]
     if args.new < 1 or not contexts or min(contexts) < 1:
         ap.error(f"--new={args.new} must be >= 1 and --contexts={args.contexts!r} positive integers")
@@ -166,8 +166,13 @@ def main() -> None:
         for ref, got in (("bf16", "fp8"), ("f32", "bf16"), ("f32", "fp8")):
             a = agreement(runs[ref][0], runs[ref][1], runs[got][0], runs[got][1])
             first = "none" if a.first_diff is None else str(a.first_diff)
-            print(f"| {n // 1024}K | {ref} vs {got} | {first} | {a.equal_share:.1%} | {a.max_abs:.4f} | "
+            print(f"| {label(n)} | {ref} vs {got} | {first} | {a.equal_share:.1%} | {a.max_abs:.4f} | "
                   f"{a.rel_std:.4f} | {a.risky_share:.1%} |", flush=True)  # fmt: skip
+
+
+def label(n: int) -> str:
+    """A context length as the tables write it: 8K, or 300."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def log(msg: str) -> None:

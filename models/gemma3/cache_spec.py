@@ -21,4 +21,6 @@ def cache_spec(
         LayerSpec.attention(cfg.head_dim, cfg.num_key_value_heads, cfg.window if t == SLIDING else None)
         for t in cfg.layer_types
     )
-    return CacheSpec(layers=layers, dtype=dtype, block_tokens=block_tokens, model_id=model_id)
+    return CacheSpec(
+        layers=layers, dtype=dtype, block_tokens=block_tokens, model_id=model_id, kv_quant=cfg.kv_quant_spec()
+    )

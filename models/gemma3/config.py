@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from hkv.core.spec import KV_QUANT_FORMATS, KVQuant
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -89,6 +91,11 @@ class Gemma3Config:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131_072
     sliding_window_pattern: int = 6
+    # hkv's own: the KV cache's row format. None: K and V in the model's dtype; "fp8_e4m3": e4m3 with a
+    # power-of-two scale per `kv_quant_tile` values of each K and V head (`hkv.KVQuant`, no values kept
+    # unquantized); the stateless forward rounds its K and V the same way.
+    kv_quant: str | None = None
+    kv_quant_tile: int = 64
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -109,6 +116,10 @@ class Gemma3Config:
     def scaling(self) -> float:
         """Attention score scale `query_pre_attn_scalar ** -0.5`."""
         return float(self.query_pre_attn_scalar) ** -0.5
+
+    def kv_quant_spec(self) -> KVQuant | None:
+        """The cache's `hkv.KVQuant` for `kv_quant` (None: K and V stored in the model's dtype)."""
+        return None if self.kv_quant is None else KVQuant(self.kv_quant, tile=int(self.kv_quant_tile))
 
     @property
     def rope(self) -> dict[str, RopeSpec]:
@@ -161,6 +172,12 @@ class Gemma3Config:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"{name}={v!r} must be None or a positive number")
+        if self.kv_quant is not None:
+            if self.kv_quant not in KV_QUANT_FORMATS:
+                raise ConfigError(f"kv_quant={self.kv_quant!r} must be None or one of {KV_QUANT_FORMATS}")
+            t = self.kv_quant_tile
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 1 or self.head_dim % t:
+                raise ConfigError(f"kv_quant_tile={t!r} must be a positive divisor of head_dim={self.head_dim}")
         if self.hidden_activation not in ACTIVATIONS:
             raise ConfigError(f"hidden_activation={self.hidden_activation!r} must be one of {ACTIVATIONS}")
         for label, r in self.rope.items():

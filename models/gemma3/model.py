@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from hkv import numerics
+from hkv.core.kv_quant import round_rows
 from hkv.core.layers import masked_attention
 from models.layer_stack import LayerStack, run_layers
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
@@ -121,6 +122,7 @@ class Attention(nnx.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
+        self.kv_quant = cfg.kv_quant_spec()  # the cache's row format (the stateless forward rounds K and V to it)
         # q, k and v projections joined: [hidden, (H + 2 Hkv) * D]
         self.qkv_proj = kernel_param(dtype, *(tensors[p + n + "_proj.weight"] for n in "qkv"))
         self.o_proj = kernel_param(dtype, tensors[p + "o_proj.weight"])
@@ -191,6 +193,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
         """Stateless: x [B, T, hidden], cos/sin [B, T, D] of this layer's type, mask bool [B, T, T]."""
         q, k, v = self.attn.project_qkv(self.input_norm(x), cos, sin)
+        # the values the cache holds: each head's rows rounded tile by tile (tiles never cross heads)
+        k, v = (round_rows(self.attn.kv_quant, a.reshape(*a.shape[:2], -1)).reshape(a.shape) for a in (k, v))
         o = dense_attention(q, k, v, mask, self.scaling)
         x = x + self.post_attention_norm(self.attn.project_output(o))
         return self.ffn_block(x)
