@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import compressed_rows_reference, visible_entries
+
 from .spec import CacheSpec, KVQuant
 
 _BIAS = 127
@@ -120,3 +122,38 @@ def dequantized_pages(spec: CacheSpec, pool: jax.Array, layer, page_table: jax.A
     rows = load(spec, pages, dim).reshape(b * m, *pages.shape[2:3], dim)
     table = jnp.where(page_table >= 0, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), -1)
     return rows, table
+
+
+def dequantized_picks(
+    spec: CacheSpec,
+    pool: jax.Array,
+    layer,
+    page_table: jax.Array,
+    picks: jax.Array,
+    n_compressed: jax.Array,
+    ratio: int,
+    lengths: jax.Array,
+    dim: int,
+):
+    """Only the picked entries of a sparse (CSA) decode step, dequantized: the kernels' compressed
+    operands (pool [B * Pk, page_size, dim], page_table int32[B, Pk], picks int32[B, K]) for a stacked
+    packed pool [L, P, page_size, row_bytes], its layer `layer`, the step's page table int32[B, M], the
+    indexer's picks int32[B, K] (-1 = none) and n_compressed int32[B].
+
+    Dequantizing every page the table maps would convert the whole compressed history on every decode
+    step (a CSA layer reads only K of its entries). Here the picks a kernel would read (>= 0 and below
+    `pallas_kernels.common.visible_entries`) are gathered in their order and renumbered 0, 1, ... in
+    that order, the others -1: the kernel then reads the same rows in the same order, so the same bits.
+    """
+    b, k = picks.shape
+    ps = pool.shape[2]
+    visible = visible_entries(lengths, n_compressed, ratio, page_table.shape[1] * ps)
+    valid = (picks >= 0) & (picks < visible[:, None])
+    rows = compressed_rows_reference(pool[layer], page_table, picks, valid)  # [B, K, row_bytes]
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    pk_pages = -(-k // ps)
+    dest = jnp.where(valid, rank, pk_pages * ps)  # invalid picks: dropped
+    packed = jnp.zeros((b, pk_pages * ps, rows.shape[-1]), rows.dtype)
+    packed = packed.at[jnp.arange(b)[:, None], dest].set(rows, mode="drop")
+    table = jnp.arange(b * pk_pages, dtype=jnp.int32).reshape(b, pk_pages)
+    return load(spec, packed, dim).reshape(b * pk_pages, ps, dim), table, jnp.where(valid, rank, -1)

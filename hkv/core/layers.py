@@ -968,8 +968,18 @@ class LayerCache:
             return pk.gqa_decode_attention(q, swa_pool, pt, lengths, sinks, num_kv_heads=self.num_kv_heads,
                                            window=self.window, layer=sl, scale=scale, softcap=softcap,
                                            shared_kv=self.shared_kv, **kernels)  # fmt: skip
-        comp_pool, comp_pt, cl = self._pages(cache, ObjectKind.COMPRESSED)
-        args = (q, swa_pool, pt, lengths, sinks, comp_pool, comp_pt, im.div(lengths, self.ratio))
+        n_comp = im.div(lengths, self.ratio)
+        if picks is not None and self._layout.spec.kv_quant is not None:  # only the picked entries, dequantized
+            cg, cl = self._group(ObjectKind.COMPRESSED)
+            g, dim = cache.groups[cg], self._dim(ObjectKind.COMPRESSED)
+            pt_c = im.take(g.page_table, st.slots)
+            comp_pool, comp_pt, sel = kvq.dequantized_picks(
+                self._layout.spec, g.pool, cl, pt_c, picks[:, 0], n_comp, self.ratio, lengths, dim
+            )
+            picks, cl = sel[:, None], None
+        else:
+            comp_pool, comp_pt, cl = self._pages(cache, ObjectKind.COMPRESSED)
+        args = (q, swa_pool, pt, lengths, sinks, comp_pool, comp_pt, n_comp)
         common = dict(window=self.window, window_layer=sl, compress_ratio=self.ratio, compressed_layer=cl,
                       scale=scale, **kernels)  # fmt: skip
         if picks is None:

@@ -15,6 +15,7 @@ from hkv.core import kv_quant as kvq
 from hkv.engine.offload import expected_objects
 from models.deepseek_v4 import ConfigError, flash_config, tiny_config
 from models.deepseek_v4.cache_spec import cache_spec
+from pallas_kernels.common import compressed_rows_reference
 
 Q = hkv.KVQuant(tile=16, rope_dims=8)
 
@@ -136,3 +137,20 @@ def test_deepseek_v4_flash_keeps_at_most_4_1_kib_per_token_on_every_tier_with_th
         stored = sum(int(np.prod(s)) * d.itemsize for e in ends for d, s in expected_objects(layout, e, False).values())
         tier = stored / (len(ends) * bt)
         assert lo < minimum <= device <= hi and lo < tier <= hi, (kv_quant, minimum, device, tier)
+
+
+def test_a_sparse_decode_reads_only_its_picks_dequantized_in_their_order():
+    """`dequantized_picks` gives the kernels the rows the original picks name, in the same order, and -1
+    where a pick is none or not yet visible (a -1 in the middle, a pick past the visible entries)."""
+    spec = hkv.CacheSpec((hkv.LayerSpec(kv_dim=40, window=8),), dtype="bfloat16", kv_quant=Q)
+    pool = kvq.store(spec, rows(jnp.bfloat16, (2, 7, 4, 40), seed=4))  # [L, P, page_size, row_bytes]
+    page_table = jnp.asarray([[3, 0, 5], [6, 2, -1]], jnp.int32)
+    lengths = jnp.asarray([48, 30], jnp.int32)  # ratio 4: 12 and 7 entries visible
+    n_comp = lengths // 4
+    picks = jnp.asarray([[7, -1, 0, 11, 3], [2, 9, 6, -1, 1]], jnp.int32)  # 9 >= 7: not visible
+    got_pool, got_table, got_picks = kvq.dequantized_picks(spec, pool, 1, page_table, picks, n_comp, 4, lengths, 40)
+    assert got_picks.tolist() == [[0, -1, 1, 2, 3], [0, -1, 1, -1, 2]]
+    want = kvq.load(spec, compressed_rows_reference(pool[1], page_table, picks, picks >= 0), 40)
+    got = compressed_rows_reference(got_pool, got_table, got_picks, got_picks >= 0)
+    ok = np.asarray(got_picks >= 0)
+    assert np.array_equal(np.asarray(got)[ok], np.asarray(want)[ok])
