@@ -20,7 +20,9 @@ tokens with their logits. Per pair: the first position where the greedy tokens d
 positions equal, and over the positions up to the first difference (same inputs on both) the largest
 |logit difference|, the same relative to the reference logits' standard deviation, and the share of
 steps whose reference top-1 margin is below that step's error (where a flip could happen). Random
-weights give flat logits (small margins), so token agreement here is a pessimistic bound.
+weights give flat logits (small margins), so token agreement here is a pessimistic bound. Beside them,
+each engine's median decode ms per token (steps timed one by one; compare them only from a run with
+nothing else on the machine).
 """
 
 from __future__ import annotations
@@ -119,16 +121,30 @@ def agreement(ref_tokens, ref_logits, tokens, logits) -> Agreement:
     )
 
 
-def continuation(model, prompt: list[int], new: int) -> tuple[list[int], np.ndarray, float]:
-    """(greedy tokens, their logits, seconds) of `prompt` on a fresh one-slot engine."""
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """One engine's greedy continuation of a prompt."""
+
+    tokens: list[int]
+    logits: np.ndarray  # float32[new, vocab]
+    seconds: float  # the whole request (after `warmup()`)
+    decode_ms: float  # median ms per token of the steps that only decoded (nan: none)
+
+
+def continuation(model, prompt: list[int], new: int) -> Continuation:
+    """`prompt`'s greedy continuation on a fresh one-slot engine, its decode steps timed one by one."""
     ctx = -(-(len(prompt) + new) // BLOCK) * BLOCK
     engine = hkv.Engine(model, hkv.CacheConfig(slots=1, max_context=ctx, prefix_records=0), block_tokens=BLOCK,
                         prefill_chunk=CHUNK)  # fmt: skip
+    engine.warmup()  # compiled first: the steps below are timed alone
     t0 = time.perf_counter()
-    (g,) = engine.generate([prompt], new, return_logits=True)
+    h = engine.submit(prompt, new, return_logits=True)
+    per_token = _machine.step_until_done(engine, h)
     dt = time.perf_counter() - t0
+    g = h.result()
     engine.close()
-    return list(g.tokens), np.asarray(g.logits), dt
+    ms = 1e3 * float(np.median(per_token)) if per_token else float("nan")
+    return Continuation(list(g.tokens), np.asarray(g.logits), dt, ms)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,20 +173,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nSmall DeepSeek-V4 (random weights), {args.new} greedy tokens; 'a vs b': b's continuation against a's")
     print("(bf16 and fp8: bfloat16 model; f32: float32 model and cache, the calibration of bf16's own error):\n")
     print("| context | pair | first differing token | tokens equal | max abs logit error | / logit std "
-          "| steps with margin < error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| steps with margin < error | decode ms/token (a / b) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for n in contexts:
         prompt = rng.integers(0, SMALL["vocab_size"], n).tolist()
         runs = {}
         for name, model in models.items():
             runs[name] = continuation(model, prompt, args.new)
-            log(f"{n}: {name} in {runs[name][2]:.1f} s")
+            log(f"{n}: {name} in {runs[name].seconds:.1f} s, decode {runs[name].decode_ms:.2f} ms/token")
         for ref, got in (("bf16", "fp8"), ("f32", "bf16"), ("f32", "fp8"))[: 1 if args.no_f32 else 3]:
-            a = agreement(runs[ref][0], runs[ref][1], runs[got][0], runs[got][1])
+            a = agreement(runs[ref].tokens, runs[ref].logits, runs[got].tokens, runs[got].logits)
             first = "none" if a.first_diff is None else str(a.first_diff)
             print(f"| {label(n)} | {ref} vs {got} | {first} | {a.equal_share:.1%} | {a.max_abs:.4f} | "
-                  f"{a.rel_std:.4f} | {a.risky_share:.1%} |", flush=True)  # fmt: skip
+                  f"{a.rel_std:.4f} | {a.risky_share:.1%} | {runs[ref].decode_ms:.2f} / {runs[got].decode_ms:.2f} |",
+                  flush=True)  # fmt: skip
 
 
 def label(n: int) -> str:
