@@ -114,6 +114,7 @@ def test_gemma3_with_the_fp8_cache_gives_the_stateless_forwards_bits():
         gemma3.tiny_config(kv_quant="fp8_e4m3", kv_quant_tile=12)
 
 
+@pytest.mark.slow  # the Pallas interpreter; the dequantized views are the same ones the default path reads
 def test_decode_through_the_pallas_kernels_reads_the_dequantized_pages(model, prompts, reference):
     """The Pallas GPU kernels (in the interpreter) read the step's pages dequantized
     (`hkv.core.kv_quant.dequantized_pages`): the same tokens as the stateless forward."""
