@@ -3,10 +3,11 @@
 A row of `dim` values in the spec's dtype is stored as bytes
 `[e4m3 values (n) | exponents (n / tile) | rope values (rope_dims, spec dtype)]`, n = dim - rope_dims:
 each tile of `tile` values shares one power-of-two scale 2**e, the smallest with
-max|x| * 2**-e <= 448 (e4m3's largest finite value), stored as the byte e + 127. Scaling by a power
-of two is exact, so `unpack(pack(x))` differs from x only by e4m3's own rounding (round to nearest
-even), and `round_rows` — what a model's stateless forward applies to its K/V — gives exactly the
-values a cached path reads back.
+max|x| * 2**-e <= 448 (e4m3's largest finite value), stored as the byte e + 127 (e in [-126, 126];
+byte 0 marks an all-zero tile). Scaling by a power of two is exact, so `unpack(pack(x))` differs from x
+only by e4m3's own rounding (round to nearest even; a value the rounding would carry past the dtype's
+largest finite one saturates there), and `round_rows` — what a model's stateless forward applies to
+its K/V — gives exactly the values a cached path reads back.
 
 Everything here is pure jnp, jittable and elementwise per row (no reduction crosses rows).
 """
@@ -26,11 +27,18 @@ _E4M3_MAX_EXP = 9  # 448 = 0.875 * 2**9
 
 def _exponents(tiles: jax.Array) -> jax.Array:
     """float32[..., T, tile] -> int32[..., T]: e with max|x| * 2**-e <= 448 (smallest such), in
-    [-127, 127]. Exact integer arithmetic on frexp's mantissa and exponent (no log, no division)."""
+    [-126, 126]; -127 for an all-zero tile (the exponent byte 0: an all-zero packed row reads as zeros).
+    Exact integer arithmetic on frexp's mantissa and exponent (no log, no division)."""
     amax = jnp.max(jnp.abs(tiles), axis=-1)
     m, ex = jnp.frexp(amax)  # amax = m * 2**ex, m in [0.5, 1) (0 for amax == 0)
     e = jnp.where(m <= 0.875, ex - _E4M3_MAX_EXP, ex - _E4M3_MAX_EXP + 1)
-    return jnp.clip(jnp.where(amax > 0, e, -_BIAS), -_BIAS, _BIAS).astype(jnp.int32)
+    return jnp.where(amax > 0, jnp.clip(e, 1 - _BIAS, _BIAS - 1), -_BIAS).astype(jnp.int32)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """int32 e in [-127, 127] -> float32 2**e built from its exponent bits (one multiply then scales a
+    tile exactly; cheaper than `jnp.ldexp`). e = -127 gives 0.0 (the exponent byte of a zero tile)."""
+    return jax.lax.bitcast_convert_type((e + _BIAS) << 23, jnp.float32)
 
 
 def _split(quant: KVQuant, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -46,7 +54,7 @@ def pack_rows(quant: KVQuant, x: jax.Array) -> jax.Array:
         return _to_bytes(rope)
     tiles = nope.astype(jnp.float32).reshape(*nope.shape[:-1], -1, quant.tile)
     e = _exponents(tiles)
-    q = jnp.ldexp(tiles, -e[..., None]).astype(jnp.float8_e4m3fn)
+    q = (tiles * _pow2(-e)[..., None]).astype(jnp.float8_e4m3fn)
     q_bytes = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(nope.shape)
     e_bytes = (e + _BIAS).astype(jnp.uint8)
     parts = [q_bytes, e_bytes]
@@ -66,8 +74,9 @@ def unpack_rows(quant: KVQuant, packed: jax.Array, dim: int, dtype) -> jax.Array
         return _from_bytes(packed, dtype, quant.rope_dims)
     q = jax.lax.bitcast_convert_type(packed[..., :n], jnp.float8_e4m3fn).astype(jnp.float32)
     e = packed[..., n : n + n // quant.tile].astype(jnp.int32) - _BIAS
-    tiles = jnp.ldexp(q.reshape(*q.shape[:-1], -1, quant.tile), e[..., None])
-    nope = tiles.reshape(q.shape).astype(dtype)
+    tiles = q.reshape(*q.shape[:-1], -1, quant.tile) * _pow2(e)[..., None]
+    big = float(jnp.finfo(dtype).max)  # e4m3 may round a value next to the dtype's largest one past it:
+    nope = jnp.clip(tiles.reshape(q.shape), -big, big).astype(dtype)  # saturate, as e4m3fn itself does
     if not quant.rope_dims:
         return nope
     rope = _from_bytes(packed[..., n + n // quant.tile :], dtype, quant.rope_dims)

@@ -154,3 +154,14 @@ def test_a_sparse_decode_reads_only_its_picks_dequantized_in_their_order():
     got = compressed_rows_reference(got_pool, got_table, got_picks, got_picks >= 0)
     ok = np.asarray(got_picks >= 0)
     assert np.array_equal(np.asarray(got)[ok], np.asarray(want)[ok])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_values_next_to_the_dtypes_largest_saturate_instead_of_becoming_inf(dtype):
+    """e4m3 may round a tile's largest value up past the dtype's largest finite one (float16 65504 ->
+    65536); the row then saturates there, as e4m3fn itself does, instead of reading back as inf."""
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.asarray([[big, -big, 0.97 * big] + [1.0] * 29 + [2.0] * 8], dtype)
+    r = np.asarray(kvq.round_rows(Q, x), np.float64)
+    assert np.isfinite(r).all() and np.abs(r).max() <= big
+    assert r[0, 0] == big and r[0, 1] == -big and np.array_equal(r[0, 32:], np.asarray(x, np.float64)[0, 32:])
