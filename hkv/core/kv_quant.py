@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import compressed_rows_reference, visible_entries
+from pallas_kernels import index_math as im
+from pallas_kernels.common import compressed_rows_reference, visible_entries, window_pages
 
 from .spec import CacheSpec, KVQuant
 
@@ -120,17 +121,68 @@ def load(spec: CacheSpec, stored: jax.Array, dim: int) -> jax.Array:
     return unpack_rows(spec.kv_quant, stored, dim, spec.storage_dtype)
 
 
-def dequantized_pages(spec: CacheSpec, pool: jax.Array, layer, page_table: jax.Array, dim: int):
-    """The pages a decode kernel may read, dequantized: (pool [B * M, page_size, dim] in the spec's
-    dtype, page_table int32[B, M]) for a stacked packed pool [L, P, page_size, row_bytes], the layer
+PAGES_PER_PASS = 8  # pages `dequantized_pages` converts per loop iteration when it knows the rows held
+
+
+def dequantized_pages(
+    spec: CacheSpec,
+    pool: jax.Array,
+    layer,
+    page_table: jax.Array,
+    dim: int,
+    rows_held: jax.Array | None = None,
+    window: int | None = None,
+):
+    """The pages a decode kernel may read, dequantized: (pool [B * M', page_size, dim] in the spec's
+    dtype, page_table int32[B, M']) for a stacked packed pool [L, P, page_size, row_bytes], the layer
     index `layer` (int or traced) and the step's page table int32[B, M]. Sequence b's logical page j is
-    physical page b * M + j of the new pool (-1 entries stay -1), so the kernels read the same rows
-    by the same addressing; only the pages those tables map are converted."""
+    physical page b * M' + j of the new pool (-1 entries stay -1; M' >= M, the padding unmapped), so
+    the kernels read the same rows by the same addressing.
+
+    rows_held: int32[B] rows each sequence holds in this object (tokens for a full-attention layer,
+    entries for compressed entries and indexer keys), its table addressed by row // page_size: only
+    the pages below the batch's largest count are converted (a loop of `PAGES_PER_PASS` pages; the rest
+    are zeros, which no kernel reads), so a step's cost follows the context held, not `max_context`.
+    None: every page of the table.
+    window: a sliding layer's window (rows_held = its tokens): only the `common.window_pages` pages that
+    overlap the newest token's window are converted, into a ring table of that width (logical page i
+    at entry i % width, as the window kernels address a short table)."""
     b, m = page_table.shape
-    pages = pool[layer][jnp.maximum(page_table, 0)]  # [B, M, page_size, row_bytes]
-    rows = load(spec, pages, dim).reshape(b * m, *pages.shape[2:3], dim)
-    table = jnp.where(page_table >= 0, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), -1)
-    return rows, table
+    ps = pool.shape[2]
+    if window is not None:
+        return _window_ring(spec, pool[layer], page_table, dim, rows_held, window)
+    if rows_held is None:
+        pages = pool[layer][jnp.maximum(page_table, 0)]  # [B, M, page_size, row_bytes]
+        rows = load(spec, pages, dim).reshape(b * m, ps, dim)
+        return rows, jnp.where(page_table >= 0, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), -1)
+    k = min(PAGES_PER_PASS, m)
+    mp = -(-m // k) * k
+    table = jnp.pad(page_table, ((0, 0), (0, mp - m)), constant_values=-1)
+    layer_pool = pool[layer]
+
+    def one_pass(i, out):
+        ids = jax.lax.dynamic_slice_in_dim(table, i * k, k, axis=1)  # [B, k]
+        vals = load(spec, layer_pool[jnp.maximum(ids, 0)], dim)  # [B, k, page_size, dim]
+        return jax.lax.dynamic_update_slice_in_dim(out, vals, i * k, axis=1)
+
+    held_pages = -(-jnp.max(rows_held) // ps)
+    out = jnp.zeros((b, mp, ps, dim), spec.storage_dtype)
+    out = jax.lax.fori_loop(0, jnp.minimum(-(-held_pages // k), mp // k), one_pass, out)
+    return out.reshape(b * mp, ps, dim), jnp.where(table >= 0, jnp.arange(b * mp, dtype=jnp.int32).reshape(b, mp), -1)
+
+
+def _window_ring(spec: CacheSpec, layer_pool, page_table, dim: int, lengths, window: int):
+    """`dequantized_pages` of a sliding layer: the window's pages in a ring table of `window_pages`."""
+    b, m = page_table.shape
+    ps = layer_pool.shape[1]
+    w = window_pages(window, ps)
+    first = jnp.maximum(lengths - window, 0) // ps  # logical page of the oldest row the window may hold
+    logical = first[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w]
+    ids = jnp.where(logical < m, im.take_rows(page_table, jnp.minimum(logical, m - 1)), -1)
+    rows = load(spec, layer_pool[jnp.maximum(ids, 0)], dim).reshape(b * w, ps, dim)
+    compact = jnp.where(ids >= 0, jnp.arange(b * w, dtype=jnp.int32).reshape(b, w), -1)
+    ring = jnp.full((b, w), -1, jnp.int32).at[jnp.arange(b)[:, None], logical % w].set(compact)
+    return rows, ring
 
 
 def dequantized_picks(

@@ -672,14 +672,17 @@ class LayerCache:
     def _pages(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array, int | jax.Array]:
         """(pool, this step's page table int32[B, M], layer index) of this layer's `kind` object as the
         decode kernels read it: the stacked pool itself, or with `kv_quant` the step's pages
-        dequantized (`kv_quant.dequantized_pages`, layer index None)."""
+        dequantized (`kv_quant.dequantized_pages`, those below the rows held; layer index None)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
         pt = im.take(g.page_table, self.step.slots)
         spec = self._layout.spec
         if spec.kv_quant is None:
             return g.pool, pt, li
-        pool, pt = kvq.dequantized_pages(spec, g.pool, li, pt, self._dim(kind))
+        lengths = self.step.kernel_lengths
+        window = self.window if kind == ObjectKind.SWA else None  # a sliding layer: its window's pages
+        held = lengths if kind == ObjectKind.SWA else im.div(lengths, self.ratio)  # rows, or entries / keys
+        pool, pt = kvq.dequantized_pages(spec, g.pool, li, pt, self._dim(kind), held, window)
         return pool, pt, None
 
     def _write(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, values: jax.Array, valid: jax.Array):

@@ -165,3 +165,29 @@ def test_values_next_to_the_dtypes_largest_saturate_instead_of_becoming_inf(dtyp
     r = np.asarray(kvq.round_rows(Q, x), np.float64)
     assert np.isfinite(r).all() and np.abs(r).max() <= big
     assert r[0, 0] == big and r[0, 1] == -big and np.array_equal(r[0, 32:], np.asarray(x, np.float64)[0, 32:])
+
+
+def test_a_decode_view_converts_only_the_pages_below_the_rows_held_or_the_window():
+    """`dequantized_pages` follows the context held, not the table's width (`max_context`): pages past
+    the rows held stay zeros, and a sliding layer gets a ring of `window_pages` pages holding its window
+    (a decode step converted every page up to max_context, found by review: 13x bf16's step at 16K)."""
+    spec = hkv.CacheSpec((hkv.LayerSpec(kv_dim=40, window=8),), dtype="bfloat16", kv_quant=Q)
+    pool = kvq.store(spec, rows(jnp.bfloat16, (1, 40, 4, 40), seed=7) + 1)  # no zero rows
+    table = jnp.asarray([np.arange(3, 35), np.arange(35, 3, -1)], jnp.int32)  # [2, 32]: 128 rows each
+    full = kvq.load(spec, pool[0], 40)
+    view, vt = kvq.dequantized_pages(spec, pool, 0, table, 40, rows_held=jnp.asarray([9, 21], jnp.int32))
+    got = np.asarray(view, np.float32).reshape(2, -1, 4, 40)
+    assert np.array_equal(np.asarray(vt), np.arange(64).reshape(2, 32))  # page j of row b: b * 32 + j
+    for b, held_pages in ((0, 3), (1, 6)):  # pages below max(held) = 21 rows: 6 pages, in passes of 8
+        np.testing.assert_array_equal(
+            got[b, :held_pages], np.asarray(full[np.asarray(table[b, :held_pages])], np.float32)
+        )
+        assert not got[b, 8:].any()  # past the first pass: never converted
+    ring, rt = kvq.dequantized_pages(spec, pool, 0, table, 40, rows_held=jnp.asarray([9, 30], jnp.int32), window=8)
+    assert rt.shape == (2, 3)  # window_pages(8, 4): the most pages a window of 8 rows overlaps
+    for b, length in ((0, 9), (1, 30)):
+        for pos in range(max(length - 8, 0), length):  # every row of the newest token's window
+            entry = int(rt[b, (pos // 4) % 3])
+            np.testing.assert_array_equal(
+                np.asarray(ring[entry, pos % 4]), np.asarray(full[int(table[b, pos // 4]), pos % 4])
+            )
