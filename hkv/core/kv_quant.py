@@ -130,7 +130,7 @@ def dequantized_pages(
     layer,
     page_table: jax.Array,
     dim: int,
-    rows_held: jax.Array | None = None,
+    rows_held: jax.Array,
     window: int | None = None,
 ):
     """The pages a decode kernel may read, dequantized: (pool [B * M', page_size, dim] in the spec's
@@ -143,7 +143,6 @@ def dequantized_pages(
     entries for compressed entries and indexer keys), its table addressed by row // page_size: only
     the pages below the batch's largest count are converted (a loop of `PAGES_PER_PASS` pages; the rest
     are zeros, which no kernel reads), so a step's cost follows the context held, not `max_context`.
-    None: every page of the table.
     window: a sliding layer's window (rows_held = its tokens): only the `common.window_pages` pages that
     overlap the newest token's window are converted, into a ring table of that width (logical page i
     at entry i % width, as the window kernels address a short table)."""
@@ -151,10 +150,6 @@ def dequantized_pages(
     ps = pool.shape[2]
     if window is not None:
         return _window_ring(spec, pool[layer], page_table, dim, rows_held, window)
-    if rows_held is None:
-        pages = pool[layer][jnp.maximum(page_table, 0)]  # [B, M, page_size, row_bytes]
-        rows = load(spec, pages, dim).reshape(b * m, ps, dim)
-        return rows, jnp.where(page_table >= 0, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), -1)
     k = min(PAGES_PER_PASS, m)
     mp = -(-m // k) * k
     table = jnp.pad(page_table, ((0, 0), (0, mp - m)), constant_values=-1)

@@ -112,7 +112,6 @@ class LayerSpec:
 
 
 KV_QUANT_FORMATS = ("fp8_e4m3",)
-FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -194,7 +194,7 @@ class DeepseekV4Config:
             if self.kv_quant not in KV_QUANT_FORMATS:
                 raise ConfigError(f"kv_quant={self.kv_quant!r} must be None or one of {KV_QUANT_FORMATS}")
             try:
-                q = KVQuant(self.kv_quant, tile=self.kv_quant_tile, rope_dims=self.qk_rope_head_dim)
+                q = self.kv_quant_spec()
                 q.check_dim(self.head_dim, "head_dim")
                 q.check_dim(self.index_head_dim, "index_head_dim")
             except ValueError as e:
