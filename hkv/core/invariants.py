@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from .layout import CacheLayout, Residency
+from .prefix import record_first_page
 from .spec import ObjectKind
 from .state import HybridCache, check_layout
 from .transitions import block_forms
@@ -241,15 +242,19 @@ def _check_prefix(layout: CacheLayout, c: HybridCache) -> None:
         if parent[r] >= 0 and length[parent[r]] + bt != length[r]:
             _fail(f"prefix record {r} (boundary {length[r]}) does not extend its parent ({length[parent[r]]})")
         for gi, grp in enumerate(layout.groups):
+            # its own block's rows (the earlier ones are its ancestors'), or a window with its snapshot
             row = np.asarray(px.pages[gi][r])
-            hi = int(length[r]) // grp.unit
-            lo = 0 if grp.keep is None else max(hi - grp.keep, 0)
-            need = np.zeros(row.shape, bool)
-            need[lo // ps : (hi + ps - 1) // ps] = True
-            if grp.kind == ObjectKind.SWA and not bool(px.swa_held[r]):
+            L = int(length[r])
+            hi = L // grp.unit
+            lo = max(L - bt, 0) // grp.unit if grp.keep is None else max(hi - grp.keep, 0)
+            first = record_first_page(layout, gi, L, np)
+            if -(-hi // ps) - first > len(row):
+                _fail(f"prefix record {r} (boundary {L}): group {gi} rows [{lo}, {hi}) span more than {len(row)} pages")
+            need = first + np.arange(len(row)) < -(-hi // ps)
+            if grp.keep is not None and not bool(px.swa_held[r]):
                 need[:] = False
             if not (row[need] >= 0).all() or (row[~need] >= 0).any():
-                _fail(f"prefix record {r} (boundary {length[r]}): group {gi} pages do not cover rows [{lo}, {hi})")
+                _fail(f"prefix record {r} (boundary {L}): group {gi} pages do not cover rows [{lo}, {hi})")
     tails = np.asarray(px.tail_slot)
     used = np.asarray(px.snap_used)
     held = tails[alive & (tails >= 0)]

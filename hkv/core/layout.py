@@ -226,6 +226,16 @@ class CacheLayout:
         grp = self.groups[g]
         return math.ceil(math.ceil(self.config.max_context / grp.unit) / self.page_size) or 1
 
+    def record_pages(self, g: int) -> int:
+        """K_g: page entries a prefix record keeps for group g, independent of max_context. A
+        windowed group (`keep` rows: sliding-window SWA) keeps its window's pages at the record's
+        boundary, with a snapshot; every other group (COMPRESSED, INDEXER, full attention) keeps the
+        pages its own block's rows overlap — the rows before them are its ancestors' (a record's
+        parent is alive while it is: `hkv.core.prefix`)."""
+        grp = self.groups[g]
+        rows = grp.keep if grp.keep is not None else -(-self.spec.block_tokens // grp.unit)
+        return min(self.logical_pages(g), -(-rows // self.page_size) + 1)
+
     def pages_per_slot(self, g: int) -> int:
         """Physical pages one slot can hold at most in group g. A windowed group keeps `keep` rows,
         but during one step both the old window (still read) and the new one are mapped."""

@@ -69,17 +69,18 @@ def snapshot_bytes(spec: CacheSpec) -> int:
 
 
 def record_bytes(spec: CacheSpec) -> int:
-    """Bytes of COMPRESSED + INDEXER rows one block of `block_tokens` tokens adds."""
+    """Bytes of rows one block of `block_tokens` tokens adds to a record: its COMPRESSED and INDEXER
+    rows, and its full-attention layers' rows (a record holds its own block's rows of every group
+    without a window, `hkv.core.prefix`)."""
     bt = spec.block_tokens
-    return (
-        sum(
-            max(bt // c.ratio, 1) * spec.row_bytes(c.entry_dim)
-            for l in spec.layers
-            for c in (l.compressor, l.indexer)
-            if c is not None
-        )
-        or 1
+    entries = sum(
+        max(bt // c.ratio, 1) * spec.row_bytes(c.entry_dim)
+        for l in spec.layers
+        for c in (l.compressor, l.indexer)
+        if c is not None
     )
+    full = sum(bt * spec.row_bytes(l.kv_dim) for l in spec.layers if l.window is None)
+    return entries + full or 1
 
 
 def receptive_field(spec: CacheSpec) -> int:
@@ -90,8 +91,8 @@ def receptive_field(spec: CacheSpec) -> int:
 def window_rebuild_tokens(spec: CacheSpec) -> int:
     """Tokens a window rebuild (`hkv.core.prefix.restore(recompute=R)`) recomputes, R = the receptive field;
     0 when no rebuild restores exactly: a full-attention layer (window=None) attends to every row
-    before the boundary, and a record keeps those rows only with its snapshot, so a hit without one
-    must shrink to the last snapshot (or come from disk), never rebuild."""
+    before the boundary, and the rebuild claims no attention rows (only COMPRESSED / INDEXER ones),
+    so a hit without a snapshot must shrink to the last snapshot (or come from disk), never rebuild."""
     if any(l.window is None for l in spec.layers):
         return 0
     return receptive_field(spec)

@@ -1,25 +1,30 @@
 """The prefix index: cached blocks as records inside `HybridCache`, and a hit as a restoration plan.
 
 A *record* is created when a sequence's length reaches a block boundary L (a multiple of
-`block_tokens`). It holds everything needed to restore a new sequence at L:
-  * COMPRESSED and INDEXER rows [0, L / m): references (refcount) to the pages that hold them —
-    shared with the sequence that wrote them, never copied;
-  * when the retention policy keeps a snapshot at L: the SWA window [L - window + 1, L) as references
-    to its pages (so sliding does not free them), and a copy of every compressor's TAIL at L;
+`block_tokens`). Together with its ancestors (the records of the blocks before it, alive while it
+is: eviction takes leaves only) it holds everything needed to restore a new sequence at L:
+  * the rows of its own block, [(L - block_tokens) / m, L / m), of every COMPRESSED, INDEXER and
+    full-attention group: references (refcount) to the few pages that hold them — shared with the
+    sequence that wrote them, never copied. The rows before them are its ancestors'; a restore
+    assembles the page table from the chain (`chain_page_row`), so a record's bookkeeping is a few
+    pages per group whatever L (`CacheLayout.record_pages`), not a row of max_context's pages;
+  * when the retention policy keeps a snapshot at L: the sliding windows [L - window + 1, L) as
+    references to their pages (so sliding does not free them), and a copy of every compressor's
+    TAIL at L;
   * the block's token ids and parent record (collision rejection), the ABI fingerprint, the indexer
     version, and a checksum of the snapshot bytes.
 
 `restore` runs lookup, the four validation stages and the claim as ONE transition on one cache
 value (no TOCTOU by construction):
   0. hash      longest chain of records whose keys match the prompt's block keys
-  1. lifecycle each record alive (not evicted), tokens equal (collision), every page still of the
-               generation it was recorded with
+  1. lifecycle each record of the chain alive (not evicted), tokens equal (collision), every page it
+               holds still of the generation it was recorded with
   2. ABI       recorded ABI fingerprint == the running engine's
   3. multi-cache intersection  the longest boundary where SWA window, TAIL snapshot and indexer keys
                of the current version are all present
   4. byte      the snapshot's bytes still match their checksum
-then maps the pages into the slot (shared; the partially filled last page of each group is copied so
-the new sequence never writes into a shared page) and installs the TAIL.
+then maps the chain's pages into the slot (shared; the partially filled last page of each group is
+copied so the new sequence never writes into a shared page) and installs the TAIL.
 """
 
 from __future__ import annotations
@@ -49,6 +54,63 @@ def _row_range(layout: CacheLayout, g: int, length):
     return lo, hi, lo // ps, (hi + ps - 1) // ps
 
 
+def record_first_page(layout: CacheLayout, g: int, length, xp=jnp):
+    """The logical page of group g that a record at boundary `length` (tokens; int or int array)
+    keeps in its first entry (`PrefixIndex.pages[g][r, 0]`): a windowed group's (`keep` rows) first
+    window page; any other group's page holding the first row of the record's own block, rows
+    [(length - block_tokens) / unit, length / unit). xp: jnp (traced) or np (host)."""
+    grp = layout.groups[g]
+    hi = length // grp.unit
+    if grp.keep is not None:
+        lo = xp.maximum(hi - grp.keep, 0)
+    else:
+        lo = xp.maximum(length - layout.spec.block_tokens, 0) // grp.unit
+    return lo // layout.page_size
+
+
+def chain_page_row(layout: CacheLayout, g: int, pages_g, rec, n, xp=jnp):
+    """Group g's page row of a prefix of n blocks, assembled from the records of its chain.
+
+    A record keeps only the pages of its own block (`CacheLayout.record_pages`); logical page p of
+    the prefix comes from the last block of the chain whose rows overlap p (that record's sequence
+    had every earlier row of the page mapped). A windowed group has no chain: use the last record's
+    window pages (`record_first_page`).
+
+    Args:
+      layout: the cache's layout; g: a group without `keep` (COMPRESSED, INDEXER, full attention).
+      pages_g: `PrefixIndex.pages[g]`, int32[NR, K_g].
+      rec: int[NB], rec[j] the record of block j (boundary (j + 1) * block_tokens) along the chain.
+      n: the prefix's blocks (int or int32 scalar, 1 <= n <= NB; 0 gives an empty row).
+      xp: jnp (traced) or np (host).
+    Returns:
+      int32[M_g]: logical page -> physical page (-1 past the rows of n blocks).
+    """
+    grp, ps, bt = layout.groups[g], layout.page_size, layout.spec.block_tokens
+    p = xp.arange(layout.logical_pages(g))
+    end = -(-(n * bt // grp.unit) // ps)
+    # the last block j whose first row lies below page p's end: ((j * bt) // unit) // ps <= p
+    j = xp.clip(((p + 1) * ps * grp.unit - 1) // bt, 0, xp.maximum(n - 1, 0))
+    off = p - record_first_page(layout, g, (j + 1) * bt, xp)
+    k = pages_g.shape[1]
+    got = pages_g[rec[j], xp.clip(off, 0, k - 1)]
+    return xp.where((p < end) & (off >= 0) & (off < k), got, -1).astype(xp.int32)
+
+
+def _record_row(layout: CacheLayout, cache: HybridCache, gi: int, rec: jax.Array, n: jax.Array) -> jax.Array:
+    """int32[M_g]: group gi's logical page -> physical page at the boundary of n blocks of the chain
+    rec int32[NB] (n >= 1): the chain's pages, or a windowed group's window pages of record rec[n - 1]."""
+    px = cache.prefix
+    grp = layout.groups[gi]
+    if grp.keep is None:
+        return chain_page_row(layout, gi, px.pages[gi], rec, n)
+    length = n * layout.spec.block_tokens
+    _, _, p0, p1 = _row_range(layout, gi, length)
+    logical = jnp.arange(layout.logical_pages(gi))
+    k = px.pages[gi].shape[1]
+    got = px.pages[gi][rec[jnp.maximum(n - 1, 0)], jnp.clip(logical - p0, 0, k - 1)]
+    return jnp.where((logical >= p0) & (logical < p1) & (logical - p0 < k), got, -1)
+
+
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -64,7 +126,8 @@ def _bytes_checksum(x: jax.Array, salt: int) -> jax.Array:
 
 
 def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tuple, length, tail_slot) -> jax.Array:
-    """Checksum of a snapshot: the TAIL copy in slot `tail_slot` and the SWA window rows in `pages_rows`.
+    """Checksum of a snapshot: the TAIL copy in slot `tail_slot` and the SWA window rows in `pages_rows`
+    (a record's entries, `PrefixIndex.pages[g][r]`).
 
     An SWA group without a window (a full-attention layer's rows: keep None) is left out: its rows sit
     in pages the record holds references to, never rewritten while it lives (no ring: its page table
@@ -82,11 +145,12 @@ def _snapshot_checksum(layout: CacheLayout, cache: HybridCache, pages_rows: tupl
     for gi, grp in enumerate(layout.groups):
         if grp.kind != ObjectKind.SWA or grp.keep is None:
             continue
-        lo, hi, _, _ = _row_range(layout, gi, length)
+        lo, hi, p0, _ = _row_range(layout, gi, length)
         keep = grp.keep
         rows = lo + jnp.arange(min(keep, layout.config.max_context))
         ok = rows < hi
-        page = jnp.take(pages_rows[gi], jnp.clip(rows // ps, 0, pages_rows[gi].shape[0] - 1))
+        # the record's entries start at the window's first page (`record_first_page`)
+        page = jnp.take(pages_rows[gi], jnp.clip(rows // ps - p0, 0, pages_rows[gi].shape[0] - 1))
         pool = cache.groups[gi].pool
         vals = pool[:, jnp.clip(page, 0, pool.shape[1] - 1), rows % ps]  # [L_g, keep, dim]
         vals = jnp.where((ok & (page >= 0))[None, :, None], vals, jnp.zeros_like(vals))
@@ -198,27 +262,30 @@ def _record_decision(
 
 
 def _record_pages(layout: CacheLayout, cache: HybridCache, d: _RecordDecision) -> tuple[tuple, tuple, tuple]:
-    """Reference the pages record d.r holds: every group's rows at boundary d.length, the SWA window
-    only with a snapshot (d.snap_now).
+    """Reference the pages record d.r holds: the pages its own block's rows overlap in every group
+    without a window (COMPRESSED, INDEXER, full attention: the earlier rows are its ancestors'), and
+    a windowed group's window at boundary d.length only with a snapshot (d.snap_now).
 
     Returns:
       (groups, pages, gens): the cache's GroupStates with the references added (refcount [P_g]), and
-      the prefix index's per-group page rows int32[NR, M_g] and their generations int32[NR, M_g].
+      the prefix index's per-group page entries int32[NR, K_g] and their generations int32[NR, K_g].
     """
     px = cache.prefix
     groups = list(cache.groups)
     pages, gens = list(px.pages), list(px.gens)
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
-        _, _, p0, p1 = _row_range(layout, gi, d.length)
-        logical = jnp.arange(g.page_table.shape[1])
-        take = (logical >= p0) & (logical < p1)
+        _, _, _, p1 = _row_range(layout, gi, d.length)
+        k = px.pages[gi].shape[1]
+        logical = record_first_page(layout, gi, d.length) + jnp.arange(k)
+        take = logical < p1
         write = d.do
-        if grp.kind == ObjectKind.SWA:
+        if grp.keep is not None:  # a sliding window: held with the snapshot
             take = take & d.snap_now
             write = d.do | d.upgrade
-        row = jnp.where(take, g.page_table[d.slot], -1)
-        grow = jnp.where(take, g.page_gen[d.slot], 0)
+        at = jnp.clip(logical, 0, g.page_table.shape[1] - 1)
+        row = jnp.where(take, g.page_table[d.slot][at], -1)
+        grow = jnp.where(take, g.page_gen[d.slot][at], 0)
         new_g, _ = add_refs(g, jnp.where(write, row, -1), +1)
         groups[gi] = new_g
         pages[gi] = px.pages[gi].at[d.r].set(jnp.where(write, row, px.pages[gi][d.r]))
@@ -455,8 +522,8 @@ def _check_recompute(layout: CacheLayout, recompute: int) -> None:
     if recompute and any(grp.kind == ObjectKind.SWA and grp.keep is None for grp in layout.groups):
         raise ValueError(
             f"recompute={recompute}: a window rebuild cannot restore a spec with full-attention "
-            f"layers (window=None: their rows before L - R are kept only with a snapshot); see "
-            f"hkv.core.policy.window_rebuild_tokens"
+            f"layers (window=None: the rebuild claims no attention rows, so theirs before L - R "
+            f"would be missing); see hkv.core.policy.window_rebuild_tokens"
         )
 
 
@@ -573,16 +640,17 @@ def _writable_in_place(px: PrefixIndex, g, gi: int, unit: int, slot, src, last_l
     record and snapshot over `src` stays valid. Without this, every restore inside a page kept one more
     page per group: a conversation restored at each turn held a page per turn in a group whose page
     spans 2,048 tokens (HCA, m = 128), and the pools sized for its blocks ran short."""
-    holders = (px.state == RecordState.ALIVE) & (px.pages[gi][:, last_l] == src)
+    holders = (px.state == RecordState.ALIVE) & jnp.any(px.pages[gi] == src, axis=1)
     reach = jnp.max(jnp.where(holders, px.length // unit, 0))
     others = (g.page_table[:, last_l] == src) & (jnp.arange(g.page_table.shape[0]) != slot)
     return (src >= 0) & (reach <= hi) & ~jnp.any(others)
 
 
 def _claim_pages(
-    layout: CacheLayout, cache: HybridCache, slot: jax.Array, r: jax.Array, length: jax.Array, do, recompute: int
+    layout: CacheLayout, cache: HybridCache, slot: jax.Array, rec: jax.Array, n: jax.Array, do, recompute: int
 ) -> tuple[tuple, jax.Array]:
-    """Map record r's pages at boundary `length` into `slot`'s page tables (shared, refcounted),
+    """Map the pages of the chain rec int32[NB]'s first n blocks (boundary `length` = n *
+    block_tokens; `_record_row`) into `slot`'s page tables (shared, refcounted),
     copying the partially filled last page of each group (copy-on-write); with recompute > 0 the SWA
     groups are left alone (the window is rebuilt). Nothing is mapped unless `do`.
 
@@ -593,13 +661,14 @@ def _claim_pages(
     groups = list(cache.groups)
     enough = jnp.array(True)
     ps = layout.page_size
+    length = n * layout.spec.block_tokens
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
         if recompute and grp.kind == ObjectKind.SWA:
             continue  # the window is rebuilt by the recompute step
         _, hi, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
-        row = jnp.where(do & (logical >= p0) & (logical < p1), px.pages[gi][r], -1)
+        row = jnp.where(do & (logical >= p0) & (logical < p1), _record_row(layout, cache, gi, rec, n), -1)
         last_l = jnp.maximum(p1 - 1, 0)
         src = row[last_l]
         partial = (hi % ps != 0) & (p1 > p0) & do & ~_writable_in_place(px, g, gi, grp.unit, slot, src, last_l, hi)
@@ -635,7 +704,7 @@ def _touch_path(px: PrefixIndex, rec: jax.Array, i: jax.Array, n4: jax.Array) ->
 def _claim(
     layout: CacheLayout, cache: HybridCache, slot: jax.Array, st: _Stages, n4: jax.Array, recompute: int
 ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array]:
-    """Claim the first n4 blocks for `slot`: record rec[n4 - 1]'s pages and (recompute == 0) its TAIL
+    """Claim the first n4 blocks for `slot`: their chain's pages and (recompute == 0) record rec[n4 - 1]'s TAIL
     snapshot, the path's records marked used, the slot advanced to L = n4 * bt (L - recompute).
 
     Returns:
@@ -645,11 +714,10 @@ def _claim(
     """
     px = cache.prefix
     bt = layout.spec.block_tokens
-    # claim the pages of record rec[n4 - 1]
     length = n4 * bt
     r = st.rec[jnp.maximum(n4 - 1, 0)]
     do = n4 > 0
-    groups, enough = _claim_pages(layout, cache, slot, r, length, do, recompute)
+    groups, enough = _claim_pages(layout, cache, slot, st.rec, n4, do, recompute)
     ts = jnp.maximum(px.tail_slot[r], 0)
     tails = tuple(
         set_tail_row(t, slot, do, px.snaps[ci], ts) for ci, t in enumerate(cache.tails if not recompute else ())
@@ -701,8 +769,8 @@ def restore(
     (whose indexer keys are current), and leave the slot at length L - R with no window and an empty
     TAIL; the caller then runs the model over tokens [L - R, L) without sealing, which rebuilds the
     SWA window and TAIL at L exactly when R >= layers x (window - 1). byte_blocks then reports L.
-    Raises ValueError (at trace time) for a spec with a full-attention layer: records keep its rows
-    only with a snapshot, so no rebuild restores it (`hkv.core.policy.window_rebuild_tokens` is 0 there).
+    Raises ValueError (at trace time) for a spec with a full-attention layer: the rebuild claims no
+    attention rows, so no rebuild restores it (`hkv.core.policy.window_rebuild_tokens` is 0 there).
     """
     _check_recompute(layout, recompute)
     bt = layout.spec.block_tokens
@@ -798,7 +866,8 @@ def evict(
     layout: CacheLayout, cache: HybridCache, swa_mask: jax.Array, tail_mask: jax.Array, record_mask: jax.Array
 ) -> HybridCache:
     """Evict, per record (bool[NR] masks): its SWA window (`swa_mask`), its TAIL snapshot (`tail_mask`),
-    or the whole record (`record_mask`: also its COMPRESSED/INDEXER references). A whole record
+    or the whole record (`record_mask`: also its block's COMPRESSED / INDEXER / full-attention
+    references). A whole record
     becomes a tombstone: still found by a lookup, which then reports `freed` (or `page_reused` once
     its pages went to someone else). The policy (`hkv.core.policy`) evicts a snapshot's two parts together
     and whole records only as leaves, so a record never outlives what its descendants need."""
@@ -812,12 +881,12 @@ def evict(
     released = jnp.int32(0)
     for gi, grp in enumerate(layout.groups):
         g = groups[gi]
-        drop = swa if grp.kind == ObjectKind.SWA else whole
+        drop = swa if grp.keep is not None else whole  # a window goes with its snapshot, rows with the record
         rows = jnp.where(drop[:, None], px.pages[gi], -1)
         g, n = add_refs(g, rows.reshape(-1), -1)
         released = released + n
         groups[gi] = g
-        if grp.kind == ObjectKind.SWA:  # a tombstone keeps its page ids: a later hit can tell reuse from free
+        if grp.keep is not None:  # a tombstone keeps its page ids: a later hit can tell reuse from free
             pages[gi] = jnp.where((swa & ~whole)[:, None], -1, px.pages[gi])
     nt = px.snap_used.shape[0]
     snap_used = px.snap_used.at[jnp.where(tail, px.tail_slot, nt)].set(False, mode="drop") if nt else px.snap_used
@@ -848,10 +917,12 @@ __all__ = [
     "RecordState",
     "abi_words",
     "bump_indexer_version",
+    "chain_page_row",
     "count_plan",
     "evict",
     "init_prefix",
     "record",
+    "record_first_page",
     "record_many",
     "restore",
     "restore_window",

@@ -22,7 +22,8 @@ class RecordState(enum.IntEnum):
 
 @struct.dataclass
 class PrefixIndex:
-    """NR records, NT TAIL snapshot slots; per-group page rows of every record (see module doc)."""
+    """NR records, NT TAIL snapshot slots; per group, the few pages each record holds itself (see
+    `hkv.core.prefix`: a record's rows before its own block are its ancestors')."""
 
     key: jax.Array  # uint32[NR, 4]
     parent: jax.Array  # int32[NR]   record of the previous block, -1 for the first block
@@ -33,8 +34,11 @@ class PrefixIndex:
     state: jax.Array  # int8[NR]  RecordState
     last_used: jax.Array  # int32[NR]
     hits: jax.Array  # int32[NR]
-    pages: tuple  # per group int32[NR, M_g]: logical page -> physical page (-1 = none)
-    gens: tuple  # per group int32[NR, M_g]: generation of each page when recorded
+    # per group int32[NR, K_g] (K_g = `CacheLayout.record_pages`): the physical pages of logical pages
+    # first, first + 1, ... (-1 = none), first = `hkv.core.prefix.record_first_page`: the pages the
+    # record's own block's rows overlap, or (a windowed SWA group, with a snapshot) its window's
+    pages: tuple
+    gens: tuple  # per group int32[NR, K_g]: generation of each page when recorded
     swa_held: jax.Array  # bool[NR]
     tail_slot: jax.Array  # int32[NR]  snapshot slot, -1 = none
     checksum: jax.Array  # uint32[NR]
@@ -62,7 +66,7 @@ def init_prefix(layout: CacheLayout) -> PrefixIndex:
                 overlap_gate=jnp.full((nt, ov, c.entry_dim), -jnp.inf, jnp.float32),
             )
         )
-    m = [layout.logical_pages(g) for g in range(len(layout.groups))]
+    m = [layout.record_pages(g) for g in range(len(layout.groups))]
     return PrefixIndex(
         key=jnp.zeros((nr, 4), jnp.uint32),
         parent=jnp.full((nr,), -1, jnp.int32),

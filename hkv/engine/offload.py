@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.layout import CacheLayout, TailState
+from ..core.prefix import chain_page_row, record_first_page
 from ..core.spec import ObjectKind
 from ..core.state import HybridCache
 from ..store.tier import BlockPayload
@@ -92,6 +93,20 @@ def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndar
     return got[:, lo - p0 * ps : hi - p0 * ps]
 
 
+def record_page_row(layout: CacheLayout, gi: int, meta, rec: np.ndarray) -> np.ndarray:
+    """Group gi's logical page -> physical page row (int32[M_g], -1 = none) at the boundary of the
+    chain rec int32[n] (rec[j]: the record of block j): the chain's pages (`chain_page_row`), or a
+    windowed group's window pages of the last record. meta: a host snapshot of `cache.prefix`."""
+    entries = np.asarray(meta.pages[gi])
+    if layout.groups[gi].keep is None:
+        return chain_page_row(layout, gi, entries, rec, len(rec), np)
+    out = np.full((layout.logical_pages(gi),), -1, np.int32)
+    first = int(record_first_page(layout, gi, len(rec) * layout.spec.block_tokens, np))
+    own = entries[rec[-1]][: max(len(out) - first, 0)]
+    out[first : first + len(own)] = own
+    return out
+
+
 def swap_out(
     layout: CacheLayout, cache: HybridCache, meta, record: int, blocks: list[int], chain: dict[int, int]
 ) -> list[BlockPayload]:
@@ -105,8 +120,9 @@ def swap_out(
     snap = bool(meta.swa_held[record]) and int(meta.tail_slot[record]) >= 0
     out_rows: dict[int, dict[str, tuple[np.ndarray, int]]] = {b: {} for b in blocks}
     lo_tok = min(blocks) * bt
+    rec = np.asarray([chain[b] for b in range(last + 1)], np.int32)
     for gi, grp in enumerate(layout.groups):
-        row = np.asarray(meta.pages[gi][record])
+        row = record_page_row(layout, gi, meta, rec)
         if grp.kind == ObjectKind.SWA:
             if snap and last in out_rows:
                 lo, hi = window_rows(layout, gi, L)
@@ -219,6 +235,7 @@ __all__ = [
     "bucket",
     "expected_objects",
     "has_indexer",
+    "record_page_row",
     "swap_in_inputs",
     "swap_in_shapes",
     "swap_in_size",

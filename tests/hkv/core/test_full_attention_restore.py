@@ -2,8 +2,8 @@
 
 `prefix.restore(recompute=R)` claims only COMPRESSED / INDEXER rows and leaves the SWA window to be
 rebuilt by re-running [L - R, L). A full-attention layer (window=None) needs every row before L, and
-a record keeps those rows only with its snapshot: the rebuilt cache read zeros for rows before
-L - R (a hand-written Gemma-style model restored with max |logit error| 1.32 and status OK). The
+the rebuild claims none of its rows: the rebuilt cache read zeros for rows before L - R (a
+hand-written Gemma-style model restored with max |logit error| 1.32 and status OK). The
 route is now refused for such specs, at trace time in the core and by the engine's choice.
 """
 

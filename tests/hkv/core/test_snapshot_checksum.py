@@ -51,7 +51,8 @@ def test_a_changed_window_element_fails_the_byte_stage(dtype):
     # the newest row of the longest boundary's window: only that boundary's snapshot covers it
     length = int(cache.prefix.length[last])
     hi = length // layout.groups[0].unit
-    page = int(cache.prefix.pages[0][last][(hi - 1) // layout.page_size])
+    first = int(px.record_first_page(layout, 0, length, np))  # the record's entries start at its window
+    page = int(cache.prefix.pages[0][last][(hi - 1) // layout.page_size - first])
     for col in (0, layout.groups[0].dim - 1):
         pool = _flip_low_bit(cache.groups[0].pool, 1, page, (hi - 1) % layout.page_size, col)
         bad = cache.replace(groups=(cache.groups[0].replace(pool=pool),) + tuple(cache.groups[1:]))

@@ -147,7 +147,7 @@ def test_mesh_engine_saves_and_restores_and_a_mesh_checkpoint_needs_a_mesh(model
     [
         (hkv.CacheConfig(slots=2, max_context=40, page_size=256), "page_size=256 must be <= max_context=40"),
         (hkv.CacheConfig(slots=2, max_context=256, prefix_records=10**9), "past int32"),
-        (hkv.CacheConfig(memory_bytes=1 << 40), "more than the device"),
+        (hkv.CacheConfig(memory_bytes=1 << 38), "more than the device"),
     ],
 )
 def test_configurations_that_cannot_run_are_refused_when_the_engine_is_built(model, config, message):

@@ -14,6 +14,7 @@ import hkv
 import hkv.engine.engine
 from hkv.core import prefix as px
 from hkv.core.policy import RetentionPolicy
+from hkv.engine.offload import record_page_row
 from models.deepseek_v4 import init, tiny_config
 from models.deepseek_v4.model import DeepseekV4
 
@@ -588,7 +589,14 @@ def _first_pages(engine, boundary: int) -> set[tuple[int, ...]]:
     p = jax.device_get(engine.cache.prefix)
     alive = (np.asarray(p.state) == px.RecordState.ALIVE) & (np.asarray(p.length) == boundary)
     where = ((1, 1), (2, 0), (3, 1))  # (group, logical page)
-    return {tuple(int(np.asarray(p.pages[g])[r, lp]) for g, lp in where) for r in np.nonzero(alive)[0]}
+    out = set()
+    for r in np.nonzero(alive)[0]:
+        chain = [int(r)]  # a record holds its own block's pages: the page table comes from its chain
+        while int(p.parent[chain[-1]]) >= 0:
+            chain.append(int(p.parent[chain[-1]]))
+        rec = np.asarray(chain[::-1], np.int32)
+        out.add(tuple(int(record_page_row(engine.layout, g, p, rec)[lp]) for g, lp in where))
+    return out
 
 
 def test_a_restore_inside_a_page_writes_on_in_place_unless_a_record_or_slot_needs_the_rest(model):
