@@ -18,7 +18,7 @@ Measured, in this order, each best (median) of `--repeats`:
   host restore  `HostTier.find_chain` + `read` with the engine's dtype/shape expectations: every
                 object's digest (sum64, and crc32 as an alternative) checked; the payloads are read-only
                 views (no copy).
-  disk restore  `DiskTier.find_chain` + `read` (the engine's expectations; crc32c + per-object crc32),
+  disk restore  `DiskTier.find_chain` + `read` (the engine's expectations; crc32c + per-object sum64),
                 page cache of the store dropped before each repeat ("cold").
   disk read     `DiskTier.read` alone (the refs looked up once before), cold: the bytes' read and
                 checks without the lookup of the chain's 2 KiB block pointers and manifest.

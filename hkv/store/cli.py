@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check every manifest and every object's checksum",
         description="Read every published block back and check it (manifest schema and checksum, ABI, crc32c of "
-        "the data chunks, per-object crc32; with HKV_STORE_KEY set, each manifest's HMAC). Reports "
+        "the data chunks, per-object sum64 (crc32 in older manifests); with HKV_STORE_KEY set, each "
+        "manifest's HMAC). Reports "
         "blocks ok, disk_checksum, disk_missing, disk_truncated, disk_abi, disk_auth, disk_malformed "
         "(manifests and hit files), and orphaned segments (data of interrupted writes, never read).",
         epilog="exit codes: 0 every published block intact (orphaned data alone is not a failure), "

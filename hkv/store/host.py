@@ -13,13 +13,9 @@ Storage and integrity: a block entering the tier (written, or promoted from disk
 buffer (its objects at 64-byte aligned offsets, as a segment lays them out on disk) and its digest
 computed; every read checks the digest, then each object's dtype and shape against the block's entry
 and the engine's expectation, and returns read-only views of the buffer (no copy: restoring a block
-costs one digest pass over its bytes). The default digest, `sum64`, is a lane-weighted 64-bit sum:
-the bytes as uint64 words summed per lane of 512 words, each lane times its own odd constant (plus a
-crc32 of the last < 8 bytes, and the length). Any change confined to one word (a flipped bit or
-byte, a stray write) always changes it, and words moved between lanes almost always do; it runs at
-memory-read speed (about 16 GB/s on blocks of V4-Flash shapes here, against 4 GB/s for zlib's
-crc32, which alone would hold a restore to ~30% of this machine's memcpy). `check="crc32"` uses
-zlib's crc32 instead (stronger against reordered words, ~4x slower). Host memory is private to this
+costs one digest pass over its bytes). The default digest is `sum64` (`hkv.store.digest`: a
+lane-weighted 64-bit sum at memory-read speed; zlib's crc32 alone would hold a restore to ~30% of
+this machine's memcpy); `check="crc32"` uses zlib's crc32 instead (~4x slower). Host memory is private to this
 process, so there is no authentication (a keyed `DiskTier` still authenticates what is spilled to it).
 
 Budget: over `budget_bytes`, blocks leave leaves-first (a block no stored block extends), least
@@ -36,50 +32,17 @@ import concurrent.futures
 import dataclasses
 import heapq
 import threading
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 
 from .blocks import ABI, CHECKSUM, MISSING, BlockPayload, BlockRef, ChainLookup, ReadResult, dtype_of
+from .digest import CHECKS, digest, digest_many
 from .tier import DiskTierClosedError
 
 HOST_SEGMENT = "@host"  # BlockRef.segment of a host-tier block ('@' never starts a disk segment name)
-CHECKS = ("sum64", "crc32")
-LANES = 512
-_WEIGHTS = np.random.default_rng(0x686B76).integers(0, 1 << 63, LANES, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-
 # (abi, payloads) -> a future that resolves once they are stored below (raises if they are not)
 Spill = Callable[[str, list[BlockPayload]], concurrent.futures.Future]
-
-
-def digest(a: np.ndarray, check: str = "sum64") -> int:
-    """An object's digest (see the module docstring).
-
-    Args:
-        a: a C-contiguous array of any dtype and shape.
-        check: one of `CHECKS`.
-    Returns:
-        The digest: an int in [0, 2**64) for "sum64", [0, 2**32) for "crc32".
-    Raises:
-        ValueError: another `check`.
-    """
-    raw = a.reshape(-1).view(np.uint8)
-    if check == "crc32":
-        return zlib.crc32(raw)
-    if check != "sum64":
-        raise ValueError(f"check={check!r} must be one of {CHECKS}")
-    n = raw.shape[0] // 8
-    words = raw[: n * 8].view(np.uint64)
-    full = n // LANES * LANES
-    total = np.zeros(1, np.uint64)
-    if full:
-        lanes = words[:full].reshape(-1, LANES).sum(axis=0, dtype=np.uint64)
-        total += (lanes * _WEIGHTS).sum(dtype=np.uint64)
-    if n > full:
-        total += (words[full:] * _WEIGHTS[: n - full]).sum(dtype=np.uint64)
-    tail = zlib.crc32(raw[n * 8 :]) ^ (raw.shape[0] << 32)
-    return int(total[0]) ^ tail
 
 
 ALIGN = 64  # objects start at multiples of this many bytes in a block's buffer
@@ -333,8 +296,9 @@ class HostTier:
             held = [self._held(ref) for ref in refs]
         out: list[BlockPayload] = []
         reason = detail = None
-        for ref, b in zip(refs, held, strict=True):
-            reason, detail, payload = self._verified(ref, b, expect)
+        sums = digest_many([None if b is None else b.buf for b in held], self.check)  # the costly pass, every core
+        for ref, b, got in zip(refs, held, sums, strict=True):
+            reason, detail, payload = self._verified(ref, b, expect, got)
             if reason is not None:
                 break
             out.append(payload)
@@ -357,15 +321,17 @@ class HostTier:
         b = self._blocks.get((ref.abi, bytes.fromhex(e["key"]), bool(e["snapshot"])))
         return b if b is not None and b.serial == e["serial"] else None
 
-    def _verified(self, ref: BlockRef, b: HostBlock | None, expect) -> tuple[str | None, str, BlockPayload | None]:
-        """(None, "", payload) when block `b` (`ref`'s, None: not held) passes every check, else
-        (reason, detail, None)."""
+    def _verified(
+        self, ref: BlockRef, b: HostBlock | None, expect, got: int | None
+    ) -> tuple[str | None, str, BlockPayload | None]:
+        """(None, "", payload) when block `b` (`ref`'s, None: not held) whose buffer's digest is `got`
+        passes every check, else (reason, detail, None)."""
         e = ref.entry
         if ref.segment != HOST_SEGMENT or "serial" not in e:
             return MISSING, f"host tier: block {e.get('index')} is not a host-tier ref ({ref.segment})", None
         if b is None:
             return MISSING, f"host tier: block {e['index']} was evicted since it was looked up", None
-        if digest(b.buf, self.check) != e["digest"]:
+        if got != e["digest"]:
             return CHECKSUM, f"host tier: block {e['index']} fails its {self.check} (host memory changed)", None
         objects = b.payload.objects
         for o in e["objects"]:

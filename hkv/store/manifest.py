@@ -5,24 +5,27 @@ array, and one manifest published after the array's bytes are committed. Anythin
 entry does not exist. A manifest is immutable once published; it is schema-checked and carries a
 checksum of its own canonical text, so a torn or edited manifest is detected, never trusted.
 
-    {"format": "hkv-disk-tier", "version": 2, "abi": "<32 hex>", "segment": "<id>", "writer": "<id>",
+    {"format": "hkv-disk-tier", "version": 3, "abi": "<32 hex>", "segment": "<id>", "writer": "<id>",
      "created": <unix seconds>, "data_bytes": n, "stored_bytes": bytes of the shard files,
      "chunk_bytes": c, "shard_bytes": s,
      "blocks": [{"key": "<32 hex>", "parent": "<32 hex>" | "", "index": i, "length": L,
                  "tokens": [block_tokens ids], "indexer_version": v, "snapshot": bool,
                  "objects": [{"name": str, "dtype": str, "shape": [..], "row_start": r0,
-                              "offset": byte offset (64-aligned), "nbytes": n, "crc32": int}]}],
+                              "offset": byte offset (64-aligned), "nbytes": n, "sum64": int}]}],
      "checksum": crc32 of the canonical JSON of every other field but "hmac"}
 
 The data array is cut into shards of `shard_bytes` (a multiple of `chunk_bytes`; the last shard may
-be shorter), one file each. Version 1 (no `shard_bytes`: the whole array is one shard) is still read.
+be shorter), one file each. Each object's bytes carry a `sum64` digest (`hkv.store.digest`: memory
+speed, on top of zarr's crc32c per chunk). Versions 1 and 2 are still read: their objects carry a
+zlib `crc32` instead (4x slower to check), and version 1 has no `shard_bytes` (the whole array is one
+shard).
 
 With a store key (`StoreKey`; `hkv.DiskTier(key=...)` or `HKV_STORE_KEY`) a manifest is *authenticated
 and private*: it also carries `"auth": "hmac-sha256"` and `"hmac"`, an HMAC-SHA256 over the canonical
 text together with the segment name and ABI directory it is stored under; every block `key` and
 `parent` is a keyed hash of the engine's block key (32 hex), `tokens` is a keyed digest of the
 block's token ids (64 hex) instead of the list, and every object carries the `sha256` of its bytes
-(crc32 detects accidents, not forgeries). Without a key the format is exactly the one above.
+(the sum64 and crc32 digests detect accidents, not forgeries). Without a key the format is exactly the one above.
 
 Every parse is bounded before it allocates: the file's size (`MAX_MANIFEST_BYTES`), the JSON
 nesting depth (`MAX_DEPTH`, checked without recursion), the number of blocks, objects, tokens and
@@ -58,8 +61,8 @@ import numpy as np
 from ..core.reasons import Reason
 
 FORMAT = "hkv-disk-tier"
-VERSION = 2
-READS = (1, 2)  # the versions `parse` accepts
+VERSION = 3
+READS = (1, 2, 3)  # the versions `parse` accepts
 ALIGN = 64
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8", "int32")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1, "int32": 4}
@@ -100,7 +103,8 @@ _TOP = {
     "hmac",
 }
 _BLOCK = {"key", "parent", "index", "length", "tokens", "indexer_version", "snapshot", "objects"}
-_OBJECT = {"name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sha256"}
+_OBJECT = {"name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sum64", "sha256"}
+DIGEST_BITS = {"crc32": 32, "sum64": 64}
 
 
 class ManifestError(ValueError):
@@ -398,7 +402,7 @@ def _check_top(doc: dict, max_data_bytes: int | None) -> int:
     return data_bytes
 
 
-def _check_block(b: Any, keyed: bool, data_bytes: int) -> list[tuple[int, int, str, int]]:
+def _check_block(b: Any, keyed: bool, data_bytes: int, field: str) -> list[tuple[int, int, str, int]]:
     """`check` of one block entry; returns the (start, end, name, block index) byte span of each
     non-empty object."""
     need(isinstance(b, dict), "each block must be an object")
@@ -430,15 +434,24 @@ def _check_block(b: Any, keyed: bool, data_bytes: int) -> list[tuple[int, int, s
     names: set[str] = set()
     spans = []
     for o in objs:
-        span = _check_object(o, b, keyed, data_bytes, names)
+        span = _check_object(o, b, keyed, data_bytes, names, field)
         if span is not None:
             spans.append(span)
     return spans
 
 
-def _check_object(o: Any, b: dict, keyed: bool, data_bytes: int, names: set[str]) -> tuple[int, int, str, int] | None:
+def digest_field(doc: dict) -> str:
+    """The per-object digest a manifest of `doc`'s version carries (`hkv.store.digest.CHECKS`): "sum64"
+    from version 3 on (a manifest being built, without a version: this hkv's), "crc32" before."""
+    return "sum64" if doc.get("version", VERSION) >= 3 else "crc32"
+
+
+def _check_object(
+    o: Any, b: dict, keyed: bool, data_bytes: int, names: set[str], field: str
+) -> tuple[int, int, str, int] | None:
     """`check` of one object entry of block `b` (`names`: the names listed before it in the block, to
-    which its own is added); returns its (start, end, name, block index) byte span, None if empty."""
+    which its own is added; `field`: the digest its version carries, `digest_field`); returns its
+    (start, end, name, block index) byte span, None if empty."""
     need(
         isinstance(o, dict) and isinstance(o.get("name"), str) and 0 < len(o["name"]) <= MAX_NAME,
         f"object name must be a string of 1 to {MAX_NAME} characters",
@@ -463,7 +476,9 @@ def _check_object(o: Any, b: dict, keyed: bool, data_bytes: int, names: set[str]
     check_int(o.get("row_start"), f"object {o['name']} row_start", 0, 1 << 40)
     off = check_int(o.get("offset"), f"object {o['name']} offset", 0, MAX_DATA_BYTES)
     nb = check_int(o.get("nbytes"), f"object {o['name']} nbytes", 0, MAX_DATA_BYTES)
-    check_int(o.get("crc32"), f"object {o['name']} crc32", 0, (1 << 32) - 1)
+    check_int(o.get(field), f"object {o['name']} {field}", 0, (1 << DIGEST_BITS[field]) - 1)
+    other = next(f for f in DIGEST_BITS if f != field)
+    need(other not in o, lambda: f"object {o['name']} has a {other}, not part of this manifest version")
     need(nb == n, lambda: f"object {o['name']} nbytes={nb} must be {n}, the size of {o['dtype']}{shape}")
     need(off % ALIGN == 0, lambda: f"object {o['name']} offset={off} must be a multiple of {ALIGN}")
     need(
@@ -498,7 +513,7 @@ def check(doc: dict, *, keyed: bool = False, max_data_bytes: int | None = None) 
     )
     spans = []
     for b in blocks:
-        spans += _check_block(b, keyed, data_bytes)
+        spans += _check_block(b, keyed, data_bytes, digest_field(doc))
     spans.sort()
     for (_, end, name, i), (lo, _, name2, j) in itertools.pairwise(spans):
         need(lo >= end, lambda: f"object {name} of block {i} and object {name2} of block {j} overlap at byte {lo}")  # noqa: B023 — need calls it at once
@@ -522,6 +537,7 @@ __all__ = [
     "StoreKey",
     "check",
     "depth",
+    "digest_field",
     "load_json",
     "parse",
     "seal",

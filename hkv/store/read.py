@@ -1,13 +1,15 @@
 """The disk tier's read path (`BlockReader`): blocks read concurrently and verified before anything is
-returned (stage 2: ABI; stage 4: dtype, shape, alignment, per-object crc32 on top of zarr's crc32c,
+returned (stage 2: ABI; stage 4: dtype, shape, alignment, per-object digest — `sum64`, or a version
+1-2 manifest's crc32 — on top of zarr's crc32c,
 and in a keyed store the manifest's HMAC and each object's sha256). A failure is a reason
 (`disk_missing`, `disk_checksum`, `disk_truncated`, `disk_abi`, `disk_auth`, `disk_malformed`) with
 a detail, classified by the raw shard files where the data failed (`BlockReader.probe`).
 
 The objects a read needs from one segment are read as pieces: runs of objects adjacent in the
 segment's bytes (a chain's blocks are written one after another) of up to `PIECE_BYTES`, all issued
-at once; each object is a view of its piece. The digests (crc32, sha256) are computed on a thread
-pool as the pieces arrive (zlib and hashlib release the GIL), overlapping the reads still in flight.
+at once; each object is a view of its piece. The digests (sum64 or crc32, sha256) are computed on a
+thread pool as the pieces arrive (numpy, zlib and hashlib release the GIL), overlapping the reads
+still in flight.
 A piece that fails is read again object by object, so a failure is found, and classified, exactly
 where it lies: an object is refused only for its own bytes.
 """
@@ -20,7 +22,6 @@ import hashlib
 import math
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ import numpy as np
 from . import manifest as mf
 from .blocks import AUTH, CHECKSUM, MALFORMED, MISSING, TRUNCATED, BlockPayload, BlockRef, ReadResult, dtype_of
 from .context import SmallFile, TierContext, manifest_key
+from .digest import digest
 from .hits import HitCounts
 from .index import SegmentIndex, entry_map
 from .layout import Layout, data_prefix, open_array
@@ -70,15 +72,16 @@ def listed(entries: dict[str, list[dict]], ref: BlockRef) -> dict | None:
 
 
 class Digests(NamedTuple):
-    """An object's bytes as read, with their crc32 and (keyed store) sha256 hex digest (else None)."""
+    """An object's bytes as read, with their digest (`sum64` or `crc32`: what its manifest's version
+    carries, `manifest.digest_field`) and (keyed store) sha256 hex digest (else None)."""
 
     raw: np.ndarray
-    crc32: int
+    digest: int
     sha256: str | None
 
 
-def _digests(raw: np.ndarray, keyed: bool) -> Digests:
-    return Digests(raw, zlib.crc32(raw), hashlib.sha256(raw).hexdigest() if keyed else None)
+def _digests(raw: np.ndarray, keyed: bool, check: str) -> Digests:
+    return Digests(raw, digest(raw, check), hashlib.sha256(raw).hexdigest() if keyed else None)
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -96,16 +99,17 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 class _Piece:
     """One read of adjacent objects [lo, hi) of a segment's data array, and the digests of each object
-    (`spans`: (start, stop) byte ranges inside [lo, hi)) computed on `_pool` once it arrives."""
+    (`spans`: (start, stop) byte ranges inside [lo, hi); `check`: "sum64" or "crc32") computed on
+    `_pool` once it arrives."""
 
-    def __init__(self, arr, lo: int, hi: int, spans: list[tuple[int, int]], keyed: bool):
-        self.arr, self.lo, self.keyed = arr, lo, keyed
+    def __init__(self, arr, lo: int, hi: int, spans: list[tuple[int, int]], keyed: bool, check: str):
+        self.arr, self.lo, self.keyed, self.check = arr, lo, keyed, check
         read = arr[lo:hi].read()
         self.done = _pool().submit(self._check, read, spans)
 
     def _check(self, read, spans: list[tuple[int, int]]) -> dict[tuple[int, int], Digests]:
         data = read.result()
-        return {(a, b): _digests(data[a - self.lo : b - self.lo], self.keyed) for a, b in spans}
+        return {(a, b): _digests(data[a - self.lo : b - self.lo], self.keyed, self.check) for a, b in spans}
 
     def get(self, start: int, stop: int) -> Digests:
         """The object [start, stop): from the piece, or (the piece failed) read again on its own, so
@@ -113,7 +117,7 @@ class _Piece:
         try:
             return self.done.result()[(start, stop)]
         except Exception:
-            return _digests(self.arr[start:stop].read().result(), self.keyed)
+            return _digests(self.arr[start:stop].read().result(), self.keyed, self.check)
 
 
 class _ObjectRead(NamedTuple):
@@ -127,15 +131,16 @@ class _ObjectRead(NamedTuple):
         return self.piece.get(self.start, self.stop)
 
 
-def _pieces(arr, spans: list[tuple[int, int]], keyed: bool) -> dict[tuple[int, int], _ObjectRead]:
+def _pieces(arr, spans: list[tuple[int, int]], keyed: bool, check: str) -> dict[tuple[int, int], _ObjectRead]:
     """Issue the reads of one segment's object byte ranges `spans` as pieces (runs of objects at most
-    `manifest.ALIGN` bytes apart, up to `PIECE_BYTES` each, or one object larger than that)."""
+    `manifest.ALIGN` bytes apart, up to `PIECE_BYTES` each, or one object larger than that), their
+    objects' digests of kind `check`."""
     out: dict[tuple[int, int], _ObjectRead] = {}
     run: list[tuple[int, int]] = []
 
     def flush() -> None:
         if run:
-            piece = _Piece(arr, run[0][0], run[-1][1], list(run), keyed)
+            piece = _Piece(arr, run[0][0], run[-1][1], list(run), keyed, check)
             out.update({sp: _ObjectRead(piece, *sp) for sp in run})
             run.clear()
 
@@ -250,7 +255,7 @@ class BlockReader:
         pieces: dict[tuple[str, str], dict | None] = {}
         for sid, sp in spans.items():
             try:
-                pieces[sid] = _pieces(arrays[sid].result(), sp, keyed)
+                pieces[sid] = _pieces(arrays[sid].result(), sp, keyed, mf.digest_field(checked[sid].doc))
             except Exception:  # checked (and classified) per block below
                 pieces[sid] = None
         reads: list = []
@@ -339,6 +344,7 @@ class BlockReader:
         if objs is None:
             return self.probe(sid, doc, "data array unreadable", 0, doc["data_bytes"])
         objects = {}
+        field = mf.digest_field(doc)
         for o, fut in zip(entry["objects"], objs, strict=True):
             dt = dtype_of(o["dtype"])
             n = math.prod(o["shape"]) * dt.itemsize
@@ -361,11 +367,11 @@ class BlockReader:
                     None,
                 )
             try:
-                raw, crc, sha = fut.result()
+                raw, got, sha = fut.result()
             except Exception as e:  # zarr's crc32c, a short or a missing chunk
                 return self.probe(sid, doc, str(e), o["offset"], o["nbytes"])
-            if crc != o["crc32"]:
-                return self.probe(sid, doc, f"object {o['name']} fails its crc32", o["offset"], o["nbytes"])
+            if got != o[field]:
+                return self.probe(sid, doc, f"object {o['name']} fails its {field}", o["offset"], o["nbytes"])
             if self.ctx.key is not None and sha != o["sha256"]:
                 return BlockCheck(
                     AUTH,

@@ -42,7 +42,7 @@ write that fails in the process publishes nothing. Two writers never share a seg
 
 Writes are asynchronous (`write_async` returns a `concurrent.futures.Future` that resolves once the
 manifest is published); reads are issued concurrently and verified (stage 2: ABI; stage 4: dtype,
-shape, alignment, per-object crc32 on top of zarr's crc32c) before anything is returned.
+shape, alignment, per-object sum64 on top of zarr's crc32c) before anything is returned.
 No pickle anywhere: manifests are JSON, arrays are raw bytes.
 
 One bad file never disables the store: every manifest and hit file is read with a size cap and
@@ -59,7 +59,7 @@ hashes. Someone who can write the store but lacks the key can delete or damage s
 plan with `disk_missing` / `disk_checksum` / `disk_auth`), but can no longer make a block restore
 another block's bytes or confirm a guessed prompt from the manifests; the cached K/V bytes
 themselves are not encrypted. Without a key the store gives integrity against accidents (crc32c,
-crc32, schema) but no authenticity: anyone who can write it can forge a block. A store written
+sum64, schema) but no authenticity: anyone who can write it can forge a block. A store written
 with a key restores nothing without it or with another key (`disk_auth`), and vice versa.
 
 The parts (each its own module, composed here): `hkv.store.index` (the bounded lookup caches and the

@@ -11,7 +11,7 @@ first blocks while the later ones are still loading, and a later request for the
 them in host memory.
 
 Reads: host blocks are verified by the host tier (digests), disk blocks by the disk tier (manifests,
-crc32c, crc32, HMAC); a disk block read is promoted into the host tier (promotion on hit). A host
+crc32c, sum64, HMAC); a disk block read is promoted into the host tier (promotion on hit). A host
 block evicted between the lookup and the read is looked up again on disk, so a read never fails
 because a block moved down a tier. Faults keep the disk tier's reasons (`disk_missing`,
 `disk_checksum`, ...): a damaged block in either tier is a shorter plan with its reason.

@@ -19,7 +19,6 @@ import hashlib
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ from . import manifest as mf
 from .blocks import BlockPayload
 from .context import TierContext, manifest_key
 from .coord import add_usage
+from .digest import digest
 from .index import SegmentIndex
 from .layout import Layout, open_array
 from .records import pointer_adds, update_pointers
@@ -61,7 +61,7 @@ class _Staged:
 
 
 class _Plan(NamedTuple):
-    """A segment before any I/O: its manifest (crc32 fields still 0), the (object entry, bytes) parts
+    """A segment before any I/O: its manifest (sum64 fields still 0), the (object entry, bytes) parts
     and the layout."""
 
     doc: dict
@@ -250,7 +250,7 @@ class SegmentWriter:
         self._publisher.shutdown(wait=True)
 
     def _plan(self, abi: str, blocks: list[BlockPayload]) -> _Plan:
-        """The manifest (crc32 fields still 0), the (object entry, bytes) parts and the layout of a
+        """The manifest (sum64 fields still 0), the (object entry, bytes) parts and the layout of a
         segment holding `blocks`; raises `ManifestError` for a manifest that would be refused. No I/O."""
         ctx = self.ctx
         entries, parts, off = [], [], 0
@@ -265,10 +265,10 @@ class SegmentWriter:
                     "row_start": int(row_start),
                     "offset": off,
                     "nbytes": int(a.nbytes),
-                    "crc32": 0,
+                    "sum64": 0,
                 }
                 if ctx.key is not None:
-                    o["sha256"] = "0" * 64  # computed with the crc32 once the bytes are staged
+                    o["sha256"] = "0" * 64  # computed with the sum64 once the bytes are staged
                 objs.append(o)
                 parts.append((o, a.reshape(-1).view(np.uint8)))
                 off += -(-a.nbytes // mf.ALIGN) * mf.ALIGN
@@ -319,7 +319,7 @@ class SegmentWriter:
         arr = open_array(self.ctx.kv, abi, doc["segment"], lay, self.ctx.context).result()
         # Shard k's bytes are copied into the staging buffer and its write is issued at once
         # (tensorstore encodes, writes and fsyncs it on its own threads) before shard k + 1 is
-        # copied; the per-object crc32 runs after the last write is issued, while the shards are
+        # copied; the per-object sum64 runs after the last write is issued, while the shards are
         # being written. Every shard write is a whole-shard write (no read-modify-write) and needs no
         # transaction: nothing is visible before the manifest, which is published only after every
         # shard has committed. The staging buffer is reused by the next segment (segments are staged
@@ -343,7 +343,7 @@ class SegmentWriter:
                 buf[end:hi] = 0
                 writes.append(arr[lo:hi].write(buf[lo:hi]))
             for o, _ in parts:
-                o["crc32"] = zlib.crc32(buf[o["offset"] : o["offset"] + o["nbytes"]])
+                o["sum64"] = digest(buf[o["offset"] : o["offset"] + o["nbytes"]])
                 if self.ctx.key is not None:
                     o["sha256"] = hashlib.sha256(buf[o["offset"] : o["offset"] + o["nbytes"]]).hexdigest()
             raw = mf.seal(doc, key=self.ctx.key)

@@ -735,7 +735,7 @@ def _forge_swap(path, a: int, b: int) -> int:
     for oa in ba["objects"]:
         ob = next((o for o in bb["objects"] if o["name"] == oa["name"]), None)
         if ob is not None and (ob["dtype"], ob["shape"]) == (oa["dtype"], oa["shape"]):
-            for f in ("offset", "crc32", "sha256"):
+            for f in ("offset", "sum64", "sha256"):
                 if f in oa:
                     oa[f], ob[f] = ob[f], oa[f]
             n += 1

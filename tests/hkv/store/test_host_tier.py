@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hkv
+from hkv.store import digest as hkv_digest
 from hkv.store.host import HOST_SEGMENT, HostTier, digest
 from hkv.store.tier import DiskTier
 from hkv.store.tiered import TieredStore
@@ -75,7 +76,24 @@ def test_chain_stops_at_an_absent_block_a_collision_or_a_foreign_abi():
 
 
 @pytest.mark.parametrize("check", ["sum64", "crc32"])
-def test_a_changed_byte_or_shape_is_refused_with_a_reason_and_the_blocks_before_it_kept(check):
+def test_digest_many_equals_digest_on_one_thread_and_on_every_core(check, monkeypatch):
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 3 << 20, 0, 4 << 20, 17, 2 << 20)]
+    arrays.insert(2, None)
+    want = [None if a is None else digest(a, check) for a in arrays]
+    assert sum(a.nbytes for a in arrays if a is not None) >= hkv_digest.PARALLEL_BYTES  # the threaded path
+    assert hkv_digest.digest_many(arrays, check) == want
+    monkeypatch.setattr(hkv_digest, "PARALLEL_BYTES", 1 << 40)
+    assert hkv_digest.digest_many(arrays, check) == want
+    with pytest.raises(ValueError, match="check='md5' must be one of"):
+        hkv_digest.digest_many(arrays, "md5")
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("check", ["sum64", "crc32"])
+def test_a_changed_byte_or_shape_is_refused_with_a_reason_and_the_blocks_before_it_kept(check, parallel, monkeypatch):
+    if parallel:  # the digests of a read on every core, as for a long chain
+        monkeypatch.setattr(hkv_digest, "PARALLEL_BYTES", 0)
     tier = HostTier(check=check)
     blocks = chain("a", 4)
     tier.write(ABI, blocks)

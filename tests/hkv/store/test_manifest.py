@@ -52,7 +52,7 @@ TOP = [
     "auth",
 ]
 BLOCK = ["key", "parent", "index", "length", "tokens", "indexer_version", "snapshot", "objects"]
-OBJECT = ["name", "dtype", "shape", "row_start", "offset", "nbytes", "crc32", "sha256"]
+OBJECT = ["name", "dtype", "shape", "row_start", "offset", "nbytes", "sum64", "crc32", "sha256"]
 DEEP = "__DEEP__"  # placeholder replaced by a deeply nested array in the sealed bytes
 
 
@@ -234,7 +234,9 @@ def assert_invariants(doc: dict, keyed: bool) -> None:
             assert isinstance(o["shape"], list) and len(o["shape"]) <= 8 and all(_is_int(d) for d in o["shape"])
             assert o["nbytes"] == int(np.prod(o["shape"], dtype=object)) * mf.ITEMSIZE[o["dtype"]]
             assert _is_int(o["offset"]) and o["offset"] % mf.ALIGN == 0
-            assert o["offset"] + o["nbytes"] <= doc["data_bytes"] and _is_int(o["crc32"], 0, 2**32 - 1)
+            assert o["offset"] + o["nbytes"] <= doc["data_bytes"]
+            field, other = ("sum64", "crc32") if doc["version"] >= 3 else ("crc32", "sum64")
+            assert _is_int(o[field], 0, 2 ** {"sum64": 64, "crc32": 32}[field] - 1) and other not in o
             assert _is_int(o["row_start"])
             assert ("sha256" in o) == keyed
             if o["nbytes"]:

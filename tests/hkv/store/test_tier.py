@@ -234,7 +234,7 @@ def test_manifest_schema_errors_name_the_field():
                     "row_start": 0,
                     "offset": 0,
                     "nbytes": 8,
-                    "crc32": 0,
+                    "sum64": 0,
                 }
             ],
         }
@@ -251,10 +251,21 @@ def test_manifest_schema_errors_name_the_field():
         "blocks": blocks,
     }
     assert mf.parse(mf.seal(doc))["blocks"][0]["tokens"] == [1, 2, 3, 4]
-    # version 1 (no shard_bytes: the array is one shard) is still read
-    v1 = {k: v for k, v in doc.items() if k != "shard_bytes"} | {"format": mf.FORMAT, "version": 1}
+    # versions 1 (no shard_bytes: the array is one shard) and 2 are still read: their objects carry a
+    # crc32 instead of the sum64, and a manifest naming the other version's digest is refused
+    old = json.loads(json.dumps(doc))
+    old["blocks"][0]["objects"][0]["crc32"] = old["blocks"][0]["objects"][0].pop("sum64")
+    v1 = {k: v for k, v in old.items() if k != "shard_bytes"} | {"format": mf.FORMAT, "version": 1}
     v1["checksum"] = mf.zlib.crc32(mf._canonical(v1))
     assert Layout.of(mf.parse(json.dumps(v1).encode())).shard == 4096
+    for version, d, match in ((2, old, None), (3, old, "sum64=None"), (2, doc, "crc32=None")):
+        raw = d | {"format": mf.FORMAT, "version": version}
+        raw["checksum"] = mf.zlib.crc32(mf._canonical(raw))
+        if match is None:
+            assert mf.parse(json.dumps(raw).encode())["blocks"][0]["objects"][0]["crc32"] == 0
+        else:
+            with pytest.raises(mf.ManifestError, match=match):
+                mf.parse(json.dumps(raw).encode())
     with pytest.raises(mf.ManifestError, match="checksum"):
         mf.parse(mf.seal(doc).replace(b'"writer":"w"', b'"writer":"x"'))
     with pytest.raises(mf.ManifestError, match="not JSON"):
@@ -262,7 +273,7 @@ def test_manifest_schema_errors_name_the_field():
     for field, value, match in (
         ("abi", "XYZ", "abi"),
         ("data_bytes", 4, "exceed data_bytes"),
-        ("version", 3, "version"),
+        ("version", 4, "version"),
         ("shard_bytes", 1000, "shard_bytes"),
         ("chunk_bytes", 0, "chunk_bytes"),
     ):
@@ -314,7 +325,8 @@ def test_a_segment_cut_into_shards_round_trips_and_a_bad_shard_stops_the_plan_at
     data = tmp_path / "data" / ABI / seg.name / "c"
     shards = sorted(os.listdir(data), key=int)
     padded = -(-doc["data_bytes"] // 4096) * 4096
-    assert doc["version"] == 2 and doc["shard_bytes"] == 8192 and shards == [str(i) for i in range(-(-padded // 8192))]
+    assert doc["version"] == mf.VERSION and doc["shard_bytes"] == 8192
+    assert shards == [str(i) for i in range(-(-padded // 8192))]
     assert len(shards) >= 4  # the pipeline really ran over several shards
     assert sum(os.path.getsize(data / s) for s in shards) == doc["stored_bytes"] == seg.stored_bytes
     bad = 2  # the shard hit by the fault: the plan stops at the first block with a byte in it

@@ -206,7 +206,7 @@ def test_a_keyed_store_refuses_a_resealed_manifest_that_points_a_block_at_anothe
         )
         doc = json.loads(pathlib.Path(m).read_bytes())
         o0, o1 = doc["blocks"][0]["objects"][0], doc["blocks"][1]["objects"][0]
-        for f in ("offset", "crc32", "sha256"):
+        for f in ("offset", "sum64", "sha256"):
             if f in o0:
                 o0[f], o1[f] = o1[f], o0[f]
         _forge(m, doc)  # the attacker has no key: a valid crc32, a stale HMAC
