@@ -55,16 +55,30 @@ def digest(a: np.ndarray, check: str = "sum64") -> int:
 
 PARALLEL_BYTES = 8 << 20  # below this many bytes `digest_many` runs on the calling thread
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+
+class LazyPool:
+    """A thread pool created on first use (a process that never reads pays no threads), shared by
+    every tier of the process.
+
+    Args:
+        workers: its threads.
+        prefix: their names' prefix.
+    """
+
+    def __init__(self, workers: int, prefix: str):
+        self.workers, self.prefix = workers, prefix
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool (created now if it does not exist yet)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self.prefix)
+            return self._pool
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="hkv-digest")
-        return _POOL
+_DIGESTS = LazyPool(os.cpu_count() or 1, "hkv-digest")  # (not the read pool: its threads wait on I/O)
 
 
 def digest_many(arrays: list[np.ndarray | None], check: str = "sum64") -> list[int | None]:
@@ -94,8 +108,8 @@ def digest_many(arrays: list[np.ndarray | None], check: str = "sum64") -> list[i
             cuts.append(i + 1)
     cuts.append(len(arrays))
     runs = [arrays[a:b] for a, b in itertools.pairwise(cuts) if b > a]
-    done = _pool().map(lambda run: [None if a is None else digest(a, check) for a in run], runs)
+    done = _DIGESTS.get().map(lambda run: [None if a is None else digest(a, check) for a in run], runs)
     return [d for run in done for d in run]
 
 
-__all__ = ["CHECKS", "LANES", "PARALLEL_BYTES", "digest", "digest_many"]
+__all__ = ["CHECKS", "LANES", "PARALLEL_BYTES", "LazyPool", "digest", "digest_many"]

@@ -16,12 +16,10 @@ where it lies: an object is refused only for its own bytes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import math
 import os
-import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,7 +28,7 @@ import numpy as np
 from . import manifest as mf
 from .blocks import AUTH, CHECKSUM, MALFORMED, MISSING, TRUNCATED, BlockPayload, BlockRef, ReadResult, dtype_of
 from .context import SmallFile, TierContext, manifest_key
-from .digest import digest
+from .digest import LazyPool, digest
 from .hits import HitCounts
 from .index import SegmentIndex, entry_map
 from .layout import Layout, data_prefix, open_array
@@ -84,28 +82,19 @@ def _digests(raw: np.ndarray, keyed: bool, check: str) -> Digests:
     return Digests(raw, digest(raw, check), hashlib.sha256(raw).hexdigest() if keyed else None)
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that wait for pieces and compute their objects' digests (shared by every tier)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="hkv-read")
-        return _POOL
+# the threads that wait for pieces and compute their objects' digests (shared by every tier)
+_READS = LazyPool(min(8, os.cpu_count() or 1), "hkv-read")
 
 
 class _Piece:
     """One read of adjacent objects [lo, hi) of a segment's data array, and the digests of each object
     (`spans`: (start, stop) byte ranges inside [lo, hi); `check`: "sum64" or "crc32") computed on
-    `_pool` once it arrives."""
+    `_READS` once it arrives."""
 
     def __init__(self, arr, lo: int, hi: int, spans: list[tuple[int, int]], keyed: bool, check: str):
         self.arr, self.lo, self.keyed, self.check = arr, lo, keyed, check
         read = arr[lo:hi].read()
-        self.done = _pool().submit(self._check, read, spans)
+        self.done = _READS.get().submit(self._check, read, spans)
 
     def _check(self, read, spans: list[tuple[int, int]]) -> dict[tuple[int, int], Digests]:
         data = read.result()
