@@ -2,7 +2,7 @@
 and restore it so a restarted server resumes with its device cache — running state, prefix records,
 TAIL snapshots, counters — intact and verified.
 
-On disk, `path` is a directory (format version 2):
+On disk, `path` is a directory (format version 3; version 2 had the same files):
     hkv_engine.json   the metadata (plain JSON, no pickle): format name + version, the `CacheConfig`
                       fields, block_tokens, prefill_chunk, model_id (a label), retention policy, cache
                       salt (hex), the ABI fingerprint and the spec it hashes (with the weights digest,
@@ -73,8 +73,8 @@ from ..core.prefix_index import RecordState
 from ..core.state import check_layout, init_cache
 
 FORMAT_NAME = "hkv-engine-checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 METADATA_FILE = "hkv_engine.json"
 CACHE_DIR = "cache"  # version 1's array directory; version 2 names its own (`cache_dir`)
 MAX_METADATA_BYTES = 16 << 20  # a real engine's metadata is tens of KiB
@@ -170,7 +170,7 @@ def _is_replaceable(p: Path) -> bool:
 
 
 def cache_dir(path: str | os.PathLike) -> Path:
-    """The array directory of the checkpoint at `path` (version 2: the one its metadata names;
+    """The array directory of the checkpoint at `path` (versions 2-3: the one its metadata names;
     version 1: `cache/`). Raises `EngineCheckpointError` as `read_metadata` does."""
     path = Path(os.fspath(path))
     doc = read_metadata(path)
@@ -681,7 +681,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
     Args:
       path: the checkpoint directory.
     Returns:
-      the metadata as a dict (version 1 or 2; version 2 has "cache_dir").
+      the metadata as a dict (version 1, 2 or 3; versions 2-3 have "cache_dir").
     Raises:
       EngineCheckpointError (and nothing else) when the file is missing or unreadable, larger than
       `MAX_METADATA_BYTES`, not UTF-8 JSON, nested deeper than `MAX_JSON_DEPTH`, of another format or
@@ -851,7 +851,7 @@ def restore_engine(engine_cls, path: str | os.PathLike, model, **engine_kwargs):
 
     Args:
       engine_cls: the engine class to build (`hkv.Engine`; `Engine.restore` passes itself).
-      path: a checkpoint directory written by `save_engine` (format version 2).
+      path: a checkpoint directory written by `save_engine` (format version 3).
       model: the same weights the engine was saved with (they are not in the checkpoint; their digest
         — every element, dtype, shape — and the model's dims enter the ABI fingerprint, which must
         match the saved one; the `model_id` label does not).
@@ -1025,10 +1025,11 @@ def _usable_metadata(path: Path, overrides: dict[str, Any]) -> dict[str, Any]:
       path: the checkpoint directory.
       overrides: the caller's engine keyword arguments.
     Returns:
-      the metadata (`read_metadata`), of version 2 or later.
+      the metadata (`read_metadata`), of version 3 or later.
     Raises:
       EngineCheckpointError: as `read_metadata`; a version-1 checkpoint (its fingerprint does not cover
-        the weights); `config` among the overrides (the arrays have the saved config's shapes).
+        the weights); a version-2 one (its prefix records' page layout is not this hkv's); `config`
+        among the overrides (the arrays have the saved config's shapes).
     """
     doc = read_metadata(path)
     if doc["version"] < 2:
@@ -1037,6 +1038,13 @@ def _usable_metadata(path: Path, overrides: dict[str, Any]) -> dict[str, Any]:
             f"model_id={_show(doc['engine']['model_id'])}, not the weights, so this hkv cannot check that "
             f"it was computed by this model's weights; refusing it (re-create it: run the engine and "
             f"save again; this hkv writes version {FORMAT_VERSION})"
+        )
+    if doc["version"] < 3:
+        raise EngineCheckpointError(
+            f"{str(path)!r} is a version-{doc['version']} checkpoint: its prefix records hold a page row of "
+            f"the whole context per pool, where this hkv's records keep only their own block's pages "
+            f"(hkv.core.prefix), so its cache cannot be installed; refusing it (re-create it: run the "
+            f"engine and save again; this hkv writes version {FORMAT_VERSION})"
         )
     if "config" in overrides:
         raise EngineCheckpointError(

@@ -184,6 +184,11 @@ def test_corrupt_or_unknown_metadata_is_refused(model, saved, tmp_path):
     with pytest.raises(hc.EngineCheckpointError, match="unknown version=99"):
         hkv.Engine.restore(path, model)
     f.write_text(good)
+    # version 2: the same files, but prefix records of whole-context page rows (before issue 47 item 2)
+    edit_metadata(path, lambda d: d.update(version=2))
+    with pytest.raises(hc.EngineCheckpointError, match="version-2 checkpoint: its prefix records hold a page row"):
+        hkv.Engine.restore(path, model)
+    f.write_text(good)
     edit_metadata(path, lambda d: d["config"].update(slots=3), reseal=False)  # valid JSON, edited
     with pytest.raises(hc.EngineCheckpointError, match="metadata_crc32"):
         hkv.Engine.restore(path, model)
