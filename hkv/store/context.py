@@ -202,7 +202,7 @@ class TierContext:
         Returns:
             The ids as ints, or the keyed digest (64 hex digits).
         """
-        return self.key.tokens_digest(tokens) if self.key is not None else [int(t) for t in tokens]
+        return self.key.tokens_digest(tokens) if self.key is not None else list(map(int, tokens))
 
     def say(self, msg: str) -> None:
         """Pass `msg` to `progress`, if set.

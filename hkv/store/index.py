@@ -355,7 +355,7 @@ class SegmentIndex:
                     entry,
                     raw_key=bytes(keys[i]),
                     raw_parent=parent,
-                    raw_tokens=tuple(int(t) for t in tokens[i]),
+                    raw_tokens=tuple(map(int, tokens[i])),
                 )
             )
         return ChainLookup(refs, None)

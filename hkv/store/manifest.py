@@ -256,6 +256,12 @@ def depth(raw: bytes) -> int:
     brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
     if not brackets:
         return 0
+    if len(brackets) <= 64:  # a pointer or a small record: a loop costs less than numpy's setup
+        level, deepest = 0, -len(brackets)  # (the numpy path's value for malformed text too)
+        for c in brackets:
+            level += 1 if c in b"[{" else -1
+            deepest = max(deepest, level)
+        return deepest
     b = np.frombuffer(brackets, np.uint8)
     step = np.where((b == ord("[")) | (b == ord("{")), 1, -1).astype(np.int64)
     return int(np.cumsum(step).max())

@@ -342,3 +342,19 @@ def test_an_oversized_manifest_is_refused_before_it_is_parsed(bases, tmp_path):
     rep = DiskTier(str(root), key=b"").verify()
     assert rep["disk_malformed"] == 1 and rep["blocks_ok"] == 3
     assert f"manifests/{ABI}/{SEG}.json: disk_malformed: more than 16,777,216 bytes" in rep["problems"][0]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.binary(max_size=200)
+    | st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b'"', b"\\", b"a"]), max_size=150).map(b"".join)
+)
+def test_depth_is_the_deepest_running_bracket_count_on_short_and_long_text(raw):
+    """`depth` counts small records (pointers) in a loop and long text with numpy: the same value as
+    the running count of [ { minus ] } outside strings, well-formed or not."""
+    brackets = mf._STRINGS.sub(b"", raw).translate(None, mf._NOT_BRACKETS)
+    running, want = 0, (0 if not brackets else -len(brackets))
+    for c in brackets:
+        running += 1 if c in b"[{" else -1
+        want = max(want, running)
+    assert mf.depth(raw) == want
