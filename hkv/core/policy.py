@@ -169,7 +169,8 @@ def eviction_order(
     for r in np.nonzero(alive)[0]:
         if parent[r] >= 0:
             children[parent[r]] += 1
-    snap_b, rec_b = snapshot_bytes(spec), record_bytes(spec)
+    # (a spec of full-attention layers only holds no snapshot bytes: its snapshots go last)
+    snap_b, rec_b = max(snapshot_bytes(spec), 1), record_bytes(spec)
     rf = max(receptive_field(spec), 1)
     out = []
     for r in np.nonzero(has_snap)[0]:

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hkv.core.policy import chain_hits, chain_last_used, chain_max_length, eviction_order
+from hkv.core.policy import (
+    chain_hits,
+    chain_last_used,
+    chain_max_length,
+    eviction_order,
+    record_bytes,
+    snapshot_bytes,
+)
+from hkv.core.spec import CacheSpec, LayerSpec
 from models.deepseek_v4 import tiny_config
 from models.deepseek_v4.cache_spec import cache_spec
 
@@ -111,3 +119,20 @@ def test_chain_hits_and_never_reused_chains():
     # combined with the other conditions (any one admits)
     order = eviction_order(SPEC, m, used_before=13, never_hit=True)
     assert {r for k, r in order if k == "record"} == {2, 4}
+
+
+def test_a_spec_of_full_attention_layers_only_ranks_its_snapshots_last():
+    """No window and no compressor: a snapshot holds no bytes (`snapshot_bytes` 0), and the ranking
+    divided by it (ZeroDivisionError under page pressure for a Llama-like spec). Such snapshots free
+    nothing, so they go after every record."""
+    spec = CacheSpec(layers=(LayerSpec(4, None), LayerSpec(4, None)), block_tokens=8, model_id="llama-like")
+    assert snapshot_bytes(spec) == 0 and record_bytes(spec) > 0
+    meta = {
+        "state": np.array([1, 1], np.int8),
+        "parent": np.array([-1, 0]),
+        "length": np.array([8, 16]),
+        "last_used": np.array([1, 2]),
+        "swa_held": np.array([True, True]),
+        "tail_slot": np.array([0, 1]),
+    }
+    assert eviction_order(spec, meta) == [("record", 1), ("snapshot", 0), ("snapshot", 1)]
