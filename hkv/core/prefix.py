@@ -73,11 +73,11 @@ def chain_page_row(layout: CacheLayout, g: int, pages_g, rec, n, xp=jnp):
 
     A record keeps only the pages of its own block (`CacheLayout.record_pages`); logical page p of
     the prefix comes from the last block of the chain whose rows overlap p (that record's sequence
-    had every earlier row of the page mapped). A windowed group has no chain: use the last record's
-    window pages (`record_first_page`).
+    had every earlier row of the page mapped). A windowed group has no chain: its row is the last
+    record's window pages, from `record_first_page` on.
 
     Args:
-      layout: the cache's layout; g: a group without `keep` (COMPRESSED, INDEXER, full attention).
+      layout: the cache's layout; g: the group.
       pages_g: `PrefixIndex.pages[g]`, int32[NR, K_g].
       rec: int[NB], rec[j] the record of block j (boundary (j + 1) * block_tokens) along the chain.
       n: the prefix's blocks (int or int32 scalar, 1 <= n <= NB; 0 gives an empty row).
@@ -87,28 +87,17 @@ def chain_page_row(layout: CacheLayout, g: int, pages_g, rec, n, xp=jnp):
     """
     grp, ps, bt = layout.groups[g], layout.page_size, layout.spec.block_tokens
     p = xp.arange(layout.logical_pages(g))
+    k = pages_g.shape[1]
+    if grp.keep is not None:  # the window of the last record
+        off = p - record_first_page(layout, g, n * bt, xp)
+        got = pages_g[rec[xp.maximum(n - 1, 0)], xp.clip(off, 0, k - 1)]
+        return xp.where((off >= 0) & (off < k), got, -1).astype(xp.int32)
     end = -(-(n * bt // grp.unit) // ps)
     # the last block j whose first row lies below page p's end: ((j * bt) // unit) // ps <= p
     j = xp.clip(((p + 1) * ps * grp.unit - 1) // bt, 0, xp.maximum(n - 1, 0))
     off = p - record_first_page(layout, g, (j + 1) * bt, xp)
-    k = pages_g.shape[1]
     got = pages_g[rec[j], xp.clip(off, 0, k - 1)]
     return xp.where((p < end) & (off >= 0) & (off < k), got, -1).astype(xp.int32)
-
-
-def _record_row(layout: CacheLayout, cache: HybridCache, gi: int, rec: jax.Array, n: jax.Array) -> jax.Array:
-    """int32[M_g]: group gi's logical page -> physical page at the boundary of n blocks of the chain
-    rec int32[NB] (n >= 1): the chain's pages, or a windowed group's window pages of record rec[n - 1]."""
-    px = cache.prefix
-    grp = layout.groups[gi]
-    if grp.keep is None:
-        return chain_page_row(layout, gi, px.pages[gi], rec, n)
-    length = n * layout.spec.block_tokens
-    _, _, p0, p1 = _row_range(layout, gi, length)
-    logical = jnp.arange(layout.logical_pages(gi))
-    k = px.pages[gi].shape[1]
-    got = px.pages[gi][rec[jnp.maximum(n - 1, 0)], jnp.clip(logical - p0, 0, k - 1)]
-    return jnp.where((logical >= p0) & (logical < p1) & (logical - p0 < k), got, -1)
 
 
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -650,7 +639,7 @@ def _claim_pages(
     layout: CacheLayout, cache: HybridCache, slot: jax.Array, rec: jax.Array, n: jax.Array, do, recompute: int
 ) -> tuple[tuple, jax.Array]:
     """Map the pages of the chain rec int32[NB]'s first n blocks (boundary `length` = n *
-    block_tokens; `_record_row`) into `slot`'s page tables (shared, refcounted),
+    block_tokens; `chain_page_row`) into `slot`'s page tables (shared, refcounted),
     copying the partially filled last page of each group (copy-on-write); with recompute > 0 the SWA
     groups are left alone (the window is rebuilt). Nothing is mapped unless `do`.
 
@@ -668,7 +657,7 @@ def _claim_pages(
             continue  # the window is rebuilt by the recompute step
         _, hi, p0, p1 = _row_range(layout, gi, length)
         logical = jnp.arange(g.page_table.shape[1])
-        row = jnp.where(do & (logical >= p0) & (logical < p1), _record_row(layout, cache, gi, rec, n), -1)
+        row = jnp.where(do & (logical >= p0) & (logical < p1), chain_page_row(layout, gi, px.pages[gi], rec, n), -1)
         last_l = jnp.maximum(p1 - 1, 0)
         src = row[last_l]
         partial = (hi % ps != 0) & (p1 > p0) & do & ~_writable_in_place(px, g, gi, grp.unit, slot, src, last_l, hi)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.layout import CacheLayout, TailState
-from ..core.prefix import chain_page_row, record_first_page
+from ..core.prefix import chain_page_row
 from ..core.spec import ObjectKind
 from ..core.state import HybridCache
 from ..store.tier import BlockPayload
@@ -95,16 +95,9 @@ def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndar
 
 def record_page_row(layout: CacheLayout, gi: int, meta, rec: np.ndarray) -> np.ndarray:
     """Group gi's logical page -> physical page row (int32[M_g], -1 = none) at the boundary of the
-    chain rec int32[n] (rec[j]: the record of block j): the chain's pages (`chain_page_row`), or a
-    windowed group's window pages of the last record. meta: a host snapshot of `cache.prefix`."""
-    entries = np.asarray(meta.pages[gi])
-    if layout.groups[gi].keep is None:
-        return chain_page_row(layout, gi, entries, rec, len(rec), np)
-    out = np.full((layout.logical_pages(gi),), -1, np.int32)
-    first = int(record_first_page(layout, gi, len(rec) * layout.spec.block_tokens, np))
-    own = entries[rec[-1]][: max(len(out) - first, 0)]
-    out[first : first + len(own)] = own
-    return out
+    chain rec int32[n] (rec[j]: the record of block j), `chain_page_row` on the host. meta: a host
+    snapshot of `cache.prefix`."""
+    return chain_page_row(layout, gi, np.asarray(meta.pages[gi]), rec, len(rec), np)
 
 
 def swap_out(

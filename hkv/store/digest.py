@@ -97,7 +97,7 @@ def digest_many(arrays: list[np.ndarray | None], check: str = "sum64") -> list[i
     if check not in CHECKS:
         raise ValueError(f"check={check!r} must be one of {CHECKS}")
     total = sum(a.nbytes for a in arrays if a is not None)
-    workers = os.cpu_count() or 1
+    workers = _DIGESTS.workers
     if total < PARALLEL_BYTES or workers < 2 or len(arrays) < 2:
         return [None if a is None else digest(a, check) for a in arrays]
     # contiguous runs of about equal bytes, one task each
