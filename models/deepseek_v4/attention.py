@@ -19,6 +19,7 @@ from hkv.core.layers import causal_entry_limit, indexer_topk, sequence_attention
 from .compressor import Indexer, compressor_from_tensors
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .norms import linear, rms_norm, unweighted_rms_norm
+from .quantized import quantized_or_param, weight
 from .rope import apply_rope
 
 
@@ -44,13 +45,13 @@ class Attention(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.rope_family = "main" if self.layer_type == SLIDING else "compress"
         self.kv_quant = cfg.kv_quant_spec()  # the cache's row format: K=V rows, entries, keys rounded to it
-        self.wq_a = nnx.Param(jnp.asarray(tensors[p + "wq_a.weight"], dtype))
+        self.wq_a = quantized_or_param(tensors[p + "wq_a.weight"], dtype)
         self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], f32))
-        self.wq_b = nnx.Param(jnp.asarray(tensors[p + "wq_b.weight"], dtype))
-        self.wkv = nnx.Param(jnp.asarray(tensors[p + "wkv.weight"], dtype))
+        self.wq_b = quantized_or_param(tensors[p + "wq_b.weight"], dtype)
+        self.wkv = quantized_or_param(tensors[p + "wkv.weight"], dtype)
         self.norm = nnx.Param(jnp.asarray(tensors[p + "norm.weight"], f32))
-        self.wo_a = nnx.Param(jnp.asarray(tensors[p + "wo_a.weight"], dtype))
-        self.wo_b = nnx.Param(jnp.asarray(tensors[p + "wo_b.weight"], dtype))
+        self.wo_a = quantized_or_param(tensors[p + "wo_a.weight"], dtype)
+        self.wo_b = quantized_or_param(tensors[p + "wo_b.weight"], dtype)
         self.attn_sink = nnx.Param(jnp.asarray(tensors[p + "attn_sink"], f32))
         compressor = indexer = None
         if self.layer_type in (CSA, HCA):
@@ -76,8 +77,8 @@ class Attention(nnx.Module):
             )
             indexer = Indexer(
                 index_compressor,
-                jnp.asarray(tensors[p + "indexer.wq_b.weight"], dtype),
-                jnp.asarray(tensors[p + "indexer.weights_proj.weight"], dtype),
+                quantized_or_param(tensors[p + "indexer.wq_b.weight"], dtype),
+                quantized_or_param(tensors[p + "indexer.weights_proj.weight"], dtype),
                 n_heads=cfg.index_n_heads,
                 head_dim=cfg.index_head_dim,
                 topk=cfg.index_topk,
@@ -89,14 +90,14 @@ class Attention(nnx.Module):
     def queries(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x [B, T, hidden] -> (q [B, T, H, head_dim] roped, q_residual [B, T, q_lora_rank])."""
         b, t, _ = x.shape
-        q_residual = rms_norm(linear(x, self.wq_a.value), self.q_norm.value, self.eps)
-        q = linear(q_residual, self.wq_b.value).reshape(b, t, self.num_heads, self.head_dim)
+        q_residual = rms_norm(linear(x, weight(self.wq_a)), self.q_norm.value, self.eps)
+        q = linear(q_residual, weight(self.wq_b)).reshape(b, t, self.num_heads, self.head_dim)
         q = unweighted_rms_norm(q, self.eps)
         return apply_rope(q, cos[:, :, None], sin[:, :, None]), q_residual
 
     def shared_kv(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
         """x [B, T, hidden] -> roped K=V rows [B, T, head_dim] (the SWA object's content)."""
-        kv = rms_norm(linear(x, self.wkv.value), self.norm.value, self.eps)
+        kv = rms_norm(linear(x, weight(self.wkv)), self.norm.value, self.eps)
         return apply_rope(kv, cos, sin)
 
     def project_output(self, o: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
@@ -105,11 +106,11 @@ class Attention(nnx.Module):
         o = apply_rope(o, cos[:, :, None], -sin[:, :, None])
         g = self.o_groups
         grouped = o.reshape(b * t, g, -1).transpose(1, 0, 2)  # [g, rows, in]: groups a batch dimension
-        w = self.wo_a.value.astype(o.dtype).reshape(g, self.o_lora_rank, -1).transpose(0, 2, 1)  # [g, in, rank]
+        w = weight(self.wo_a).astype(o.dtype).reshape(g, self.o_lora_rank, -1).transpose(0, 2, 1)  # [g, in, rank]
         floor = numerics.tile_rows_floor(o.dtype, w.shape[1], w.shape[2])  # rows: one per token
         mixed = numerics.batched_matmul(grouped, w, floor).astype(o.dtype)  # [g, rows, rank]
         mixed = mixed.transpose(1, 0, 2).reshape(b, t, g * self.o_lora_rank)
-        return linear(mixed, self.wo_b.value)
+        return linear(mixed, weight(self.wo_b))
 
     # --------------------------------------------------------------- stateless
     def __call__(self, x: jnp.ndarray, positions: jnp.ndarray, rope: dict, freqs: dict[str, np.ndarray]) -> jnp.ndarray:

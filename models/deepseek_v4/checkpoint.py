@@ -8,7 +8,8 @@ Public API
     canonical_name(name)                  checkpoint name -> canonical name (None = ignore)
     unpack_fp4(packed)                    int8/uint8 [..., K/2] -> float32 [..., K] (e2m1, low nibble first)
     dequantize(weight, scale, ...)        block-scaled FP8 / FP4 weight -> float32
-    read_checkpoint(path, cfg, progress=None)   {canonical_name: np.ndarray} == `expected_tensors(cfg)`
+    quantized_tensor(weight, scale, ...)  the same weight kept quantized (`QuantizedTensor`)
+    read_checkpoint(path, cfg, progress=None, keep_quantized=False)   {canonical_name: array} == `expected_tensors(cfg)`
     read_config(path)                     `DeepseekV4Config` of a checkpoint directory
 
 Runtime dependencies: numpy and ml_dtypes only (no torch, no `safetensors` package).
@@ -40,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ConfigError, DeepseekV4Config
+from .quant_format import FP4, FP4_E2M1_LUT, FP8, QuantizedTensor, host_dense
 from .tensor_layout import FLOAT, INT, expected_tensors
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "canonical_name",
     "dequantize",
+    "quantized_tensor",
     "read_checkpoint",
     "read_config",
     "read_safetensors",
@@ -352,11 +355,6 @@ def canonical_name(name: str) -> str | None:
 SUPPORTED_QUANT_METHODS = ("fp8",)
 """`quantization_config.quant_method` values `read_checkpoint` can dequantize."""
 
-FP4_E2M1_LUT = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
-)
-"""float32[16]: value of each e2m1 nibble (bit 3 = sign)."""
-
 _FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _FP4_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 _PLAIN_FLOATS = (np.dtype("<f4"), np.dtype("<f2"), np.dtype(ml_dtypes.bfloat16))
@@ -377,14 +375,71 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     return out.reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
 
-def _scale_to_f32(scale: np.ndarray, name: str) -> np.ndarray:
+def _scale_as_stored(scale: np.ndarray, name: str) -> np.ndarray:
+    """A scale grid in a dtype that converts to float32 exactly: raw E8M0 exponent bytes (uint8) are
+    read as float8_e8m0fnu (2**(byte-127)), float64 is narrowed to float32, the others kept."""
     if scale.dtype == np.uint8:  # raw E8M0 exponent bytes
-        return np.exp2(scale.astype(np.float32) - 127.0).astype(np.float32)
-    if scale.dtype in _PLAIN_FLOATS + (np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype("<f8")):
+        return scale.view(ml_dtypes.float8_e8m0fnu)
+    if scale.dtype == np.dtype("<f8"):
         return scale.astype(np.float32)
+    if scale.dtype in _PLAIN_FLOATS + (np.dtype(ml_dtypes.float8_e8m0fnu),):
+        return scale
     raise CheckpointError(
         f"{name}: scale dtype {scale.dtype} not supported; allowed: float32, bfloat16, float16, float8_e8m0fnu, uint8"
     )
+
+
+def quantized_tensor(
+    weight: np.ndarray,
+    scale: np.ndarray,
+    *,
+    block_size: tuple[int, int] | None = None,
+    name: str = "weight",
+) -> QuantizedTensor | np.ndarray:
+    """A block-scaled quantized weight as a `QuantizedTensor` (kept quantized), or, for a weight of
+    fewer than 2 dims, dequantized to float32. Arguments and grid rules as `dequantize`."""
+    weight, scale = np.asarray(weight), np.asarray(scale)
+    if weight.dtype in _FP4_DTYPES:
+        if weight.ndim == 0:
+            raise CheckpointError(f"{name}: a packed FP4 tensor needs at least 1 dimension, got a scalar")
+        data, fmt = weight.view(np.uint8), FP4
+        rows_cols = weight.shape[:-1] + (2 * weight.shape[-1],)
+    elif weight.dtype in _FP8_DTYPES:
+        data, fmt, rows_cols = weight, FP8, weight.shape
+    else:
+        raise CheckpointError(
+            f"{name}: dtype {weight.dtype} is not quantized (expected float8_e4m3fn, float8_e5m2, int8/uint8 FP4)"
+        )
+    s = _scale_as_stored(scale, name)
+    if len(rows_cols) < 2:
+        if s.size != 1:
+            raise CheckpointError(
+                f"{name}: a {len(rows_cols)}-D quantized weight needs a single-element scale, got {tuple(scale.shape)}"
+            )
+        q = unpack_fp4(weight) if fmt == FP4 else weight.astype(np.float32)
+        return q * s.astype(np.float32).reshape(())
+    lead, (rows, cols) = rows_cols[:-2], rows_cols[-2:]
+    if s.size == 1:
+        grid = np.broadcast_to(s.reshape((1,) * len(rows_cols)), lead + (1, 1))
+        return QuantizedTensor(data, grid, fmt, (rows, cols))
+    if s.ndim != len(rows_cols) or s.shape[:-2] != lead:
+        raise CheckpointError(
+            f"{name}: scale grid {tuple(scale.shape)} does not match weight {tuple(rows_cols)} "
+            f"(need the same leading dims and a 2-D block grid)"
+        )
+    sr, sc = s.shape[-2:]
+    if sr == 0 or sc == 0:
+        raise CheckpointError(f"{name}: empty scale grid {tuple(scale.shape)} for weight {tuple(rows_cols)}")
+    if fmt == FP8 and block_size is not None:
+        bm, bn = block_size
+        if (sr, sc) == (-(-rows // bm), -(-cols // bn)):
+            return QuantizedTensor(data, s, fmt, (bm, bn))
+    if rows % sr or cols % sc:
+        raise CheckpointError(
+            f"{name}: weight shape ({rows}, {cols}) is not divisible by scale grid ({sr}, {sc})"
+            + (f" and the grid is not ceil-divided by weight_block_size {tuple(block_size)}" if block_size else "")
+        )
+    return QuantizedTensor(data, s, fmt, (rows // sr, cols // sc))
 
 
 def dequantize(
@@ -404,51 +459,10 @@ def dequantize(
     (R/r, C/c) when r | R and c | C. For FP8 only, when `block_size=(bm, bn)` (the config's
     `weight_block_size`) is given and (r, c) == (ceil(R/bm), ceil(C/bn)), blocks are (bm, bn) with
     ragged last blocks (DeepSeek's own quantizer layout); this wins over the divisibility rule.
-    Anything else raises `CheckpointError` naming `name`.
+    Anything else raises `CheckpointError` naming `name`. Each value is its stored value times its
+    block's scale, both exactly in float32, one float32 product (`QuantizedTensor.dequantize`).
     """
-    weight, scale = np.asarray(weight), np.asarray(scale)
-    if weight.dtype in _FP4_DTYPES:
-        q = unpack_fp4(weight)
-        is_fp8 = False
-    elif weight.dtype in _FP8_DTYPES:
-        q = weight.astype(np.float32)
-        is_fp8 = True
-    else:
-        raise CheckpointError(
-            f"{name}: dtype {weight.dtype} is not quantized (expected float8_e4m3fn, float8_e5m2, int8/uint8 FP4)"
-        )
-    s = _scale_to_f32(scale, name)
-    if q.ndim < 2:
-        if s.size != 1:
-            raise CheckpointError(
-                f"{name}: a {q.ndim}-D quantized weight needs a single-element scale, got {tuple(scale.shape)}"
-            )
-        return q * s.reshape(())
-    if s.size == 1:
-        return q * s.reshape(())
-    rows, cols = q.shape[-2:]
-    if s.ndim != q.ndim or s.shape[:-2] != q.shape[:-2]:
-        raise CheckpointError(
-            f"{name}: scale grid {tuple(scale.shape)} does not match weight {tuple(q.shape)} "
-            f"(need the same leading dims and a 2-D block grid)"
-        )
-    sr, sc = s.shape[-2:]
-    if sr == 0 or sc == 0:
-        raise CheckpointError(f"{name}: empty scale grid {tuple(scale.shape)} for weight {tuple(q.shape)}")
-    if is_fp8 and block_size is not None:
-        bm, bn = block_size
-        if (sr, sc) == (-(-rows // bm), -(-cols // bn)):
-            full = np.repeat(np.repeat(s, bm, axis=-2), bn, axis=-1)[..., :rows, :cols]
-            return q * full
-    if rows % sr or cols % sc:
-        raise CheckpointError(
-            f"{name}: weight shape ({rows}, {cols}) is not divisible by scale grid ({sr}, {sc})"
-            + (f" and the grid is not ceil-divided by weight_block_size {tuple(block_size)}" if block_size else "")
-        )
-    bm, bn = rows // sr, cols // sc
-    lead = q.shape[:-2]
-    blocks = q.reshape(lead + (sr, bm, sc, bn)) * s.reshape(lead + (sr, 1, sc, 1))
-    return blocks.reshape(q.shape)
+    return host_dense(quantized_tensor(weight, scale, block_size=block_size, name=name))
 
 
 # -------------------------------------------------------------------------------------------- loading
@@ -534,6 +548,11 @@ def _shard_plan(path: str) -> list[tuple[str, list[str] | None]]:
     )
 
 
+def _rows(a: np.ndarray | QuantizedTensor, index: int, rows: slice) -> np.ndarray | QuantizedTensor:
+    """a[index, rows] of a fused expert tensor, kept quantized where `QuantizedTensor.part` can."""
+    return a.part(index, rows) if isinstance(a, QuantizedTensor) else a[index, rows]
+
+
 def _fmt_shape(s: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(v)) for v in s) + ")"
 
@@ -543,7 +562,8 @@ def read_checkpoint(
     cfg: DeepseekV4Config,
     *,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, np.ndarray]:
+    keep_quantized: bool = False,
+) -> dict[str, np.ndarray | QuantizedTensor]:
     """Load a DeepSeek-V4 checkpoint as {canonical name: array} matching `expected_tensors(cfg)` exactly.
 
     path: a directory with `model.safetensors` or `model.safetensors.index.json` + shards (its
@@ -551,7 +571,10 @@ def read_checkpoint(
     Names of schemes (a)/(b)/(c) are mapped with `canonical_name`; fused experts are split into
     `layers.N.ffn.experts.E.w1|w3` (first|last I rows of gate_up [E, 2I, D]) and `.w2` (down [E, D, I]).
     Quantized weights (FP8, or int8/uint8 packed FP4 where a float is expected) are dequantized to
-    float32 with their `.scale` / `.weight_scale_inv`. Plain float tensors keep their stored dtype
+    float32 with their `.scale` / `.weight_scale_inv`; with `keep_quantized` they are returned as
+    `QuantizedTensor`s (data and scale grid as stored, memory-mapped) whose `.shape` is the logical
+    one (a fused expert tensor is split per expert, quantized where the split falls on block rows).
+    Plain float tensors keep their stored dtype
     (float32/bfloat16/float16) and stay memory-mapped; int tensors (`gate.tid2eid`) are int32/int64.
     With `cfg.tie_word_embeddings`, a `head.weight` equal to `embed.weight` is dropped.
     All problems (name collisions, missing / unexpected / mis-shaped / wrongly-typed tensors,
@@ -599,7 +622,9 @@ def read_checkpoint(
         problem = None
         if sc is not None:
             try:
-                a = dequantize(a, sc[1], block_size=block, name=k)
+                a = quantized_tensor(a, sc[1], block_size=block, name=k)
+                if not keep_quantized:
+                    a = host_dense(a)
             except CheckpointError as e:
                 problem = f"bad scale: {e} (scale from {sc[0]})"
         elif a.dtype in _FP8_DTYPES or (
@@ -626,7 +651,7 @@ def read_checkpoint(
         a, origin = values.pop(k), origins.pop(k)
         gate_up = k.endswith("gate_up_proj")
         prefix = k[: -len("gate_up_proj")] if gate_up else k[: -len("down_proj")]
-        if a.ndim != 3 or (gate_up and a.shape[1] % 2):
+        if len(a.shape) != 3 or (gate_up and a.shape[1] % 2):
             problems.append(
                 f"shape: {k!r} (from {origin}) must be [E, 2I, D] (gate_up) or [E, D, I] (down), "
                 f"got {_fmt_shape(a.shape)}"
@@ -636,9 +661,9 @@ def read_checkpoint(
         for e in range(a.shape[0]):
             if gate_up:
                 half = a.shape[1] // 2
-                parts = {"w1": a[e, :half], "w3": a[e, half:]}
+                parts = {"w1": _rows(a, e, slice(0, half)), "w3": _rows(a, e, slice(half, None))}
             else:
-                parts = {"w2": a[e]}
+                parts = {"w2": _rows(a, e, slice(None))}
             for w, v in parts.items():
                 name = f"{prefix}{e}.{w}.weight"
                 if name in values:
@@ -648,8 +673,8 @@ def read_checkpoint(
 
     if (
         cfg.tie_word_embeddings
-        and "head.weight" in values
-        and "embed.weight" in values
+        and isinstance(values.get("head.weight"), np.ndarray)
+        and isinstance(values.get("embed.weight"), np.ndarray)
         and values["head.weight"].shape == values["embed.weight"].shape
         and np.array_equal(values["head.weight"], values["embed.weight"])
     ):
@@ -665,7 +690,7 @@ def read_checkpoint(
             problems.append(f"shape: {k!r} (from {origins[k]}) expected {_fmt_shape(shape)}, got {_fmt_shape(a.shape)}")
         if kind == INT and a.dtype not in _INT_DTYPES:
             problems.append(f"dtype: {k!r} (from {origins[k]}) must be int32 or int64, got {a.dtype}")
-        elif kind == FLOAT and a.dtype not in _PLAIN_FLOATS:
+        elif kind == FLOAT and not isinstance(a, QuantizedTensor) and a.dtype not in _PLAIN_FLOATS:
             problems.append(
                 f"dtype: {k!r} (from {origins[k]}) must be float32, bfloat16, float16 or block-quantized, got {a.dtype}"
             )

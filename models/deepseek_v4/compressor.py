@@ -25,6 +25,7 @@ from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk  # n
 
 from .config import DeepseekV4Config
 from .norms import linear, rms_norm
+from .quantized import as_weight, quantized_or_param, weight
 from .rope import apply_rope, cos_sin
 
 
@@ -82,8 +83,8 @@ class Compressor(nnx.Module):
     """
 
     def __init__(self, wkv, wgate, ape, norm, *, ratio: int, head_dim: int, overlap: bool):
-        self.wkv = nnx.Param(wkv)
-        self.wgate = nnx.Param(wgate)
+        self.wkv = as_weight(wkv)
+        self.wgate = as_weight(wgate)
         self.ape = nnx.Param(ape)
         self.norm = nnx.Param(norm)
         self.ratio = ratio
@@ -92,7 +93,7 @@ class Compressor(nnx.Module):
 
     def project(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x [B, T, hidden] -> (kv, gate), each [B, T, width]."""
-        return linear(x, self.wkv.value), linear(x, self.wgate.value)
+        return linear(x, weight(self.wkv)), linear(x, weight(self.wgate))
 
     def compress_prefix(self, x: jnp.ndarray, freqs: np.ndarray, eps: float) -> jnp.ndarray:
         """Stateless: compress every complete window of x [B, T, hidden] -> [B, T // ratio, head_dim]."""
@@ -123,8 +124,8 @@ class Indexer(nnx.Module):
 
     def __init__(self, compressor: Compressor, wq_b, weights_proj, *, n_heads: int, head_dim: int, topk: int):
         self.compressor = compressor
-        self.wq_b = nnx.Param(wq_b)
-        self.weights_proj = nnx.Param(weights_proj)
+        self.wq_b = as_weight(wq_b)
+        self.weights_proj = as_weight(weights_proj)
         self.n_heads = n_heads
         self.head_dim = head_dim
         self.topk = topk
@@ -133,12 +134,12 @@ class Indexer(nnx.Module):
         """q_residual [B, S, q_lora_rank] -> roped indexer queries [B, S, n_heads, index_head_dim].
         cos/sin: [B, S, rope_dim // 2] of the `compress` family at the query positions."""
         b, s, _ = q_residual.shape
-        q = linear(q_residual, self.wq_b.value).reshape(b, s, self.n_heads, self.head_dim)
+        q = linear(q_residual, weight(self.wq_b)).reshape(b, s, self.n_heads, self.head_dim)
         return apply_rope(q, cos[:, :, None], sin[:, :, None])
 
     def head_weights(self, x: jnp.ndarray) -> jnp.ndarray:
         """x [B, S, hidden] -> float32[B, S, n_heads] per-head score weights (already scaled)."""
-        return numerics.mul(linear(x, self.weights_proj.value).astype(jnp.float32), jnp.float32(self.n_heads**-0.5))
+        return numerics.mul(linear(x, weight(self.weights_proj)).astype(jnp.float32), jnp.float32(self.n_heads**-0.5))
 
 
 def compressor_from_tensors(
@@ -146,8 +147,8 @@ def compressor_from_tensors(
 ) -> Compressor:
     """Build a `Compressor` from canonical tensors under `prefix` (e.g. "layers.1.attn.compressor.")."""
     return Compressor(
-        jnp.asarray(tensors[prefix + "wkv.weight"], dtype),
-        jnp.asarray(tensors[prefix + "wgate.weight"], dtype),
+        quantized_or_param(tensors[prefix + "wkv.weight"], dtype),
+        quantized_or_param(tensors[prefix + "wgate.weight"], dtype),
         jnp.asarray(tensors[prefix + "ape"], jnp.float32),
         jnp.asarray(tensors[prefix + "norm.weight"], jnp.float32),
         ratio=ratio,

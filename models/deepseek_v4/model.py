@@ -28,6 +28,8 @@ from .hyper_connection import HyperConnection, HyperHead, merge
 from .layer_scan import LayerStack, stateless_layers
 from .moe import MoE
 from .norms import linear, rms_norm
+from .quant_format import KEPT_QUANTIZED, QuantizedTensor, host_dense
+from .quantized import quantized_or_param, weight
 from .rope import cos_sin, inv_freq
 from .tensor_layout import INT, expected_tensors
 
@@ -53,6 +55,8 @@ def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
     permutes inside the decode loop), norms, hyper-connections, embeddings and the shared expert are
     replicated (the cache they produce is replicated within a data shard)."""
     parts = tuple(path.split("."))
+    if len(parts) >= 3 and parts[-1] in ("data", "scale") and parts[-3:-1] in _TP_DIMS:
+        parts = parts[:-1]  # a quantized weight's data and scale grid split along the same dim
     dim = _TP_DIMS.get(parts[-2:]) if len(parts) >= 2 else None
     if dim is None or len(shape) < -dim:
         return None
@@ -94,11 +98,22 @@ class DeepseekV4(nnx.Module):
     """DeepSeek-V4 causal LM. `model(tokens int32[B, T]) -> float32[B, T, vocab]` (stateless)."""
 
     def __init__(self, cfg: DeepseekV4Config, tensors: dict, dtype=jnp.float32):
+        """Args:
+        cfg: the config.
+        tensors: canonical name -> array (`expected_tensors(cfg)`), or `QuantizedTensor` for weights a
+          checkpoint stores quantized: linear weights (`quant_format.KEPT_QUANTIZED`) stay quantized on
+          the device (`quantized.QuantizedLinear`), any other is dequantized here.
+        dtype: the dtype of the weights and activations (norms, mHC, sinks, biases stay float32).
+        """
+        tensors = {
+            k: host_dense(v) if isinstance(v, QuantizedTensor) and not KEPT_QUANTIZED.match(k) else v
+            for k, v in tensors.items()
+        }
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.embed = nnx.Param(jnp.asarray(tensors["embed.weight"], dtype))
         head = tensors["embed.weight"] if cfg.tie_word_embeddings else tensors["head.weight"]
-        self.head = nnx.Param(jnp.asarray(head, dtype))
+        self.head = quantized_or_param(head, dtype)
         self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], jnp.float32))
         self.hc_head = HyperHead(
             tensors["hc_head_fn"],
@@ -134,7 +149,7 @@ class DeepseekV4(nnx.Module):
     def logits(self, streams: jnp.ndarray) -> jnp.ndarray:
         """Final streams [B, T, N, hidden] -> float32[B, T, vocab]."""
         h = rms_norm(self.hc_head(streams), self.norm.value, self.cfg.rms_norm_eps)
-        return linear(h, self.head.value).astype(jnp.float32)
+        return linear(h, weight(self.head)).astype(jnp.float32)
 
     @property
     def vocab_size(self) -> int:
@@ -205,17 +220,25 @@ def init(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.float32) -> DeepseekV4:
     return DeepseekV4(cfg, random_tensors(cfg, seed), dtype)
 
 
-def load(path: str | os.PathLike, dtype=jnp.bfloat16, progress: Callable[[str], None] | None = None) -> DeepseekV4:
+def load(
+    path: str | os.PathLike,
+    dtype=jnp.bfloat16,
+    progress: Callable[[str], None] | None = None,
+    *,
+    dequantize: bool = False,
+) -> DeepseekV4:
     """Load an HF-format DeepSeek-V4 directory (`config.json` + `*.safetensors`, sharded or not).
 
     Tensor names may follow the original DeepSeek release, transformers' `save_pretrained`, or
-    transformers' in-memory names. FP8 (block-scaled e4m3) and FP4 (e2m1 experts) weights are
-    dequantized on load; other quantizations are rejected by name. Missing, unexpected or
-    mis-shaped tensors raise `CheckpointError` naming each one. Weights are cast to `dtype`
-    (norms, mHC, sinks, position biases and router biases stay float32).
+    transformers' in-memory names. FP8 (block-scaled e4m3) and FP4 (e2m1 experts) linear weights stay
+    quantized on the device (`quantized.QuantizedLinear`: the stored values and scale grid, dequantized
+    inside each step, the same bits as dequantizing here); with `dequantize=True` they are dequantized
+    on load instead, as plain weights in `dtype`. Other quantizations are rejected by name. Missing,
+    unexpected or mis-shaped tensors raise `CheckpointError` naming each one. Weights are cast to
+    `dtype` (norms, mHC, sinks, position biases and router biases stay float32).
     """
     from .checkpoint import read_checkpoint, read_config
 
     cfg = read_config(path)
-    tensors = read_checkpoint(path, cfg, progress=progress)
+    tensors = read_checkpoint(path, cfg, progress=progress, keep_quantized=not dequantize)
     return DeepseekV4(cfg, tensors, dtype)

@@ -23,6 +23,9 @@ from hkv import numerics
 
 from .config import HASH_MOE, DeepseekV4Config
 from .norms import linear
+from .quant_format import host_dense
+from .quant_format import stack as stack_quantized
+from .quantized import QuantizedLinear, quantized_or_param, weight
 
 TILE = 64  # pairs per tile of the CPU grouped matmul
 
@@ -71,7 +74,10 @@ def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype
 class MoE(nnx.Module):
     """Routed experts + shared expert of layer `layer` (weights under `layers.N.ffn.`).
 
-    Stacked expert weights: w_gate, w_up [E, hidden, inter]; w_down [E, inter, hidden].
+    Stacked expert weights: w_gate, w_up [E, hidden, inter]; w_down [E, inter, hidden] — or, kept
+    quantized (`QuantizedLinear`), in the checkpoint's layout [E, out, in] (w_gate, w_up [E, inter,
+    hidden]; w_down [E, hidden, inter]), dequantized per step (only the routed experts where a step
+    gathers them) and transposed to the former (`expert_weights`).
     """
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, tensors: dict, dtype):
@@ -83,25 +89,30 @@ class MoE(nnx.Module):
         self.scoring_func = cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
         self.limit = cfg.swiglu_limit
-        self.gate = nnx.Param(jnp.asarray(tensors[p + "gate.weight"], dtype))
+        self.gate = quantized_or_param(tensors[p + "gate.weight"], dtype)
         if self.is_hash:
             self.tid2eid = nnx.Variable(jnp.asarray(np.asarray(tensors[p + "gate.tid2eid"]), jnp.int32))
         else:
             self.bias = nnx.Param(jnp.asarray(tensors[p + "gate.bias"], jnp.float32))
 
-        def stack(w: str) -> np.ndarray:
-            return np.stack([np.asarray(tensors[p + f"experts.{i}.{w}.weight"]).T for i in range(e)])
+        def stack(w: str) -> QuantizedLinear | nnx.Param:
+            parts = [tensors[p + f"experts.{i}.{w}.weight"] for i in range(e)]
+            quantized = stack_quantized(parts)  # kept as stored: [E, out, in]
+            if quantized is not None:
+                return QuantizedLinear(quantized, dtype)
+            dense = np.stack([np.asarray(host_dense(t)).T for t in parts])
+            return nnx.Param(jnp.asarray(dense, dtype))
 
-        self.w_gate = nnx.Param(jnp.asarray(stack("w1"), dtype))
-        self.w_up = nnx.Param(jnp.asarray(stack("w3"), dtype))
-        self.w_down = nnx.Param(jnp.asarray(stack("w2"), dtype))
-        self.shared_w1 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w1.weight"], dtype))
-        self.shared_w2 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w2.weight"], dtype))
-        self.shared_w3 = nnx.Param(jnp.asarray(tensors[p + "shared_experts.w3.weight"], dtype))
+        self.w_gate = stack("w1")
+        self.w_up = stack("w3")
+        self.w_down = stack("w2")
+        self.shared_w1 = quantized_or_param(tensors[p + "shared_experts.w1.weight"], dtype)
+        self.shared_w2 = quantized_or_param(tensors[p + "shared_experts.w2.weight"], dtype)
+        self.shared_w3 = quantized_or_param(tensors[p + "shared_experts.w3.weight"], dtype)
 
     def route(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x [N, hidden], token_ids int[N] -> (weights [N, k], expert ids int32[N, k])."""
-        scores = score(linear(x, self.gate.value), self.scoring_func)
+        scores = score(linear(x, weight(self.gate)), self.scoring_func)
         if self.is_hash:
             idx = self.tid2eid.value[token_ids]
         else:
@@ -144,12 +155,25 @@ class MoE(nnx.Module):
         y = self._expert_rows(jnp.repeat(x, k, axis=0)[:, None, :], flat)[:, 0]  # [N * k, hidden] float32
         return _combine_pairs(y.reshape(n, k, -1), weights, idx, self.n_experts, x.dtype)
 
+    def expert_weights(self, expert: jnp.ndarray | None, dt) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+        """(w_gate, w_up [G, hidden, inter], w_down [G, inter, hidden]) in `dt`: of every expert (expert
+        None, G = E) or of experts `expert` int32[G] (gathered: quantized weights read only those
+        experts' bytes, then dequantize)."""
+
+        def one(w: QuantizedLinear | nnx.Param) -> jnp.ndarray:
+            if isinstance(w, QuantizedLinear):
+                dense = w.dense() if expert is None else w.take(expert)  # [G, out, in], the model's dtype
+                return jnp.swapaxes(dense, -1, -2).astype(dt)
+            v = w.value.astype(dt)
+            return v if expert is None else v[expert]
+
+        return one(self.w_gate), one(self.w_up), one(self.w_down)
+
     def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
         """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
         hidden] -> float32 [G, R, hidden], as batched products (rows padded to `numerics.min_rows`)."""
         dt = rows.dtype
-        ws = (self.w_gate, self.w_up, self.w_down)
-        wg, wu, wd = (w.value.astype(dt) if expert is None else w.value.astype(dt)[expert] for w in ws)
+        wg, wu, wd = self.expert_weights(expert, dt)
         # rows per product: a tile's (TILE) or, in decode, one per token: padded to where every count up
         # to TILE sums in one order (2 rows; float32 products whose kernel changes below TILE: TILE)
         hidden, inter = wg.shape[-2:]
@@ -197,15 +221,17 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         rows = x[order // k]
         sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
-        g = jax.lax.ragged_dot(rows, self.w_gate.value.astype(x.dtype), sizes)
-        u = jax.lax.ragged_dot(rows, self.w_up.value.astype(x.dtype), sizes)
-        y = jax.lax.ragged_dot(swiglu(g, u, self.limit), self.w_down.value.astype(x.dtype), sizes)
+        wg, wu, wd = self.expert_weights(None, x.dtype)
+        g = jax.lax.ragged_dot(rows, wg, sizes)
+        u = jax.lax.ragged_dot(rows, wu, sizes)
+        y = jax.lax.ragged_dot(swiglu(g, u, self.limit), wd, sizes)
         out = y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
         return _combine_pairs(out, weights, idx, self.n_experts, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(
-            swiglu(linear(x, self.shared_w1.value), linear(x, self.shared_w3.value), self.limit), self.shared_w2.value
+            swiglu(linear(x, weight(self.shared_w1)), linear(x, weight(self.shared_w3)), self.limit),
+            weight(self.shared_w2),
         )
 
     def __call__(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> jnp.ndarray:

@@ -13,6 +13,7 @@ import torch
 
 from models.deepseek_v4 import DeepseekV4, forward_fn, load, tiny_config
 from models.deepseek_v4.checkpoint import CheckpointError, canonical_name, read_safetensors, write_safetensors
+from models.deepseek_v4.quantized import weight
 
 from .hf_reference import build_hf_model, save_hf_model
 
@@ -97,7 +98,7 @@ def _fp4_reference(packed: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
     return vals * np.repeat(np.exp2(scale_bytes.astype(np.float32) - 127), 32, axis=1)
 
 
-def test_fp8_and_fp4_checkpoint_is_dequantized_on_load(reference, tmp_path):
+def test_fp8_and_fp4_checkpoint_dequantized_on_load_or_kept_quantized(reference, tmp_path):
     path, model, logits = reference
     src = read_safetensors(path / "model.safetensors")
     out, dequantized = {}, {}
@@ -125,10 +126,14 @@ def test_fp8_and_fp4_checkpoint_is_dequantized_on_load(reference, tmp_path):
         "expert_dtype": "fp4",
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    qmodel = load(tmp_path, dtype=jnp.float32)
+    qmodel = load(tmp_path, dtype=jnp.float32, dequantize=True)
     assert qmodel.cfg.quantization == "fp8"
     np.testing.assert_array_equal(
         np.asarray(qmodel.layers[0].attn.wq_a.value), dequantized["layers.0.attn.wq_a.weight"]
+    )
+    kept = load(tmp_path, dtype=jnp.float32)  # the default keeps them quantized, the same values
+    np.testing.assert_array_equal(
+        np.asarray(weight(kept.layers[0].attn.wq_a)), dequantized["layers.0.attn.wq_a.weight"]
     )
     # The whole model equals one built from independently dequantized weights.
     canonical = {canonical_name(k): np.asarray(v) for k, v in src.items()}
@@ -137,6 +142,7 @@ def test_fp8_and_fp4_checkpoint_is_dequantized_on_load(reference, tmp_path):
     got = np.asarray(forward_fn(qmodel)(IDS))
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     assert not np.allclose(got, logits, atol=1e-3)  # the quantization really happened
+    np.testing.assert_array_equal(np.asarray(forward_fn(kept)(IDS)), got)
 
 
 def test_unknown_quantization_is_rejected_by_name(reference, tmp_path):
