@@ -38,6 +38,14 @@ class Bars:
 
         return tqdm(total=total, desc=desc, unit="tok", leave=False, dynamic_ncols=True)
 
+    def bytes(self, total: int, desc: str):
+        """A bar over `total` bytes (None when disabled or total is 0)."""
+        if not self.enabled or total <= 0:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, dynamic_ncols=True)
+
     @contextlib.contextmanager
     def compiling(self, name: str):
         """An elapsed-time bar while `name` compiles."""

@@ -15,6 +15,7 @@ from flax import nnx
 from hkv import numerics
 from hkv.core.kv_quant import round_rows
 from hkv.core.layers import causal_entry_limit, indexer_topk, sequence_attention
+from models.placement import put
 
 from .compressor import Indexer, compressor_from_tensors
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -45,14 +46,14 @@ class Attention(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.rope_family = "main" if self.layer_type == SLIDING else "compress"
         self.kv_quant = cfg.kv_quant_spec()  # the cache's row format: K=V rows, entries, keys rounded to it
-        self.wq_a = quantized_or_param(tensors[p + "wq_a.weight"], dtype)
-        self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], f32))
-        self.wq_b = quantized_or_param(tensors[p + "wq_b.weight"], dtype)
-        self.wkv = quantized_or_param(tensors[p + "wkv.weight"], dtype)
-        self.norm = nnx.Param(jnp.asarray(tensors[p + "norm.weight"], f32))
-        self.wo_a = quantized_or_param(tensors[p + "wo_a.weight"], dtype)
-        self.wo_b = quantized_or_param(tensors[p + "wo_b.weight"], dtype)
-        self.attn_sink = nnx.Param(jnp.asarray(tensors[p + "attn_sink"], f32))
+        self.wq_a = quantized_or_param(tensors[p + "wq_a.weight"], dtype, p + "wq_a")
+        self.q_norm = nnx.Param(put(tensors[p + "q_norm.weight"], f32))
+        self.wq_b = quantized_or_param(tensors[p + "wq_b.weight"], dtype, p + "wq_b")
+        self.wkv = quantized_or_param(tensors[p + "wkv.weight"], dtype, p + "wkv")
+        self.norm = nnx.Param(put(tensors[p + "norm.weight"], f32))
+        self.wo_a = quantized_or_param(tensors[p + "wo_a.weight"], dtype, p + "wo_a")
+        self.wo_b = quantized_or_param(tensors[p + "wo_b.weight"], dtype, p + "wo_b")
+        self.attn_sink = nnx.Param(put(tensors[p + "attn_sink"], f32, p + "attn_sink"))
         compressor = indexer = None
         if self.layer_type in (CSA, HCA):
             self.ratio = cfg.compress_rate(layer)
@@ -77,8 +78,8 @@ class Attention(nnx.Module):
             )
             indexer = Indexer(
                 index_compressor,
-                quantized_or_param(tensors[p + "indexer.wq_b.weight"], dtype),
-                quantized_or_param(tensors[p + "indexer.weights_proj.weight"], dtype),
+                quantized_or_param(tensors[p + "indexer.wq_b.weight"], dtype, p + "indexer.wq_b"),
+                quantized_or_param(tensors[p + "indexer.weights_proj.weight"], dtype, p + "indexer.weights_proj"),
                 n_heads=cfg.index_n_heads,
                 head_dim=cfg.index_head_dim,
                 topk=cfg.index_topk,

@@ -22,6 +22,7 @@ from flax import nnx
 
 from hkv import numerics
 from hkv.core.layers import causal_entry_limit, indexer_scores, select_topk  # noqa: F401 (re-exported)
+from models.placement import put
 
 from .config import DeepseekV4Config
 from .norms import linear, rms_norm
@@ -147,10 +148,10 @@ def compressor_from_tensors(
 ) -> Compressor:
     """Build a `Compressor` from canonical tensors under `prefix` (e.g. "layers.1.attn.compressor.")."""
     return Compressor(
-        quantized_or_param(tensors[prefix + "wkv.weight"], dtype),
-        quantized_or_param(tensors[prefix + "wgate.weight"], dtype),
-        jnp.asarray(tensors[prefix + "ape"], jnp.float32),
-        jnp.asarray(tensors[prefix + "norm.weight"], jnp.float32),
+        quantized_or_param(tensors[prefix + "wkv.weight"], dtype, prefix + "wkv"),
+        quantized_or_param(tensors[prefix + "wgate.weight"], dtype, prefix + "wgate"),
+        put(tensors[prefix + "ape"], jnp.float32),
+        put(tensors[prefix + "norm.weight"], jnp.float32),
         ratio=ratio,
         head_dim=head_dim,
         overlap=overlap,

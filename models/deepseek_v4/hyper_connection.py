@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hkv import numerics
+from models.placement import put
 
 from .norms import unweighted_rms_norm
 
@@ -21,9 +22,9 @@ class HyperConnection(nnx.Module):
     """fn: float32[(2 + N) * N, N * hidden]; base: float32[(2 + N) * N]; scale: float32[3]."""
 
     def __init__(self, fn, base, scale, *, hc_mult: int, iters: int, eps: float, norm_eps: float):
-        self.fn = nnx.Param(jnp.asarray(fn, jnp.float32))
-        self.base = nnx.Param(jnp.asarray(base, jnp.float32))
-        self.scale = nnx.Param(jnp.asarray(scale, jnp.float32))
+        self.fn = nnx.Param(put(fn, jnp.float32))
+        self.base = nnx.Param(put(base, jnp.float32))
+        self.scale = nnx.Param(put(scale, jnp.float32))
         self.hc_mult = hc_mult
         self.iters = iters
         self.eps = eps
@@ -72,9 +73,9 @@ class HyperHead(nnx.Module):
     """Final collapse of the N streams before the output norm. fn [N, N*hidden], base [N], scale [1]."""
 
     def __init__(self, fn, base, scale, *, eps: float, norm_eps: float):
-        self.fn = nnx.Param(jnp.asarray(fn, jnp.float32))
-        self.base = nnx.Param(jnp.asarray(base, jnp.float32))
-        self.scale = nnx.Param(jnp.asarray(scale, jnp.float32))
+        self.fn = nnx.Param(put(fn, jnp.float32))
+        self.base = nnx.Param(put(base, jnp.float32))
+        self.scale = nnx.Param(put(scale, jnp.float32))
         self.eps = eps
         self.norm_eps = norm_eps
 

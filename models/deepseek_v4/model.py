@@ -17,7 +17,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from models.placement import OnMesh, placing, put
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .attention import Attention
@@ -70,8 +72,8 @@ class DecoderLayer(nnx.Module):
         p = f"layers.{layer}."
         hc = dict(hc_mult=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         self.eps = cfg.rms_norm_eps
-        self.attn_norm = nnx.Param(jnp.asarray(tensors[p + "attn_norm.weight"], jnp.float32))
-        self.ffn_norm = nnx.Param(jnp.asarray(tensors[p + "ffn_norm.weight"], jnp.float32))
+        self.attn_norm = nnx.Param(put(tensors[p + "attn_norm.weight"], jnp.float32))
+        self.ffn_norm = nnx.Param(put(tensors[p + "ffn_norm.weight"], jnp.float32))
         self.hc_attn = HyperConnection(
             tensors[p + "hc_attn_fn"], tensors[p + "hc_attn_base"], tensors[p + "hc_attn_scale"], **hc
         )
@@ -111,10 +113,10 @@ class DeepseekV4(nnx.Module):
         }
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        self.embed = nnx.Param(jnp.asarray(tensors["embed.weight"], dtype))
+        self.embed = nnx.Param(put(tensors["embed.weight"], dtype, "embed"))
         head = tensors["embed.weight"] if cfg.tie_word_embeddings else tensors["head.weight"]
-        self.head = quantized_or_param(head, dtype)
-        self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], jnp.float32))
+        self.head = quantized_or_param(head, dtype, "head")
+        self.norm = nnx.Param(put(tensors["norm.weight"], jnp.float32))
         self.hc_head = HyperHead(
             tensors["hc_head_fn"],
             tensors["hc_head_base"],
@@ -226,6 +228,9 @@ def load(
     progress: Callable[[str], None] | None = None,
     *,
     dequantize: bool = False,
+    mesh: Mesh | None = None,
+    model_axis: str = "model",
+    progress_bars: bool | None = None,
 ) -> DeepseekV4:
     """Load an HF-format DeepSeek-V4 directory (`config.json` + `*.safetensors`, sharded or not).
 
@@ -236,9 +241,23 @@ def load(
     on load instead, as plain weights in `dtype`. Other quantizations are rejected by name. Missing,
     unexpected or mis-shaped tensors raise `CheckpointError` naming each one. Weights are cast to
     `dtype` (norms, mHC, sinks, position biases and router biases stay float32).
+
+    Args:
+      progress: called with a message per safetensors shard opened.
+      mesh: None: every weight on the default device. A `jax.sharding.Mesh`: each weight sharded as
+        `hkv.Engine(model, config, mesh=mesh)` shards it (split over `model_axis` where
+        `tensor_parallel_dim` says and the axis divides it, replicated otherwise), each device's slice
+        read from the memory-mapped shards and put on that device (`models.placement.OnMesh`): the
+        whole model is never on one device or in host memory, and each process of a multi-process
+        mesh reads only its own devices' slices.
+      progress_bars: a bar over the bytes placed on the mesh (None: when interactive).
     """
     from .checkpoint import read_checkpoint, read_config
 
     cfg = read_config(path)
     tensors = read_checkpoint(path, cfg, progress=progress, keep_quantized=not dequantize)
-    return DeepseekV4(cfg, tensors, dtype)
+    if mesh is None:
+        return DeepseekV4(cfg, tensors, dtype)
+    total = sum(int(v.nbytes) for v in tensors.values())
+    with placing(OnMesh(mesh, model_axis, tensor_parallel_dim, total_bytes=total, progress_bars=progress_bars)):
+        return DeepseekV4(cfg, tensors, dtype)

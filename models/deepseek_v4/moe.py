@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from hkv import numerics
+from models.placement import LazyStack, put
 
 from .config import HASH_MOE, DeepseekV4Config
 from .norms import linear
@@ -89,26 +89,25 @@ class MoE(nnx.Module):
         self.scoring_func = cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
         self.limit = cfg.swiglu_limit
-        self.gate = quantized_or_param(tensors[p + "gate.weight"], dtype)
+        self.gate = quantized_or_param(tensors[p + "gate.weight"], dtype, p + "gate")
         if self.is_hash:
-            self.tid2eid = nnx.Variable(jnp.asarray(np.asarray(tensors[p + "gate.tid2eid"]), jnp.int32))
+            self.tid2eid = nnx.Variable(put(tensors[p + "gate.tid2eid"], jnp.int32))
         else:
-            self.bias = nnx.Param(jnp.asarray(tensors[p + "gate.bias"], jnp.float32))
+            self.bias = nnx.Param(put(tensors[p + "gate.bias"], jnp.float32))
 
-        def stack(w: str) -> QuantizedLinear | nnx.Param:
+        def stack(w: str, name: str) -> QuantizedLinear | nnx.Param:
             parts = [tensors[p + f"experts.{i}.{w}.weight"] for i in range(e)]
             quantized = stack_quantized(parts)  # kept as stored: [E, out, in]
             if quantized is not None:
-                return QuantizedLinear(quantized, dtype)
-            dense = np.stack([np.asarray(host_dense(t)).T for t in parts])
-            return nnx.Param(jnp.asarray(dense, dtype))
+                return QuantizedLinear(quantized, dtype, p + name)
+            return nnx.Param(put(LazyStack([host_dense(t) for t in parts], transpose=True), dtype, p + name))
 
-        self.w_gate = stack("w1")
-        self.w_up = stack("w3")
-        self.w_down = stack("w2")
-        self.shared_w1 = quantized_or_param(tensors[p + "shared_experts.w1.weight"], dtype)
-        self.shared_w2 = quantized_or_param(tensors[p + "shared_experts.w2.weight"], dtype)
-        self.shared_w3 = quantized_or_param(tensors[p + "shared_experts.w3.weight"], dtype)
+        self.w_gate = stack("w1", "w_gate")
+        self.w_up = stack("w3", "w_up")
+        self.w_down = stack("w2", "w_down")
+        self.shared_w1 = quantized_or_param(tensors[p + "shared_experts.w1.weight"], dtype, p + "shared_w1")
+        self.shared_w2 = quantized_or_param(tensors[p + "shared_experts.w2.weight"], dtype, p + "shared_w2")
+        self.shared_w3 = quantized_or_param(tensors[p + "shared_experts.w3.weight"], dtype, p + "shared_w3")
 
     def route(self, x: jnp.ndarray, token_ids: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x [N, hidden], token_ids int[N] -> (weights [N, k], expert ids int32[N, k])."""

@@ -24,6 +24,8 @@ import re
 import ml_dtypes
 import numpy as np
 
+from models.lazy_arrays import LazyStack
+
 __all__ = [
     "FP4",
     "FP4_E2M1_LUT",
@@ -133,9 +135,9 @@ class QuantizedTensor:
 
 
 def stack(parts: list[QuantizedTensor | np.ndarray]) -> QuantizedTensor | None:
-    """One `QuantizedTensor` [len(parts), ...] of quantized parts of one format, block, scale dtype and
-    shape (the routed experts of a layer), or None when they are not all alike (the caller
-    dequantizes)."""
+    """One `QuantizedTensor` [len(parts), ...] (data and scale `LazyStack`s: read per slice) of quantized
+    parts of one format, block, scale dtype and shape (the routed experts of a layer), or None when
+    they are not all alike (the caller dequantizes)."""
     first = parts[0]
     if not isinstance(first, QuantizedTensor):
         return None
@@ -154,12 +156,8 @@ def stack(parts: list[QuantizedTensor | np.ndarray]) -> QuantizedTensor | None:
             != key
         ):
             return None
-    return QuantizedTensor(
-        np.stack([np.asarray(p.data) for p in parts]),
-        np.stack([np.asarray(p.scale) for p in parts]),
-        first.fmt,
-        first.block,
-    )
+    data, scale = LazyStack([p.data for p in parts]), LazyStack([p.scale for p in parts])
+    return QuantizedTensor(data, scale, first.fmt, first.block)
 
 
 def host_dense(value) -> np.ndarray:

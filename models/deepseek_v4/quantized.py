@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layer_stack import LayerView, VariableView
+from models.placement import put
 
 from .quant_format import FP4, FP4_E2M1_LUT, QuantizedTensor
 
@@ -65,9 +66,11 @@ class QuantizedLinear(nnx.Module):
       fmt, block, dtype: static: the format, the block and the dtype `dense()` returns.
     """
 
-    def __init__(self, q: QuantizedTensor, dtype):
-        self.data = nnx.Param(jnp.asarray(q.data))
-        self.scale = nnx.Param(jnp.asarray(q.scale))
+    def __init__(self, q: QuantizedTensor, dtype, name: str | None = None):
+        """q: the weight as stored; dtype: what `dense()` returns; name: its canonical path, which places
+        its data and scale (`models.placement.put`: `name.data`, `name.scale`)."""
+        self.data = nnx.Param(put(q.data, None, None if name is None else name + ".data"))
+        self.scale = nnx.Param(put(q.scale, None, None if name is None else name + ".scale"))
         self.fmt = q.fmt
         self.block = tuple(q.block)
         self.dtype = jnp.dtype(dtype)
@@ -88,12 +91,13 @@ class QuantizedLinear(nnx.Module):
         return q.astype(self.dtype)
 
 
-def quantized_or_param(value, dtype) -> QuantizedLinear | nnx.Param:
+def quantized_or_param(value, dtype, name: str | None = None) -> QuantizedLinear | nnx.Param:
     """A checkpoint tensor as a model weight: a `QuantizedTensor` stays quantized (`QuantizedLinear`
-    whose `dense()` is in `dtype`); an array becomes an `nnx.Param` cast to `dtype`."""
+    whose `dense()` is in `dtype`); an array becomes an `nnx.Param` cast to `dtype`. Placed by
+    `models.placement.put` under `name` (the weight's path, e.g. "layers.3.attn.wq_b")."""
     if isinstance(value, QuantizedTensor):
-        return QuantizedLinear(value, dtype)
-    return nnx.Param(jnp.asarray(value, dtype))
+        return QuantizedLinear(value, dtype, name)
+    return nnx.Param(put(value, dtype, name))
 
 
 def as_weight(w) -> QuantizedLinear | nnx.Param:
