@@ -23,6 +23,9 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
+
+from models.placement import OnMesh, placing
 
 from .config import ConfigError, Gemma3Config
 from .model import Gemma3, expected_tensors
@@ -167,9 +170,17 @@ def read_checkpoint(path: str | os.PathLike, cfg: Gemma3Config) -> dict[str, np.
     return tensors
 
 
-def load(path: str | os.PathLike, dtype="float32") -> Gemma3:
+def load(
+    path: str | os.PathLike, dtype="float32", *, mesh: Mesh | None = None, progress_bars: bool | None = None
+) -> Gemma3:
     """Load an HF Gemma 3 checkpoint directory as a `Gemma3` whose weights are cast to `dtype`
-    ("float32", "bfloat16", or a jnp dtype). Raises `ConfigError` / `CheckpointError` (both ValueErrors)."""
+    ("float32", "bfloat16", or a jnp dtype). Raises `ConfigError` / `CheckpointError` (both ValueErrors).
+
+    mesh: None: the weights on the default device. A `jax.sharding.Mesh`: each weight put on every
+    device of the mesh (Gemma 3 is replicated; `hkv.Engine(model, config, mesh=mesh)` splits the
+    cache over its data axis), one weight at a time from the memory-mapped checkpoint
+    (`models.placement.OnMesh`), never the whole model on one device first; a bar over the bytes
+    placed (`progress_bars`, None: when interactive)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a directory")
@@ -181,7 +192,11 @@ def load(path: str | os.PathLike, dtype="float32") -> Gemma3:
         raise ValueError(f"dtype={dtype} must be a floating dtype")
     cfg = read_config(path)
     tensors = read_checkpoint(path, cfg)
-    return Gemma3(cfg, tensors, dtype)
+    if mesh is None:
+        return Gemma3(cfg, tensors, dtype)
+    total = sum(int(np.asarray(v).nbytes) for v in tensors.values())
+    with placing(OnMesh(mesh, None, total_bytes=total, progress_bars=progress_bars)):
+        return Gemma3(cfg, tensors, dtype)
 
 
 __all__ += ["SAFETENSORS_DTYPES", "ConfigError", "check_tensors"]

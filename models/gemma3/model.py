@@ -31,6 +31,7 @@ from hkv import numerics
 from hkv.core.kv_quant import round_rows
 from hkv.core.layers import masked_attention
 from models.layer_stack import LayerStack, run_layers
+from models.placement import put
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
 from .cache_spec import cache_spec
@@ -60,7 +61,7 @@ def kernel_param(dtype, *weights) -> nnx.Param:
     """Checkpoint weights [out_i, in] as one [in, sum(out_i)] kernel that `dense` reads (outputs in
     the order given). One product of the joined kernel replaces a product per weight: a decode step
     reads all of them in one pass (q/k/v, gate/up)."""
-    return nnx.Param(jnp.asarray(np.concatenate([np.asarray(w) for w in weights]).T, dtype))
+    return nnx.Param(put(np.concatenate([np.asarray(w) for w in weights]).T, dtype))
 
 
 def cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -126,8 +127,8 @@ class Attention(nnx.Module):
         # q, k and v projections joined: [hidden, (H + 2 Hkv) * D]
         self.qkv_proj = kernel_param(dtype, *(tensors[p + n + "_proj.weight"] for n in "qkv"))
         self.o_proj = kernel_param(dtype, tensors[p + "o_proj.weight"])
-        self.q_norm = nnx.Param(jnp.asarray(tensors[p + "q_norm.weight"], dtype))
-        self.k_norm = nnx.Param(jnp.asarray(tensors[p + "k_norm.weight"], dtype))
+        self.q_norm = nnx.Param(put(tensors[p + "q_norm.weight"], dtype))
+        self.k_norm = nnx.Param(put(tensors[p + "k_norm.weight"], dtype))
 
     def project_qkv(self, x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray):
         """Normed hidden x [B, T, hidden] -> q [B, T, H, D], k [B, T, Hkv, D] (q/k-normed, roped), v [B, T, Hkv, D]."""
@@ -171,7 +172,7 @@ class DecoderLayer(nnx.Module):
         self.window = cfg.window if self.layer_type == SLIDING else None
         self.eps = cfg.rms_norm_eps
         self.scaling = cfg.scaling
-        norm = {n: nnx.Param(jnp.asarray(tensors[p + n + ".weight"], dtype)) for n in _LAYER_NORMS}
+        norm = {n: nnx.Param(put(tensors[p + n + ".weight"], dtype)) for n in _LAYER_NORMS}
         self.input_layernorm = norm["input_layernorm"]
         self.post_attention_layernorm = norm["post_attention_layernorm"]
         self.pre_feedforward_layernorm = norm["pre_feedforward_layernorm"]
@@ -220,9 +221,9 @@ class Gemma3(nnx.Module):
             self.embed_tokens = None
             self.lm_head = kernel_param(dtype, tensors["embed_tokens.weight"])
         else:
-            self.embed_tokens = nnx.Param(jnp.asarray(tensors["embed_tokens.weight"], dtype))
+            self.embed_tokens = nnx.Param(put(tensors["embed_tokens.weight"], dtype))
             self.lm_head = kernel_param(dtype, tensors["lm_head.weight"])
-        self.norm = nnx.Param(jnp.asarray(tensors["norm.weight"], dtype))
+        self.norm = nnx.Param(put(tensors["norm.weight"], dtype))
         # repeating runs of layers (5 sliding : 1 full) are held stacked so that steps scan them;
         # `self.layers[i]` is still layer i (`models.layer_stack.LayerStack`)
         self.layers = LayerStack([DecoderLayer(cfg, i, tensors, dtype) for i in range(cfg.num_hidden_layers)])

@@ -154,6 +154,14 @@ def test_sharded_checkpoint_loads_identically(tmp_path, tmp_path_factory):
     ours = gemma3.load(tmp_path)
     ids = np.random.default_rng(3).integers(0, ours.cfg.vocab_size, (1, 64))
     assert max_err(gemma3.forward_fn(ours)(ids), case["fwd"](ids)) == 0.0
+    # streamed onto a mesh: every weight on each of its devices, the same values, the same logits
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("data", "model"))
+    placed = gemma3.load(tmp_path, mesh=mesh)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(placed)), nnx.to_flat_state(nnx.state(ours)), strict=True):
+        a, b = a.get_value(), b.get_value()
+        assert a.sharding.mesh == mesh and a.sharding.is_fully_replicated, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max_err(gemma3.forward_fn(placed)(ids), case["fwd"](ids)) == 0.0
 
 
 def test_multimodal_names_and_config_load_identically(tmp_path, tmp_path_factory):
