@@ -23,9 +23,10 @@ Public API
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hkv.engine.progress import Bars
-from models.lazy_arrays import LazyStack
+from models.lazy_arrays import LazyStack, Readahead, read
 
-__all__ = ["LazyStack", "OnDevice", "OnMesh", "Placement", "placing", "put"]
+__all__ = [
+    "PARALLEL_BYTES",
+    "READAHEAD_WINDOW",
+    "READ_THREADS",
+    "LazyStack",
+    "OnDevice",
+    "OnMesh",
+    "Placement",
+    "placing",
+    "put",
+]
+
+READ_THREADS = 4  # threads reading one weight's slices
+READAHEAD_WINDOW = 1 << 30  # how far `OnMesh(readahead=)` reads ahead of the weights placed
+PARALLEL_BYTES = 1 << 20  # a weight of at least this many bytes has its slices read by those threads
 
 
 class Placement:
@@ -65,6 +80,10 @@ class OnMesh(Placement):
         a dim the axis does not divide is replicated, as `hkv.engine.sharded.weight_shardings` does.
       total_bytes: the checkpoint bytes the weights will read (the progress bar's total), or None.
       progress_bars: True / False / None (None: when the session is interactive, `hkv.engine.progress`).
+      readahead: the checkpoint's files in the order the model reads them: read ahead into the OS page
+        cache on a background thread (`lazy_arrays.Readahead`, at most `READAHEAD_WINDOW` bytes ahead)
+        so the disk streams while weights are converted and placed. Only worth it when this process
+        reads (nearly) every byte, i.e. one process; () for none.
     """
 
     def __init__(
@@ -75,6 +94,7 @@ class OnMesh(Placement):
         *,
         total_bytes: int | None = None,
         progress_bars: bool | None = None,
+        readahead: Sequence[str] = (),
     ):
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
@@ -85,6 +105,8 @@ class OnMesh(Placement):
         self.bytes_placed = 0  # their global bytes (replicas counted once)
         self.peak_staging_bytes = 0  # the most host bytes one weight's slices took (what the host holds at once)
         self._bar = Bars(progress_bars).bytes(total_bytes or 0, "hkv: placing weights")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._readahead = Readahead(readahead, READAHEAD_WINDOW) if readahead else None
 
     def spec(self, name: str | None, shape: tuple[int, ...]) -> PartitionSpec:
         """The PartitionSpec of weight `name` of `shape` on this mesh."""
@@ -102,25 +124,41 @@ class OnMesh(Placement):
         shape = tuple(int(d) for d in value.shape)
         dt = np.dtype(value.dtype if dtype is None else jnp.dtype(dtype))
         sharding = NamedSharding(self.mesh, self.spec(name, shape))
-        read: dict[str, np.ndarray] = {}  # replicas of one slice are read once
+        # the distinct slices this process's devices hold (replicas read once), read by a few threads
+        # (`lazy_arrays.read` preads without the GIL; numpy's copies release it too)
+        wanted = {repr(i): i for i in sharding.addressable_devices_indices_map(shape).values()}
 
-        def slice_of(index: tuple) -> np.ndarray:
-            key = repr(index)
-            if key not in read:
-                read[key] = np.asarray(value[index]).astype(dt, copy=False)
-            return read[key]
+        def read_one(key: str) -> tuple[str, np.ndarray]:
+            return key, read(value, wanted[key]).astype(dt, copy=False)
 
-        out = jax.make_array_from_callback(shape, sharding, slice_of)
-        self.peak_staging_bytes = max(self.peak_staging_bytes, sum(int(a.nbytes) for a in read.values()))
-        read.clear()
+        if len(wanted) > 1 and int(value.nbytes) >= PARALLEL_BYTES:
+            slices = dict(self._threads().map(read_one, wanted))
+        else:
+            slices = dict(map(read_one, wanted))
+        out = jax.make_array_from_callback(shape, sharding, lambda index: slices[repr(index)])
+        self.peak_staging_bytes = max(self.peak_staging_bytes, sum(int(a.nbytes) for a in slices.values()))
+        slices.clear()
         self.placed += 1
         self.bytes_placed += int(np.prod(shape)) * dt.itemsize
+        if self._readahead is not None:
+            self._readahead.advance(int(value.nbytes))
         if self._bar is not None:
             self._bar.update(int(value.nbytes))
         return out
 
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hkv-load")
+        return self._pool
+
     def close(self) -> None:
-        """Close the progress bar."""
+        """Close the progress bar and the reading threads."""
+        if self._readahead is not None:
+            self._readahead.close()
+            self._readahead = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -398,7 +398,7 @@ def quantized_tensor(
 ) -> QuantizedTensor | np.ndarray:
     """A block-scaled quantized weight as a `QuantizedTensor` (kept quantized), or, for a weight of
     fewer than 2 dims, dequantized to float32. Arguments and grid rules as `dequantize`."""
-    weight, scale = np.asarray(weight), np.asarray(scale)
+    weight, scale = np.asanyarray(weight), np.asanyarray(scale)  # memory-mapped views stay so
     if weight.dtype in _FP4_DTYPES:
         if weight.ndim == 0:
             raise CheckpointError(f"{name}: a packed FP4 tensor needs at least 1 dimension, got a scalar")

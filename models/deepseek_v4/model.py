@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from models.lazy_arrays import source_file
 from models.placement import OnMesh, placing, put
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
@@ -259,5 +261,10 @@ def load(
     if mesh is None:
         return DeepseekV4(cfg, tensors, dtype)
     total = sum(int(v.nbytes) for v in tensors.values())
-    with placing(OnMesh(mesh, model_axis, tensor_parallel_dim, total_bytes=total, progress_bars=progress_bars)):
+    files = list(dict.fromkeys(f for f in map(source_file, tensors.values()) if f))  # in the order read
+    ahead = files if jax.process_count() == 1 else ()  # one process reads every byte: stream the files
+    placement = OnMesh(
+        mesh, model_axis, tensor_parallel_dim, total_bytes=total, progress_bars=progress_bars, readahead=ahead
+    )
+    with placing(placement):
         return DeepseekV4(cfg, tensors, dtype)

@@ -18,6 +18,7 @@ from hkv.engine.sharded import weight_shardings
 from models.deepseek_v4 import DeepseekV4, load, random_tensors, tensor_parallel_dim, tiny_config
 from models.deepseek_v4.checkpoint import read_checkpoint, read_config, read_safetensors
 from models.deepseek_v4.release import write_release_checkpoint
+from models.lazy_arrays import read
 from models.placement import LazyStack, OnMesh, placing
 
 CFG = tiny_config(hidden_size=512, moe_intermediate_size=256)
@@ -110,3 +111,23 @@ def test_a_bad_mesh_is_refused_and_a_bar_shows_the_bytes(shards, capsys):
         load(path, dtype=jnp.float32, mesh=[0, 1])
     load(path, dtype=jnp.float32, mesh=mesh_of(1, 2), progress_bars=True)
     assert "hkv: placing weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("offset", [0, 8 + 13, 4096 + 5], ids=["from-0", "header", "past-a-page"])
+def test_read_gives_the_slice_whether_it_preads_or_slices(tmp_path, offset):
+    data = np.random.default_rng(0).standard_normal((6, 5, 4)).astype(np.float32)
+    f = tmp_path / "t.bin"
+    f.write_bytes(b"x" * offset + data.tobytes())
+    mapped = np.memmap(f, dtype=np.uint8, mode="r", offset=offset)
+    arr = mapped[: data.nbytes].view(np.float32).reshape(data.shape)
+    for index in [
+        (),
+        (slice(1, 4),),
+        (slice(2, 3), slice(None), slice(None)),
+        (slice(None), slice(1, 3)),
+        (slice(0, 6, 2),),
+    ]:
+        got = read(arr, index)
+        assert type(got) is np.ndarray and got.flags.owndata
+        np.testing.assert_array_equal(got, data[index] if index else data)
+    np.testing.assert_array_equal(read(arr[3], ()), data[3])  # a view further in
