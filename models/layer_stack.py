@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hkv.core.layers import LayerCache, LayerRun, Step, plan_layer_runs
 from hkv.core.layers import scan_layers as scan_cached_layers
@@ -242,6 +243,18 @@ def _not_a_pytree(view: LayerView):
 jax.tree_util.register_pytree_node(LayerView, _not_a_pytree, lambda aux, children: _not_a_pytree(aux))
 
 
+def _stack(*xs):
+    """`jnp.stack(xs)`; of abstract weights (`jax.ShapeDtypeStruct`, a model built for a memory plan),
+    the stacked abstract weight, its sharding given a leading unsplit axis."""
+    x = xs[0]
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        return jnp.stack(xs)
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
+
+
 class LayerStack(nnx.Module):
     """The decoder layers of a model, repeating runs held stacked (see the module docstring).
 
@@ -279,7 +292,7 @@ class LayerStack(nnx.Module):
             mods = []
             for j in range(run.period):
                 parts = [nnx.split(layers[i]) for i in run.layers(j)]
-                mods.append(nnx.merge(parts[0][0], jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in parts])))
+                mods.append(nnx.merge(parts[0][0], jax.tree.map(_stack, *[s for _, s in parts])))
                 for i in run.layers(j):
                     layers[i] = None
                 del parts

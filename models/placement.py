@@ -16,6 +16,8 @@ Public API
     Placement              what a placement does (`put`)
     OnDevice               jnp.asarray on the default device (what `put` does outside `placing`)
     OnMesh                 each device's slice onto it, with a progress bar
+    Abstract               no bytes at all: each weight a `jax.ShapeDtypeStruct` with its sharding (a
+                           memory plan of a model too large for this machine, `models.memory_plan`)
     LazyStack              parts stacked on a new leading axis, read per slice (`models.lazy_arrays`)
     placing(placement)     context manager: the placement `put` uses while a model is built
     put(value, dtype, name)
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from hkv.engine.progress import Bars
 from models.lazy_arrays import LazyStack, Readahead, read
@@ -40,6 +42,7 @@ __all__ = [
     "PARALLEL_BYTES",
     "READAHEAD_WINDOW",
     "READ_THREADS",
+    "Abstract",
     "LazyStack",
     "OnDevice",
     "OnMesh",
@@ -162,6 +165,35 @@ class OnMesh(Placement):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class Abstract(OnMesh):
+    """Each weight as a `jax.ShapeDtypeStruct` of its shape and dtype, with the sharding `OnMesh` would
+    give it; nothing is read. `mesh` may be a `jax.sharding.AbstractMesh` (no devices needed).
+    Checkpoint values need only `.shape` and `.dtype` (e.g. `jax.ShapeDtypeStruct`s)."""
+
+    def __init__(
+        self,
+        mesh,
+        model_axis: str | None = "model",
+        dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
+    ):
+        if not isinstance(mesh, Mesh | AbstractMesh):
+            raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh or AbstractMesh")
+        self.mesh = mesh
+        self.model_axis = model_axis if model_axis in mesh.axis_names else None
+        self.dim_of = dim_of
+        self.placed = 0
+        self.bytes_placed = 0
+        self.peak_staging_bytes = 0
+        self._bar = self._pool = self._readahead = None
+
+    def put(self, value, dtype, name: str | None) -> jax.ShapeDtypeStruct:
+        shape = tuple(int(d) for d in value.shape)
+        dt = np.dtype(value.dtype if dtype is None else jnp.dtype(dtype))
+        self.placed += 1
+        self.bytes_placed += int(np.prod(shape)) * dt.itemsize
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(self.mesh, self.spec(name, shape)))
 
 
 _ON_DEVICE = OnDevice()

@@ -4,6 +4,7 @@ checks that would catch a unit error (shape arithmetic only: nothing is allocate
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -44,10 +45,34 @@ def test_every_table_of_the_doc_is_what_the_script_prints(run):
     assert "produced by `python benchmarks/scaling.py`" in doc
     for name, table in data["tables"].items():
         assert table in doc, f"docs/scaling.md: table {name!r} differs from `python benchmarks/scaling.py`:\n{table}"
-    # no stale table: every table row in the doc is one the script prints
+    # no stale table: every table row in the doc is one the scripts print (this one and memory_plan.py)
     printed = {line for table in data["tables"].values() for line in table.splitlines()}
+    printed |= set(_memory_plan_output().splitlines())
     stale = [line for line in doc.splitlines() if line.startswith("| ") and line not in printed]
     assert not stale, f"docs/scaling.md has table rows the script does not print: {stale}"
+
+
+@functools.cache
+def _memory_plan_output() -> str:
+    """What `python benchmarks/memory_plan.py` prints (abstract models: seconds)."""
+    spec = importlib.util.spec_from_file_location("memory_plan_benchmark", ROOT / "benchmarks" / "memory_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main([])
+    return out.getvalue()
+
+
+def test_the_memory_plan_section_is_what_memory_plan_prints():
+    doc = DOC.read_text(encoding="utf-8")
+    printed = _memory_plan_output()
+    table = "\n".join(line for line in printed.splitlines() if line.startswith("|"))
+    largest = "\n".join(line for line in printed.splitlines() if line.startswith("* "))
+    assert table in doc, f"docs/scaling.md: the memory plan differs from `python benchmarks/memory_plan.py`:\n{table}"
+    assert largest in doc
+    # the release kept quantized: its weights on one device of (8, 1) are the whole 155.69 GB of table 2
+    assert "| DeepSeek-V4-Flash, release (FP8 + FP4) | (8, 1) | 155.7 GB |" in table
 
 
 def test_kv_figures_agree_with_hkv_and_the_readme(run):

@@ -21,7 +21,7 @@ from .config import DeepseekV4Config
 from .quant_format import KEPT_QUANTIZED, QuantizedTensor, quantize_fp4, quantize_fp8
 from .tensor_layout import expected_tensors
 
-__all__ = ["release_format", "write_release_checkpoint"]
+__all__ = ["abstract_release_tensors", "release_format", "write_release_checkpoint"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -114,4 +114,35 @@ def _shards(stored: Mapping[str, np.ndarray], max_bytes: int | None) -> list[lis
             size = 0
         out[-1].append(name)
         size += int(a.nbytes)
+    return out
+
+
+def abstract_release_tensors(
+    cfg: DeepseekV4Config, *, fp8_block: int = 128, fp4_block: int = 32, quantized: bool = True
+) -> dict:
+    """What `read_checkpoint(keep_quantized=True)` returns for a release checkpoint of `cfg`, without
+    one: `jax.ShapeDtypeStruct`s (and `QuantizedTensor`s of them) of the release's formats
+    (`release_format`; 2-D plain tensors bf16, the rest float32, `tid2eid` int64), for
+    `models.memory_plan`. quantized=False: every weight bf16 (as `load(dequantize=True)` in bf16 holds it)."""
+    import jax
+    import ml_dtypes
+
+    from .tensor_layout import INT
+
+    out = {}
+    for name, (shape, kind) in expected_tensors(cfg).items():
+        fmt = release_format(name, shape, fp4_block) if quantized else None
+        if kind == INT:
+            out[name] = jax.ShapeDtypeStruct(shape, np.int64)
+        elif fmt == "fp8":
+            rows, cols = shape[-2:]
+            grid = shape[:-2] + (-(-rows // fp8_block), -(-cols // fp8_block))
+            data = jax.ShapeDtypeStruct(shape, ml_dtypes.float8_e4m3fn)
+            out[name] = QuantizedTensor(data, jax.ShapeDtypeStruct(grid, np.float32), "fp8", (fp8_block, fp8_block))
+        elif fmt == "fp4":
+            data = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // 2,), np.uint8)
+            scale = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // fp4_block,), ml_dtypes.float8_e8m0fnu)
+            out[name] = QuantizedTensor(data, scale, "fp4", (1, fp4_block))
+        else:
+            out[name] = jax.ShapeDtypeStruct(shape, ml_dtypes.bfloat16 if len(shape) == 2 else np.float32)
     return out

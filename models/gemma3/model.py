@@ -23,6 +23,7 @@ float32 and cast to the activation dtype; attention probabilities are a float32 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -61,6 +62,9 @@ def kernel_param(dtype, *weights) -> nnx.Param:
     """Checkpoint weights [out_i, in] as one [in, sum(out_i)] kernel that `dense` reads (outputs in
     the order given). One product of the joined kernel replaces a product per weight: a decode step
     reads all of them in one pass (q/k/v, gate/up)."""
+    if isinstance(weights[0], jax.ShapeDtypeStruct):  # an abstract model (`models.memory_plan`)
+        joined = jax.ShapeDtypeStruct((weights[0].shape[1], sum(w.shape[0] for w in weights)), weights[0].dtype)
+        return nnx.Param(put(joined, dtype))
     return nnx.Param(put(np.concatenate([np.asarray(w) for w in weights]).T, dtype))
 
 

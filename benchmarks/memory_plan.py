@@ -1,0 +1,190 @@
+"""The memory plan of DeepSeek-V4-Flash and Gemma-3-27B on 8xH200, TPU v5p-16 and v5e-8, read off the
+models themselves (`models.memory_plan`): each built with abstract weights sharded as
+`hkv.Engine(model, config, mesh=mesh)` shards them, its cache by `jax.eval_shape` — no weights, no
+device memory, seconds.
+
+    python benchmarks/memory_plan.py              # the tables of docs/scaling.md ("Memory plan")
+    python benchmarks/memory_plan.py --json       # the same numbers as JSON
+    python benchmarks/memory_plan.py --compile    # + the decode step's temporaries, compiled here (~10 min)
+
+Per device: the weights (each weight's shard in its storage dtype: the release's FP8 / FP4 kept
+quantized, or bf16 as `load(dequantize=True)` holds them), and one data shard's cache per slot (64-token
+pages, no prefix records); per node: how many contexts of 128K and 1M tokens fit in the device memory
+less `RESERVE_FRACTION` (10%), every data shard full. With `--compile` the decode step is also lowered
+with those abstract weights and cache and compiled for this machine's CPU on 8 host devices, and its
+temporaries (`memory_analysis`) counted too: the CPU program's scratch, not a GPU's or TPU's.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from models.deepseek_v4 import DeepseekV4, flash_config, tensor_parallel_dim
+from models.deepseek_v4.release import abstract_release_tensors
+from models.gemma3 import Gemma3, gemma3_27b_config
+from models.gemma3.model import expected_tensors as gemma_tensors
+from models.memory_plan import (
+    PLATFORMS,
+    RESERVE_FRACTION,
+    abstract_mesh,
+    abstract_model,
+    compile_temporaries,
+    plan,
+)
+
+CONTEXTS = (128 * 1024, 1024 * 1024)
+GB = 10**9
+
+
+def models() -> dict:
+    """name -> (build(), tensor_parallel_dim or None, meshes (data, model) to plan)."""
+    flash = flash_config()
+    gemma = gemma3_27b_config()
+    v4_meshes = ((1, 8), (2, 4), (4, 2), (8, 1))
+
+    def gemma_build():
+        return Gemma3(
+            gemma, {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in gemma_tensors(gemma).items()}, jnp.bfloat16
+        )
+
+    return {
+        "DeepSeek-V4-Flash, release (FP8 + FP4)": (
+            lambda: DeepseekV4(flash, abstract_release_tensors(flash), jnp.bfloat16),
+            tensor_parallel_dim,
+            v4_meshes,
+        ),
+        "DeepSeek-V4-Flash, bf16": (
+            lambda: DeepseekV4(flash, abstract_release_tensors(flash, quantized=False), jnp.bfloat16),
+            tensor_parallel_dim,
+            v4_meshes,
+        ),
+        "Gemma-3-27B, bf16": (gemma_build, None, ((8, 1),)),
+    }
+
+
+COMPILED = ((1, 8), (2, 4))  # the meshes `--compile` lowers (V4-Flash release on 8xH200, 128K)
+
+
+def compute(compile_step: bool = False) -> list[dict]:
+    """One row per (model, mesh): per device weights and cache per slot, and per platform the contexts
+    of each length one node fits (with `compile_step`, V4-Flash release on 8xH200 at `COMPILED`
+    meshes also counts the compiled decode step's temporaries)."""
+    rows = []
+    for name, (build, dim_of, meshes) in models().items():
+        for mesh_shape in meshes:
+            model = abstract_model(build, abstract_mesh(mesh_shape), "model", dim_of)
+            spec = model.cache_spec(block_tokens=64)
+            row = {"model": name, "mesh": list(mesh_shape), "fits": {}, "temp_bytes": {}}
+            for platform in PLATFORMS.values():
+                for context in CONTEXTS:
+                    temps = None
+                    release = "release" in name and platform.name == "8xH200" and mesh_shape in COMPILED
+                    release = release and context == CONTEXTS[0]
+                    if compile_step and release:
+                        temps = _temporaries(build, dim_of, mesh_shape, spec, context)
+                    p = plan(model, spec, name, platform, mesh_shape, context, temps)
+                    row["weights_bytes"] = p.weights_bytes
+                    row[f"cache_per_slot_{context}"] = p.cache_per_slot_bytes
+                    row["fits"][f"{platform.name} {context}"] = p.slots_per_node
+                    if p.temp_bytes is not None:
+                        row["temp_bytes"][f"{platform.name} {context}"] = p.temp_bytes
+            rows.append(row)
+    return rows
+
+
+def _temporaries(build, dim_of, mesh_shape, spec, context):
+    """slots -> temporaries of the decode step of one data shard (a (1, model) mesh of host devices)."""
+    sub = (1, mesh_shape[1])
+    mesh = Mesh(np.array(jax.devices()[: sub[1]]).reshape(sub), ("data", "model"))
+    model = abstract_model(build, mesh, "model", dim_of)
+    cache: dict[int, int] = {}
+
+    def temps(slots: int) -> int:
+        if slots not in cache:
+            t = time.perf_counter()
+            cache[slots] = compile_temporaries(model, spec, mesh, slots, context)
+            print(f"  compiled {mesh_shape} {slots} slots x {context} tokens: {cache[slots] / GB:.1f} GB "
+                  f"temporaries ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+        return cache[slots]
+
+    return temps
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K"
+
+
+def _gb(b: float) -> str:
+    return f"{b / GB:,.1f} GB"
+
+
+def table(rows: list[dict]) -> str:
+    """The doc's table: a row per (model, mesh), per platform the 128K / 1M contexts a node holds."""
+    k, m = CONTEXTS
+    names = list(PLATFORMS)
+    out = [
+        "| model | mesh (data, model) | weights / device | cache / slot, 128K | cache / slot, 1M | "
+        + " | ".join(f"{n}: 128K / 1M contexts" for n in names)
+        + " |",
+        "|" + "---|" * (5 + len(names)),
+    ]
+    for r in rows:
+        fits = " | ".join(f"{r['fits'][f'{n} {k}']:,} / {r['fits'][f'{n} {m}']:,}" for n in names)
+        out.append(
+            f"| {r['model']} | ({r['mesh'][0]}, {r['mesh'][1]}) | {_gb(r['weights_bytes'])} "
+            f"| {_gb(r[f'cache_per_slot_{k}'])} | {_gb(r[f'cache_per_slot_{m}'])} | {fits} |"
+        )
+    return "\n".join(out)
+
+
+def largest(rows: list[dict]) -> list[str]:
+    """Per platform and context, the most contexts any planned (model, mesh) fits on one node."""
+    out = []
+    for name in PLATFORMS:
+        for context in CONTEXTS:
+            best = max(rows, key=lambda r: r["fits"][f"{name} {context}"])
+            n = best["fits"][f"{name} {context}"]
+            where = f"{best['model']}, mesh {tuple(best['mesh'])}" if n else "nothing planned fits"
+            out.append(f"* {name}, {_tokens(context)} tokens: {n:,} contexts per node ({where})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="the numbers as JSON")
+    ap.add_argument("--compile", action="store_true", help="also count the compiled decode step's temporaries")
+    args = ap.parse_args(argv)
+    rows = compute(args.compile)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"Reserve: {RESERVE_FRACTION:.0%} of each device's memory. Platforms: " + "; ".join(
+        f"{p.name}: {p.source}" for p in PLATFORMS.values()))  # fmt: skip
+    print()
+    print(table(rows))
+    print()
+    print("\n".join(largest(rows)))
+    if args.compile:
+        print("\nWith the decode step's temporaries (CPU program, compiled here), 8xH200:")
+        for r in rows:
+            for key, temp in r["temp_bytes"].items():
+                context = int(key.split()[1])
+                print(
+                    f"  {r['model']} {tuple(r['mesh'])} {_tokens(context)}: {r['fits'][key]:,} contexts / node, "
+                    f"temporaries {_gb(temp)} / device"
+                )
+
+
+if __name__ == "__main__":
+    main()
