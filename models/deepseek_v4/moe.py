@@ -10,13 +10,22 @@ sequences) run each pair through its own expert's gathered weights (tokens x top
 tokens run every expert densely, weighted by the routing (tokens x experts), and many tokens
 (prefill) run in tiles of `TILE` pairs that each belong to one expert, each expert's pairs padded to
 whole tiles (tokens x top-k + experts x TILE rows).
+
+On a mesh whose "model" axis splits the experts (a step traced by `hkv.MeshEngine`, or under
+`jax.set_mesh`), the experts run expert parallel (`MoE.experts_parallel`): each device only the pairs
+routed to its own experts, by the paths above over its local experts, and one psum over "model"
+combines them — no device gathers another's expert weights, and every token's output is the single
+device's bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from hkv import numerics
 from models.placement import LazyStack, put
@@ -25,7 +34,7 @@ from .config import HASH_MOE, DeepseekV4Config
 from .norms import linear
 from .quant_format import host_dense
 from .quant_format import stack as stack_quantized
-from .quantized import QuantizedLinear, quantized_or_param, weight
+from .quantized import QuantizedLinear, dequantize_device, quantized_or_param, weight
 
 TILE = 64  # pairs per tile of the CPU grouped matmul
 
@@ -71,13 +80,165 @@ def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype
     return numerics.batched_matmul(dense.astype(jnp.float32)[:, None, :], y)[:, 0].astype(dtype)
 
 
+EXPERT_AXIS = "model"  # the mesh axis that splits the routed experts (`hkv.MeshEngine`'s model axis)
+
+
+def expert_parallel(mesh, n_experts: int) -> bool:
+    """Whether a step traced under `mesh` (the abstract mesh in context) runs the routed experts expert
+    parallel: the mesh has an automatic "model" axis of more than one device that divides the experts."""
+    if EXPERT_AXIS not in mesh.axis_names:
+        return False
+    m = mesh.shape[EXPERT_AXIS]
+    manual = EXPERT_AXIS in getattr(mesh, "manual_axes", ())
+    return m > 1 and not manual and n_experts % m == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStack:
+    """One projection of every expert as the model holds it: dense `value` [E, in, out], or quantized
+    (`data`, `scale` [E, out, in...] of `fmt` / `block`, dequantized to `dtype`; see `QuantizedLinear`)."""
+
+    value: jax.Array | None = None
+    data: jax.Array | None = None
+    scale: jax.Array | None = None
+    fmt: str | None = None
+    block: tuple[int, int] | None = None
+    dtype: object = None
+
+    @classmethod
+    def of(cls, w: QuantizedLinear | nnx.Param) -> ExpertStack:
+        if isinstance(w, QuantizedLinear):
+            return cls(data=w.data.value, scale=w.scale.value, fmt=w.fmt, block=w.block, dtype=w.dtype)
+        return cls(value=w.value)
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return (self.value,) if self.value is not None else (self.data, self.scale)
+
+    def with_arrays(self, arrays: tuple) -> ExpertStack:
+        if self.value is not None:
+            return dataclasses.replace(self, value=arrays[0])
+        return dataclasses.replace(self, data=arrays[0], scale=arrays[1])
+
+    def weights(self, expert: jnp.ndarray | None, dt) -> jnp.ndarray:
+        """[G, in, out] in `dt`: every expert (expert None) or experts `expert` int32[G] (gathered first:
+        a quantized stack reads only those experts' bytes, then dequantizes)."""
+        if self.value is None:
+            data, scale = (self.data, self.scale) if expert is None else (self.data[expert], self.scale[expert])
+            dense = dequantize_device(data, scale, self.fmt, self.block).astype(self.dtype)  # [G, out, in]
+            return jnp.swapaxes(dense, -1, -2).astype(dt)
+        v = self.value.astype(dt)
+        return v if expert is None else v[expert]
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """The routed experts' three projections (`ExpertStack`s) and the SwiGLU limit: the grouped
+    products, each giving every (token, slot) pair's output [N, k, hidden] float32 (`pairs_*`)."""
+
+    gate: ExpertStack
+    up: ExpertStack
+    down: ExpertStack
+    limit: float
+
+    @classmethod
+    def of(cls, w_gate, w_up, w_down, limit: float) -> Experts:
+        return cls(ExpertStack.of(w_gate), ExpertStack.of(w_up), ExpertStack.of(w_down), limit)
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """Every array of the three stacks (each [E, ...]), for passing through `shard_map`."""
+        return self.gate.arrays() + self.up.arrays() + self.down.arrays()
+
+    def with_arrays(self, arrays: tuple) -> Experts:
+        a, b = len(self.gate.arrays()), len(self.up.arrays())
+        return dataclasses.replace(
+            self,
+            gate=self.gate.with_arrays(arrays[:a]),
+            up=self.up.with_arrays(arrays[a : a + b]),
+            down=self.down.with_arrays(arrays[a + b :]),
+        )
+
+    def rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
+        """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
+        hidden] -> float32 [G, R, hidden], as batched products (rows padded to `numerics.min_rows`)."""
+        dt = rows.dtype
+        wg, wu, wd = (s.weights(expert, dt) for s in (self.gate, self.up, self.down))
+        # rows per product: a tile's (TILE) or, in decode, one per token: padded to where every count up
+        # to TILE sums in one order (2 rows; float32 products whose kernel changes below TILE: TILE)
+        hidden, inter = wg.shape[-2:]
+        floor_in = numerics.tile_rows_floor(dt, hidden, inter, TILE)
+        floor_out = numerics.tile_rows_floor(dt, inter, hidden, TILE)
+        gate = numerics.batched_matmul(rows, wg, rows_floor=floor_in).astype(dt)
+        up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
+        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
+
+    def pairs(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
+        """Every pair's output by the path this backend and size call for: `pairs_ragged` where
+        `ragged_dot` is native; on CPU `pairs_routed` while tokens x top-k < experts, else `pairs_tiled`."""
+        n, k = idx.shape
+
+        def cpu(x, idx):
+            return self.pairs_routed(x, idx) if n * k < n_experts else self.pairs_tiled(x, idx, n_experts)
+
+        return jax.lax.platform_dependent(x, idx, cpu=cpu, default=lambda x, idx: self.pairs_ragged(x, idx, n_experts))
+
+    def pairs_routed(self, x: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
+        """Each pair through its own expert's weights gathered for it, one row per product (rows padded
+        to the tiled path's floor: the same bits). x [N, hidden], idx int32[N, k] -> [N, k, hidden]."""
+        n, k = idx.shape
+        y = self.rows(jnp.repeat(x, k, axis=0)[:, None, :], idx.reshape(-1))[:, 0]  # [N * k, hidden]
+        return y.reshape(n, k, -1)
+
+    def pairs_tiled(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
+        """Grouped matmul in tiles: the N*k pairs sorted by expert, each expert's run padded to whole
+        tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), every tile multiplied by
+        its expert's weights (one batched product over the tiles). -> [N, k, hidden]."""
+        n, k = idx.shape
+        e, m = n_experts, n * k
+        flat = idx.reshape(-1)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        padded = (sizes + TILE - 1) // TILE * TILE
+        padded_end = jnp.cumsum(padded)
+        padded_start = padded_end - padded  # each expert's first padded row
+        order = jnp.argsort(flat, stable=True)  # pairs by expert
+        expert = flat[order]
+        starts = jnp.cumsum(sizes) - sizes  # each expert's first place among the sorted pairs
+        rank = jnp.arange(m, dtype=jnp.int32) - starts[expert]  # place within its expert
+        # gathers, not scatters (XLA:CPU runs a scatter as a loop of one-row updates): pair i's padded
+        # row, through the inverse of `order`; and each padded row's pair (or none: a zero row)
+        dest = (padded_start[expert] + rank)[jnp.argsort(order)]
+        tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
+        p = jnp.arange(tiles * TILE, dtype=jnp.int32)
+        run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
+        run_c = jnp.minimum(run, e - 1)  # rows past the last run: any expert (their rows are zeros)
+        off = p - padded_start[run_c]
+        real = (run < e) & (off < sizes[run_c])
+        pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
+        rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
+        tile_expert = run_c[::TILE]  # a tile lies in one expert's run: its first row's
+        y = self.rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
+        return y[dest].reshape(n, k, -1)
+
+    def pairs_ragged(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
+        """One `jax.lax.ragged_dot` per projection over the pairs sorted by expert. -> [N, k, hidden]."""
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = x[order // k]
+        sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+        wg, wu, wd = (s.weights(None, x.dtype) for s in (self.gate, self.up, self.down))
+        g = jax.lax.ragged_dot(rows, wg, sizes)
+        u = jax.lax.ragged_dot(rows, wu, sizes)
+        y = jax.lax.ragged_dot(swiglu(g, u, self.limit), wd, sizes)
+        return y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
+
+
 class MoE(nnx.Module):
     """Routed experts + shared expert of layer `layer` (weights under `layers.N.ffn.`).
 
     Stacked expert weights: w_gate, w_up [E, hidden, inter]; w_down [E, inter, hidden] — or, kept
     quantized (`QuantizedLinear`), in the checkpoint's layout [E, out, in] (w_gate, w_up [E, inter,
     hidden]; w_down [E, hidden, inter]), dequantized per step (only the routed experts where a step
-    gathers them) and transposed to the former (`expert_weights`).
+    gathers them) and transposed to the former (`ExpertStack.weights`).
     """
 
     def __init__(self, cfg: DeepseekV4Config, layer: int, tensors: dict, dtype):
@@ -121,9 +282,17 @@ class MoE(nnx.Module):
         w = numerics.div(w, numerics.fixed_sum(w, axis=-1, keepdims=True) + 1e-20)
         return numerics.mul(w, jnp.asarray(self.scaling, w.dtype)), idx.astype(jnp.int32)
 
+    def stacks(self) -> Experts:
+        """The routed experts' weights as an `Experts` bundle (what the grouped products read)."""
+        return Experts.of(self.w_gate, self.w_up, self.w_down, self.limit)
+
     def experts(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """Weighted sum of the selected experts' outputs. x [N, hidden], weights [N, k], idx int32[N, k]
-        -> [N, hidden]: `ragged_dot` where it is native, on CPU `experts_cpu`."""
+        -> [N, hidden]: expert parallel (`experts_parallel`) inside a mesh whose "model" axis splits the
+        experts; else `ragged_dot` where it is native, on CPU `experts_cpu`."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if expert_parallel(mesh, self.n_experts):
+            return self.experts_parallel(x, weights, idx, mesh)
         return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
@@ -137,95 +306,56 @@ class MoE(nnx.Module):
         if n * k < e:
             return self.experts_routed(x, weights, idx)
         if n * e <= 2 * (n * k + e * TILE):
-            dt = x.dtype
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
-            y = self._expert_rows(xe, None)  # [E, N, hidden] float32
-            return _combine(jnp.swapaxes(y, 0, 1), weights, idx, dt)
+            y = self.stacks().rows(xe, None)  # [E, N, hidden] float32
+            return _combine(jnp.swapaxes(y, 0, 1), weights, idx, x.dtype)
         return self.experts_tiled(x, weights, idx)
 
     def experts_routed(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-        """Each (token, slot) pair through its own expert only, one row per product, against that
-        expert's weights gathered for it: the arithmetic and weight reads of tokens x top-k experts, not
-        of every expert (what `experts_cpu` runs while tokens x top-k < experts: a decode step of a
-        few sequences). A pair's row is multiplied as in `experts_tiled` (rows padded to the same
-        floor), so a token's output is the same bits as on the other paths. x [N, hidden] -> [N, hidden]."""
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        y = self._expert_rows(jnp.repeat(x, k, axis=0)[:, None, :], flat)[:, 0]  # [N * k, hidden] float32
-        return _combine_pairs(y.reshape(n, k, -1), weights, idx, self.n_experts, x.dtype)
-
-    def expert_weights(self, expert: jnp.ndarray | None, dt) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-        """(w_gate, w_up [G, hidden, inter], w_down [G, inter, hidden]) in `dt`: of every expert (expert
-        None, G = E) or of experts `expert` int32[G] (gathered: quantized weights read only those
-        experts' bytes, then dequantize)."""
-
-        def one(w: QuantizedLinear | nnx.Param) -> jnp.ndarray:
-            if isinstance(w, QuantizedLinear):
-                dense = w.dense() if expert is None else w.take(expert)  # [G, out, in], the model's dtype
-                return jnp.swapaxes(dense, -1, -2).astype(dt)
-            v = w.value.astype(dt)
-            return v if expert is None else v[expert]
-
-        return one(self.w_gate), one(self.w_up), one(self.w_down)
-
-    def _expert_rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
-        """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
-        hidden] -> float32 [G, R, hidden], as batched products (rows padded to `numerics.min_rows`)."""
-        dt = rows.dtype
-        wg, wu, wd = self.expert_weights(expert, dt)
-        # rows per product: a tile's (TILE) or, in decode, one per token: padded to where every count up
-        # to TILE sums in one order (2 rows; float32 products whose kernel changes below TILE: TILE)
-        hidden, inter = wg.shape[-2:]
-        floor_in = numerics.tile_rows_floor(dt, hidden, inter, TILE)
-        floor_out = numerics.tile_rows_floor(dt, inter, hidden, TILE)
-        gate = numerics.batched_matmul(rows, wg, rows_floor=floor_in).astype(dt)
-        up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
-        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
+        """Each (token, slot) pair through its own expert only (`Experts.pairs_routed`): the arithmetic
+        and weight reads of tokens x top-k experts, not of every expert (what `experts_cpu` runs while
+        tokens x top-k < experts: a decode step of a few sequences). x [N, hidden] -> [N, hidden]."""
+        pairs = self.stacks().pairs_routed(x, idx)
+        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
 
     def experts_tiled(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-        """Grouped matmul in tiles: the N*k (token, slot) pairs sorted by expert, each expert's run
-        padded to whole tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), every
-        tile multiplied by its expert's weights (one batched product over the tiles). x [N, hidden] ->
-        [N, hidden]."""
-        n, k = idx.shape
-        e, m = self.n_experts, n * k
-        flat = idx.reshape(-1)
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        padded = (sizes + TILE - 1) // TILE * TILE
-        padded_end = jnp.cumsum(padded)
-        padded_start = padded_end - padded  # each expert's first padded row
-        order = jnp.argsort(flat, stable=True)  # pairs by expert
-        expert = flat[order]
-        starts = jnp.cumsum(sizes) - sizes  # each expert's first place among the sorted pairs
-        rank = jnp.arange(m, dtype=jnp.int32) - starts[expert]  # place within its expert
-        # gathers, not scatters (XLA:CPU runs a scatter as a loop of one-row updates): pair i's padded
-        # row, through the inverse of `order`; and each padded row's pair (or none: a zero row)
-        dest = (padded_start[expert] + rank)[jnp.argsort(order)]
-        tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
-        p = jnp.arange(tiles * TILE, dtype=jnp.int32)
-        run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
-        run_c = jnp.minimum(run, e - 1)  # rows past the last run: any expert (their rows are zeros)
-        off = p - padded_start[run_c]
-        real = (run < e) & (off < sizes[run_c])
-        pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
-        rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
-        tile_expert = run_c[::TILE]  # a tile lies in one expert's run: its first row's
-        y = self._expert_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
-        return _combine_pairs(y[dest].reshape(n, k, -1), weights, idx, e, x.dtype)
+        """Grouped matmul in tiles (`Experts.pairs_tiled`). x [N, hidden] -> [N, hidden]."""
+        pairs = self.stacks().pairs_tiled(x, idx, self.n_experts)
+        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
 
     def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
-        """`experts` as one `jax.lax.ragged_dot` per projection over the pairs sorted by expert."""
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        rows = x[order // k]
-        sizes = jnp.bincount(flat, length=self.n_experts).astype(jnp.int32)
-        wg, wu, wd = self.expert_weights(None, x.dtype)
-        g = jax.lax.ragged_dot(rows, wg, sizes)
-        u = jax.lax.ragged_dot(rows, wu, sizes)
-        y = jax.lax.ragged_dot(swiglu(g, u, self.limit), wd, sizes)
-        out = y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
-        return _combine_pairs(out, weights, idx, self.n_experts, x.dtype)
+        """`experts` as one `jax.lax.ragged_dot` per projection (`Experts.pairs_ragged`)."""
+        pairs = self.stacks().pairs_ragged(x, idx, self.n_experts)
+        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
+
+    def experts_parallel(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, mesh) -> jnp.ndarray:
+        """Expert parallelism over the mesh's "model" axis (inside a step traced on that mesh, e.g. by
+        `hkv.MeshEngine`): each device holds E / m experts and runs only the (token, slot) pairs routed
+        to them (`Experts.pairs`, on its local experts: drop-free, hash-routed layers alike), the other
+        pairs' rows are zeros; one `psum` over "model" gives every device every pair's output, each
+        computed by exactly one device (the sum adds only zeros to it: the same value), and the
+        combine is the single device's. The tokens are already on every device of the axis (attention
+        ends in an all-reduce), so there is nothing to dispatch. x [N, hidden] -> [N, hidden]."""
+        m = mesh.shape[EXPERT_AXIS]
+        local = self.n_experts // m
+        stacks = self.stacks()
+
+        def on_device(x, idx, *arrays):
+            first = jax.lax.axis_index(EXPERT_AXIS) * local
+            mine = (idx >= first) & (idx < first + local)
+            pairs = stacks.with_arrays(arrays).pairs(x, jnp.where(mine, idx - first, 0), local)
+            return jax.lax.psum(jnp.where(mine[..., None], pairs, 0.0), EXPERT_AXIS)
+
+        arrays = stacks.arrays()
+        pairs = jax.shard_map(
+            on_device,
+            mesh=mesh,
+            in_specs=(P(), P()) + tuple(P(*([None] * (a.ndim - 3)), EXPERT_AXIS) for a in arrays),
+            out_specs=P(),
+            axis_names={EXPERT_AXIS},
+            check_vma=False,
+        )(x, idx, *arrays)
+        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(
