@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from models.lazy_arrays import source_file
 from models.placement import OnMesh, placing, put
@@ -54,17 +55,46 @@ def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
     """The dimension of the weight at `path` (e.g. "layers.groups.1.0.attn.wq_b"; a stacked run's leaves
     are [repetitions, ...], so dims count from the end) that tensor/expert parallelism splits, or None
     to replicate it: query heads and their sinks, the grouped output
-    projection and the routed experts are split; the single shared K=V head (`wkv`), the compressors,
+    projection, the routed experts, and the embedding and head (by vocabulary rows: `embed_lookup`) are
+    split; the single shared K=V head (`wkv`), the compressors,
     the indexer (its head sum is a fixed-order tree, which a split would turn into cross-device
-    permutes inside the decode loop), norms, hyper-connections, embeddings and the shared expert are
+    permutes inside the decode loop), norms, hyper-connections and the shared expert are
     replicated (the cache they produce is replicated within a data shard)."""
     parts = tuple(path.split("."))
-    if len(parts) >= 3 and parts[-1] in ("data", "scale") and parts[-3:-1] in _TP_DIMS:
+    if len(parts) >= 2 and parts[-1] in ("data", "scale") and (parts[-3:-1] in _TP_DIMS or parts[:-1] == ("head",)):
         parts = parts[:-1]  # a quantized weight's data and scale grid split along the same dim
+    if parts in (("embed",), ("head",)):  # vocab parallel: [vocab, hidden] split by vocabulary rows
+        return -2 if len(shape) == 2 else None
     dim = _TP_DIMS.get(parts[-2:]) if len(parts) >= 2 else None
     if dim is None or len(shape) < -dim:
         return None
     return dim
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """table[tokens]: table [vocab, hidden], tokens int[...] -> [..., hidden]. Traced under a mesh whose
+    "model" axis divides the vocabulary (the table split by rows, `tensor_parallel_dim`), each device
+    looks up the tokens its rows hold and an all-gather over "model" hands every device each token's
+    row from its owner: exact (a copy), and no device gathers the whole table."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = "model"
+    if axis not in mesh.axis_names or axis in getattr(mesh, "manual_axes", ()):
+        return table[tokens]
+    m = mesh.shape[axis]
+    if m == 1 or table.shape[0] % m:
+        return table[tokens]
+    rows = table.shape[0] // m
+
+    def on_device(table, tokens):
+        first = jax.lax.axis_index(axis) * rows
+        local = table[jnp.clip(tokens - first, 0, rows - 1)]  # [..., hidden]; other devices' tokens: any row
+        every = jax.lax.all_gather(local, axis)  # [m, ..., hidden]
+        owner = (tokens // rows).astype(jnp.int32)
+        return jnp.take_along_axis(every, owner[None, ..., None], axis=0)[0]
+
+    return jax.shard_map(
+        on_device, mesh=mesh, in_specs=(P(axis, None), P()), out_specs=P(), axis_names={axis}, check_vma=False
+    )(table, tokens)
 
 
 class DecoderLayer(nnx.Module):
@@ -147,7 +177,7 @@ class DeepseekV4(nnx.Module):
 
     def embed_streams(self, tokens: jnp.ndarray) -> jnp.ndarray:
         """int32[B, T] -> residual streams [B, T, hc_mult, hidden]."""
-        x = self.embed.value[tokens]
+        x = embed_lookup(self.embed.value, tokens)
         return jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (self.cfg.hc_mult, x.shape[-1]))
 
     def logits(self, streams: jnp.ndarray) -> jnp.ndarray:
