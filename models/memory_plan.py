@@ -163,7 +163,8 @@ def compile_temporaries(model, spec, mesh: Mesh, slots: int, context: int) -> in
 
     ids = jax.ShapeDtypeStruct((slots, 1), jnp.int32, sharding=replicated)
     rows = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=replicated)
-    compiled = jax.jit(step, donate_argnums=(1,)).lower(weights, cache, ids, rows, rows).compile()
+    with jax.set_mesh(mesh):  # as the mesh engine traces its steps: the MoE runs expert parallel
+        compiled = jax.jit(step, donate_argnums=(1,)).lower(weights, cache, ids, rows, rows).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

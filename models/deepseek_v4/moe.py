@@ -219,7 +219,7 @@ class Experts:
         return y[dest].reshape(n, k, -1)
 
     def pairs_ragged(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
-        """One `jax.lax.ragged_dot` per projection over the pairs sorted by expert. -> [N, k, hidden]."""
+        """One `jax.lax.ragged_dot` per projection over the pairs sorted by expert. -> float32 [N, k, hidden]."""
         n, k = idx.shape
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
@@ -229,7 +229,8 @@ class Experts:
         g = jax.lax.ragged_dot(rows, wg, sizes)
         u = jax.lax.ragged_dot(rows, wu, sizes)
         y = jax.lax.ragged_dot(swiglu(g, u, self.limit), wd, sizes)
-        return y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
+        y = y[jnp.argsort(order)].reshape(n, k, -1)  # back in pair order (the inverse permutation)
+        return y.astype(jnp.float32)  # float32 as the other paths' (exact: it is rounded to x.dtype next)
 
 
 class MoE(nnx.Module):

@@ -62,7 +62,7 @@ def test_dense_and_tiled_paths_give_each_token_the_same_bits(layer, dtype):
 
 
 @pytest.mark.parametrize("n", [3, 300])  # decode (pairs through their own experts) and prefill (tiles)
-@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "fp4"])
+@pytest.mark.parametrize("quantized", [False, True, "bfloat16"], ids=["dense", "fp4", "fp4-bfloat16"])
 def test_expert_parallel_runs_only_local_experts_and_gives_the_same_bits(tmp_path, n, quantized):
     """Traced under a mesh whose "model" axis splits the experts (as `hkv.MeshEngine` traces its steps),
     each device runs only the pairs routed to its own experts and one psum combines them: the program
@@ -77,14 +77,15 @@ def test_expert_parallel_runs_only_local_experts_and_gives_the_same_bits(tmp_pat
     from models.deepseek_v4.release import write_release_checkpoint
 
     cfg = tiny_config()
+    dtype = jnp.bfloat16 if quantized == "bfloat16" else jnp.float32
     if quantized:
         write_release_checkpoint(tmp_path, cfg, random_tensors(cfg, seed=0), fp8_block=16)
-        model = load(tmp_path, dtype=jnp.float32)
+        model = load(tmp_path, dtype=dtype)
     else:
         model = init(cfg, seed=0)
     moe = next(l.ffn for l in model.layers if not l.ffn.is_hash)
     rng = np.random.default_rng(n)
-    x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), dtype)
     idx = jnp.asarray(np.stack([rng.permutation(moe.n_experts)[: moe.top_k] for _ in range(n)]), jnp.int32)
     w = jnp.asarray(rng.random((n, moe.top_k)), jnp.float32)
     want = np.asarray(numerics.jit(moe.experts)(x, w, idx))  # no mesh: the single device's paths
@@ -101,5 +102,5 @@ def test_expert_parallel_runs_only_local_experts_and_gives_the_same_bits(tmp_pat
         fn = numerics.jit(run)
         hlo = fn.lower(state, x, w, idx).compile().as_text()
         got = np.asarray(fn(state, x, w, idx))
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32))
     assert "all-reduce" in hlo and "all-gather" not in hlo
