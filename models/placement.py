@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from hkv.engine.progress import Bars
-from models.lazy_arrays import LazyStack, Readahead, read
+from models.lazy_arrays import LazyStack, Readahead, read, source_file
 
 __all__ = [
     "PARALLEL_BYTES",
@@ -110,6 +110,23 @@ class OnMesh(Placement):
         self._bar = Bars(progress_bars).bytes(total_bytes or 0, "hkv: placing weights")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._readahead = Readahead(readahead, READAHEAD_WINDOW) if readahead else None
+
+    @classmethod
+    def for_checkpoint(
+        cls,
+        tensors: dict,
+        mesh: Mesh,
+        model_axis: str | None = "model",
+        dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
+        progress_bars: bool | None = None,
+    ) -> OnMesh:
+        """The placement of a checkpoint's tensors (canonical name -> memory-mapped array, `LazyStack`,
+        quantized tensor): the bar over their bytes, and, with one process (which reads every byte),
+        their files read ahead in the order the tensors come."""
+        total = sum(int(v.nbytes) for v in tensors.values())
+        files = list(dict.fromkeys(f for f in map(source_file, tensors.values()) if f))
+        ahead = files if jax.process_count() == 1 else ()
+        return cls(mesh, model_axis, dim_of, total_bytes=total, progress_bars=progress_bars, readahead=ahead)
 
     def spec(self, name: str | None, shape: tuple[int, ...]) -> PartitionSpec:
         """The PartitionSpec of weight `name` of `shape` on this mesh."""

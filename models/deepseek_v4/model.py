@@ -21,7 +21,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models.lazy_arrays import source_file
 from models.placement import OnMesh, placing, put
 from models.stateless import forward_fn, greedy_stateless  # noqa: F401 (re-exported)
 
@@ -31,7 +30,7 @@ from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
 from .layer_scan import LayerStack, stateless_layers
-from .moe import MoE
+from .moe import EXPERT_AXIS, MoE, splits
 from .norms import linear, rms_norm
 from .quant_format import KEPT_QUANTIZED, QuantizedTensor, host_dense
 from .quantized import quantized_or_param, weight
@@ -77,13 +76,10 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     looks up the tokens its rows hold and an all-gather over "model" hands every device each token's
     row from its owner: exact (a copy), and no device gathers the whole table."""
     mesh = jax.sharding.get_abstract_mesh()
-    axis = "model"
-    if axis not in mesh.axis_names or axis in getattr(mesh, "manual_axes", ()):
+    axis = EXPERT_AXIS
+    if not splits(mesh, table.shape[0]):
         return table[tokens]
-    m = mesh.shape[axis]
-    if m == 1 or table.shape[0] % m:
-        return table[tokens]
-    rows = table.shape[0] // m
+    rows = table.shape[0] // mesh.shape[axis]
 
     def on_device(table, tokens):
         first = jax.lax.axis_index(axis) * rows
@@ -290,11 +286,5 @@ def load(
     tensors = read_checkpoint(path, cfg, progress=progress, keep_quantized=not dequantize)
     if mesh is None:
         return DeepseekV4(cfg, tensors, dtype)
-    total = sum(int(v.nbytes) for v in tensors.values())
-    files = list(dict.fromkeys(f for f in map(source_file, tensors.values()) if f))  # in the order read
-    ahead = files if jax.process_count() == 1 else ()  # one process reads every byte: stream the files
-    placement = OnMesh(
-        mesh, model_axis, tensor_parallel_dim, total_bytes=total, progress_bars=progress_bars, readahead=ahead
-    )
-    with placing(placement):
+    with placing(OnMesh.for_checkpoint(tensors, mesh, model_axis, tensor_parallel_dim, progress_bars)):
         return DeepseekV4(cfg, tensors, dtype)

@@ -83,14 +83,13 @@ def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype
 EXPERT_AXIS = "model"  # the mesh axis that splits the routed experts (`hkv.MeshEngine`'s model axis)
 
 
-def expert_parallel(mesh, n_experts: int) -> bool:
-    """Whether a step traced under `mesh` (the abstract mesh in context) runs the routed experts expert
-    parallel: the mesh has an automatic "model" axis of more than one device that divides the experts."""
-    if EXPERT_AXIS not in mesh.axis_names:
+def splits(mesh, n: int) -> bool:
+    """Whether a step traced under `mesh` (the abstract mesh in context) splits n things (experts,
+    vocabulary rows) over its "model" axis: an automatic axis of more than one device that divides n."""
+    if EXPERT_AXIS not in mesh.axis_names or EXPERT_AXIS in getattr(mesh, "manual_axes", ()):
         return False
     m = mesh.shape[EXPERT_AXIS]
-    manual = EXPERT_AXIS in getattr(mesh, "manual_axes", ())
-    return m > 1 and not manual and n_experts % m == 0
+    return m > 1 and n % m == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +291,7 @@ class MoE(nnx.Module):
         -> [N, hidden]: expert parallel (`experts_parallel`) inside a mesh whose "model" axis splits the
         experts; else `ragged_dot` where it is native, on CPU `experts_cpu`."""
         mesh = jax.sharding.get_abstract_mesh()
-        if expert_parallel(mesh, self.n_experts):
+        if splits(mesh, self.n_experts):
             return self.experts_parallel(x, weights, idx, mesh)
         return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
 

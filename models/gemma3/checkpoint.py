@@ -20,13 +20,11 @@ import json
 import os
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from models.lazy_arrays import source_file
 from models.placement import OnMesh, placing
 
 from .config import ConfigError, Gemma3Config
@@ -196,10 +194,7 @@ def load(
     tensors = read_checkpoint(path, cfg)
     if mesh is None:
         return Gemma3(cfg, tensors, dtype)
-    total = sum(int(np.asarray(v).nbytes) for v in tensors.values())
-    files = list(dict.fromkeys(f for f in map(source_file, tensors.values()) if f))  # in the order read
-    ahead = files if jax.process_count() == 1 else ()  # one process reads every byte: stream the files
-    with placing(OnMesh(mesh, None, total_bytes=total, progress_bars=progress_bars, readahead=ahead)):
+    with placing(OnMesh.for_checkpoint(tensors, mesh, None, progress_bars=progress_bars)):
         return Gemma3(cfg, tensors, dtype)
 
 
