@@ -371,6 +371,34 @@ def layer_runs(model, scan_layers: bool | None = None, spec=None) -> tuple[tuple
     return tuple(out)
 
 
+def _byte_floats(tree):
+    """On the CPU backend, `tree` with every one-byte float leaf (float8 weights, float8_e8m0fnu
+    scales of a quantized model) bitcast to uint8, and the dtypes to restore (`_restore_floats`;
+    elsewhere `tree` as it is and None). XLA:CPU has no arithmetic in these types and converts an
+    operand of one to a wider type first: a scan's stacked operand whole, every layer of the run at
+    once, outside the loop (f16 / f32 copies of each stacked weight and scale grid: 8 of the 10 GB of
+    temporaries per device of DeepSeek-V4-Flash's decode step at (1, 8)). A scan over bytes converts
+    inside the body only the layer being run (XLA:CPU still copies the bitcast bytes once, one byte
+    per element)."""
+    if jax.default_backend() != "cpu":
+        return tree, None
+    dtypes = jax.tree.map(lambda x: jnp.dtype(x.dtype), tree)
+
+    def to_bytes(x):
+        dt = jnp.dtype(x.dtype)
+        one_byte_float = dt.itemsize == 1 and jnp.issubdtype(dt, jnp.floating)
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if one_byte_float else x
+
+    return jax.tree.map(to_bytes, tree), dtypes
+
+
+def _restore_floats(tree, dtypes):
+    """`_byte_floats`' inverse on a scan body's slice."""
+    if dtypes is None:
+        return tree
+    return jax.tree.map(lambda x, dt: x if x.dtype == dt else jax.lax.bitcast_convert_type(x, dt), tree, dtypes)
+
+
 def run_layers(model, carry, one, scan_layers: bool | None = None):
     """A stateless forward's decoder layers: `one(layer, carry) -> carry` for every layer of
     `model.layers` in order, each stacked run under one `jax.lax.scan` over its weights as held (or
@@ -380,9 +408,10 @@ def run_layers(model, carry, one, scan_layers: bool | None = None):
             carry = one(model.layers.module(run.start), carry)
             continue
         graphdefs, states = model.layers.stacked(g)
+        states, dtypes = _byte_floats(states)
 
-        def body(carry, xs, graphdefs=graphdefs):
-            for gd, st in zip(graphdefs, xs, strict=True):
+        def body(carry, xs, graphdefs=graphdefs, dtypes=dtypes):
+            for gd, st in zip(graphdefs, _restore_floats(xs, dtypes), strict=True):
                 carry = one(nnx.merge(gd, st), carry)
             return carry, None
 
@@ -400,9 +429,10 @@ def run_cached_layers(model, step: Step, cache: HybridCache, carry, one, scan_la
             cache, carry = one(model.layers.module(run.start), LayerCache(step, run.start), cache, carry)
             continue
         graphdefs, states = model.layers.stacked(g)
+        states, dtypes = _byte_floats(states)
 
-        def body(cache, carry, views, xs, graphdefs=graphdefs):
-            for gd, st, view in zip(graphdefs, xs, views, strict=True):
+        def body(cache, carry, views, xs, graphdefs=graphdefs, dtypes=dtypes):
+            for gd, st, view in zip(graphdefs, _restore_floats(xs, dtypes), views, strict=True):
                 cache, carry = one(nnx.merge(gd, st), view, cache, carry)
             return cache, carry
 

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 import hkv
 from models.deepseek_v4 import forward_fn, load, random_tensors, tiny_config
 from models.deepseek_v4.checkpoint import read_checkpoint, read_config
+from models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from models.deepseek_v4.quant_format import FP4, FP8, QuantizedTensor, quantize_fp4, quantize_fp8
 from models.deepseek_v4.quantized import QuantizedLinear, dequantize_device, weight, weight_bytes
 from models.deepseek_v4.release import write_release_checkpoint
@@ -207,3 +208,40 @@ def test_the_mesh_engine_splits_the_quantized_experts_and_keeps_the_tokens(relea
         assert data.dtype == jnp.uint8
         shard = data.addressable_shards[0].data
         assert shard.shape[-3] * split == data.shape[-3], (shard.shape, data.shape)
+
+
+# ------------------------------------------------------------------------- a scanned quantized run
+# layer 0 unrolled, then (CSA, HCA) x 3 held stacked and run under one scan (3 repetitions: no stacked
+# shape is mistaken for a product's batch padded to 2)
+REPEATING = tiny_config(num_hidden_layers=7, layer_types=(SLIDING,) + (CSA, HCA) * 3,
+                        mlp_layer_types=(HASH_MOE,) + (MOE,) * 6)  # fmt: skip
+
+
+def test_a_scanned_run_of_quantized_layers_is_converted_one_layer_at_a_time(tmp_path):
+    """XLA:CPU has no arithmetic in float8 / float8_e8m0fnu and converts an operand of one to a wider
+    type first. A scan over a stacked run's quantized weights had every layer of the run converted
+    at once, outside the loop (f16 / f32 copies of the stacked weights and scale grids: 8 of the 10
+    GB of temporaries per device of DeepSeek-V4-Flash's decode step at (1, 8)). The run's one-byte
+    floats enter the scan as bytes (`models.layer_stack`): the compiled cached step holds no wider
+    array of a stacked one-byte weight's shape, and the logits stay the dequantized model's bits."""
+    write_release_checkpoint(tmp_path, REPEATING, random_tensors(REPEATING, seed=5), fp8_block=16)
+    quantized, dense = load(tmp_path, dtype=jnp.float32), load(tmp_path, dtype=jnp.float32, dequantize=True)
+    layers = quantized.layers
+    runs = [layers.groups[g] for g, r in enumerate(layers.runs) if r.count > 1]
+    stacked = [x for run in runs for x in jax.tree.leaves(nnx.state(run))]
+    one_byte = [x for x in stacked if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)]
+    assert {x.dtype.name for x in one_byte} >= {"float8_e4m3fn", "float8_e8m0fnu"}
+    ids = jnp.asarray(IDS[:, :24], jnp.int32)
+    np.testing.assert_array_equal(bits(forward_fn(quantized)(ids)), bits(forward_fn(dense)(ids)))
+
+    config = hkv.CacheConfig(slots=1, max_context=32, page_size=4, prefix_records=0)
+    layout = hkv.CacheLayout(quantized.cache_spec(), config)
+    graphdef, state = nnx.split(quantized)
+    one = jnp.ones((1,), jnp.int32)
+
+    def step(state, cache):
+        return nnx.merge(graphdef, state).cached_step(layout, cache, jnp.zeros((1, 1), jnp.int32), one * 0, one)
+
+    hlo = jax.jit(step).lower(state, hkv.init_cache(layout)).compile().as_text()
+    wide = [f"{t}[{','.join(map(str, x.shape))}]" for x in one_byte for t in ("f16", "bf16", "f32")]
+    assert not [w for w in wide if w in hlo]
