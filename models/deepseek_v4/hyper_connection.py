@@ -44,14 +44,23 @@ class HyperConnection(nnx.Module):
         logits = numerics.mul(comb_w.reshape(b, t, n, n), s[2]) + comb_b.reshape(n, n)
         comb = numerics.softmax(logits, axis=-1) + self.eps
         comb = numerics.div(comb, numerics.fixed_sum(comb, axis=-2, keepdims=True) + self.eps)
+        comb = jax.lax.platform_dependent(
+            comb, cpu=lambda c: self.sinkhorn(c, unroll=False), default=lambda c: self.sinkhorn(c, unroll=True)
+        )
+        return post, comb, collapse(pre, streams)
 
-        def sinkhorn(_, c):  # one row then one column normalization
+    def sinkhorn(self, comb: jnp.ndarray, *, unroll: bool) -> jnp.ndarray:
+        """The `iters - 1` Sinkhorn-Knopp iterations after the first column normalization (each a row
+        then a column normalization) of comb f32[..., N, N]. unroll=False: a `fori_loop` (on CPU: 19
+        unrolled iterations were ~25% of every compiled step's program); True: written out (on GPU /
+        TPU: a loop is a launch per op per iteration and a device-to-host test of its condition, 8
+        such loops per token of the tiny model; unrolled, the iterations fuse). The same bits."""
+
+        def one(_, c):
             c = numerics.div(c, numerics.fixed_sum(c, axis=-1, keepdims=True) + self.eps)
             return numerics.div(c, numerics.fixed_sum(c, axis=-2, keepdims=True) + self.eps)
 
-        # a loop, not unrolled: 20 unrolled iterations were ~25% of every compiled step's program
-        comb = jax.lax.fori_loop(0, self.iters - 1, sinkhorn, comb)
-        return post, comb, collapse(pre, streams)
+        return jax.lax.fori_loop(0, self.iters - 1, one, comb, unroll=unroll)
 
 
 def collapse(pre: jnp.ndarray, streams: jnp.ndarray) -> jnp.ndarray:
