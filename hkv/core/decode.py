@@ -148,6 +148,15 @@ def _params(sampling, batch: int, key) -> SamplingBatch:
     return SamplingBatch.broadcast(sampling, batch, key)
 
 
+# Platforms whose decode loop runs a count of iterations XLA knows (`steps`) instead of stopping when
+# every row is done: on GPU a while loop's condition is copied to the host at every iteration, so the
+# host waits for each step before it launches the next one; with a known trip count XLA runs the loop
+# without reading anything back (the host launches ahead). Rows that finished (and every row after a
+# failed step) idle through the remaining iterations: an idle row's step writes nothing, so the
+# outputs are the early-stopping loop's. CPU and TPU test the condition on the device: they stop early.
+COUNTED_LOOP_PLATFORMS: tuple[str, ...] = ("cuda", "rocm")
+
+
 def decode_steps(
     model,
     layout: CacheLayout,
@@ -226,7 +235,25 @@ def decode_steps(
         cur = jnp.where(emit, tok, cur)
         return i + 1, cache, params, cur, out, lps, kept, tops, n_new, active, stopped, jnp.where(ok, status, st)
 
-    _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = jax.lax.while_loop(cond, body, carry)
+    def counted(carry):  # `steps` iterations; a row that finished, or every row after a failure, idles
+        def one(_, carry):
+            i, cache, *rest, active, stopped, status = carry
+            ran = cond(carry)  # whether the early-stopping loop runs this iteration
+            out = body((i, cache, *rest, active & (status == Status.OK), stopped, status))
+            # an iteration the early loop would not run writes nothing but the cache's counters (of
+            # transitions run): those keep their values
+            counters = jax.tree.map(lambda new, old: jnp.where(ran, new, old), out[1].counters, cache.counters)
+            return (out[0], out[1].replace(counters=counters), *out[2:])
+
+        return jax.lax.fori_loop(0, steps, one, carry)
+
+    def early(carry):
+        return jax.lax.while_loop(cond, body, carry)
+
+    loops = {p: counted for p in COUNTED_LOOP_PLATFORMS}
+    loops.setdefault("default", early)
+    carry = jax.lax.platform_dependent(carry, **loops)
+    _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = carry
     return DecodeOutput(
         cache=cache,
         tokens=out,
