@@ -38,9 +38,9 @@ from models import deepseek_v4, gemma3
 T0 = time.perf_counter()
 
 
-def decode_step(model, batch: int, kernel_backend: str | None = None, context: int = 256):
-    """(jitted decode step of `model` for `batch` slots, its arguments); kernel_backend: the decode
-    attention's (`cached_step`'s option; None: this machine's default)."""
+def decode_step(model, batch: int, context: int = 256):
+    """(kernel_backend -> the jitted decode step of `model` for `batch` slots, the steps' arguments);
+    kernel_backend is the decode attention's (`cached_step`'s option; None: this machine's default)."""
     layout = hkv.CacheLayout(
         model.cache_spec(block_tokens=16),
         hkv.CacheConfig(slots=batch, max_context=context, page_size=16, prefix_records=0),
@@ -52,10 +52,13 @@ def decode_step(model, batch: int, kernel_backend: str | None = None, context: i
     slots = jnp.arange(batch, dtype=jnp.int32)
     ones = jnp.ones((batch,), jnp.int32)
 
-    def step(cache, tokens, slots, n_valid):
-        return model.cached_step(layout, cache, tokens, slots, n_valid, kernel_backend=kernel_backend)
+    def step_for(kernel_backend: str | None = None):
+        def step(cache, tokens, slots, n_valid):
+            return model.cached_step(layout, cache, tokens, slots, n_valid, kernel_backend=kernel_backend)
 
-    return jax.jit(step), (cache, tokens, slots, ones)
+        return jax.jit(step)
+
+    return step_for, (cache, tokens, slots, ones)
 
 
 def opcode(line: str) -> str | None:
@@ -132,10 +135,8 @@ def main(argv=None) -> int:
           "| CUDA while loops | CUDA conditionals | CUDA custom calls |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for name, build in models(args.quick):
-        model = build()
-        step, step_args = decode_step(model, args.batch)
-        gpu_step, _ = decode_step(model, args.batch, kernel_backend="gpu")
-        c, g = cpu_counts(step, step_args), cuda_counts(gpu_step, step_args)
+        step_for, step_args = decode_step(build(), args.batch)
+        c, g = cpu_counts(step_for(), step_args), cuda_counts(step_for("gpu"), step_args)
         print(f"| {name} | {c['fusions']} | {c['library calls']} | {c['copies']} | {c['while loops']} "
               f"| {c['conditionals']} | {g['while loops']} | {g['conditionals']} | {g['custom calls']} |",
               flush=True)  # fmt: skip

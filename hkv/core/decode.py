@@ -250,9 +250,7 @@ def decode_steps(
     def early(carry):
         return jax.lax.while_loop(cond, body, carry)
 
-    loops = {p: counted for p in COUNTED_LOOP_PLATFORMS}
-    loops.setdefault("default", early)
-    carry = jax.lax.platform_dependent(carry, **loops)
+    carry = jax.lax.platform_dependent(carry, default=early, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
     _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = carry
     return DecodeOutput(
         cache=cache,
