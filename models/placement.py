@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from hkv.engine.progress import Bars
+from hkv.engine.weight_split import WeightSplit
 from models.lazy_arrays import LazyStack, Readahead, read, source_file
 
 __all__ = [
@@ -81,6 +82,8 @@ class OnMesh(Placement):
       model_axis: the mesh axis weights are split over (None or an axis the mesh lacks: replicate all).
       dim_of: (name, shape) -> the dim to split or None (e.g. `models.deepseek_v4.tensor_parallel_dim`);
         a dim the axis does not divide is replicated, as `hkv.engine.sharded.weight_shardings` does.
+      expert_axes, expert_dim_of: the routed experts split over these axes (`hkv.engine.weight_split.
+        WeightSplit`, the rule `hkv.MeshEngine(..., expert_axes=)` places them by); () : by `dim_of`.
       total_bytes: the checkpoint bytes the weights will read (the progress bar's total), or None.
       progress_bars: True / False / None (None: when the session is interactive, `hkv.engine.progress`).
       readahead: the checkpoint's files in the order the model reads them: read ahead into the OS page
@@ -98,11 +101,14 @@ class OnMesh(Placement):
         total_bytes: int | None = None,
         progress_bars: bool | None = None,
         readahead: Sequence[str] = (),
+        expert_axes: Sequence[str] = (),
+        expert_dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
     ):
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
         self.mesh = mesh
-        self.model_axis = model_axis if model_axis in mesh.axis_names else None
+        self.split = WeightSplit(mesh, model_axis, dim_of, tuple(expert_axes), expert_dim_of)
+        self.model_axis = self.split.model_axis
         self.dim_of = dim_of
         self.placed = 0  # weights placed so far
         self.bytes_placed = 0  # their global bytes (replicas counted once)
@@ -119,26 +125,19 @@ class OnMesh(Placement):
         model_axis: str | None = "model",
         dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
         progress_bars: bool | None = None,
+        **experts,
     ) -> OnMesh:
         """The placement of a checkpoint's tensors (canonical name -> memory-mapped array, `LazyStack`,
         quantized tensor): the bar over their bytes, and, with one process (which reads every byte),
-        their files read ahead in the order the tensors come."""
+        their files read ahead in the order the tensors come. `experts`: expert_axes, expert_dim_of."""
         total = sum(int(v.nbytes) for v in tensors.values())
         files = list(dict.fromkeys(f for f in map(source_file, tensors.values()) if f))
         ahead = files if jax.process_count() == 1 else ()
-        return cls(mesh, model_axis, dim_of, total_bytes=total, progress_bars=progress_bars, readahead=ahead)
+        return cls(mesh, model_axis, dim_of, total_bytes=total, progress_bars=progress_bars, readahead=ahead, **experts)
 
     def spec(self, name: str | None, shape: tuple[int, ...]) -> PartitionSpec:
-        """The PartitionSpec of weight `name` of `shape` on this mesh."""
-        m = self.mesh.shape[self.model_axis] if self.model_axis is not None else 1
-        if m == 1 or self.dim_of is None or name is None or not shape:
-            return PartitionSpec()
-        dim = self.dim_of(name, shape)
-        if dim is None or shape[dim] % m:
-            return PartitionSpec()
-        parts: list[str | None] = [None] * len(shape)
-        parts[dim % len(shape)] = self.model_axis
-        return PartitionSpec(*parts)
+        """The PartitionSpec of weight `name` of `shape` on this mesh (`WeightSplit.spec`)."""
+        return self.split.spec(name, shape)
 
     def put(self, value, dtype, name: str | None) -> jax.Array:
         shape = tuple(int(d) for d in value.shape)
@@ -194,11 +193,15 @@ class Abstract(OnMesh):
         mesh,
         model_axis: str | None = "model",
         dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
+        *,
+        expert_axes: Sequence[str] = (),
+        expert_dim_of: Callable[[str, tuple[int, ...]], int | None] | None = None,
     ):
         if not isinstance(mesh, Mesh | AbstractMesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh or AbstractMesh")
         self.mesh = mesh
-        self.model_axis = model_axis if model_axis in mesh.axis_names else None
+        self.split = WeightSplit(mesh, model_axis, dim_of, tuple(expert_axes), expert_dim_of)
+        self.model_axis = self.split.model_axis
         self.dim_of = dim_of
         self.placed = 0
         self.bytes_placed = 0

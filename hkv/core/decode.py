@@ -31,7 +31,7 @@ from flax import struct
 from pallas_kernels import index_math as im
 
 from .layout import CacheLayout, Status
-from .protocol import accepts_keyword
+from .protocol import accepts_keyword, any_shard, lockstep_axes
 from .sampling import SamplingBatch, SamplingParams, count_tokens, prompt_logprobs, sample, top_logprobs
 from .state import HybridCache
 
@@ -235,22 +235,33 @@ def decode_steps(
         cur = jnp.where(emit, tok, cur)
         return i + 1, cache, params, cur, out, lps, kept, tops, n_new, active, stopped, jnp.where(ok, status, st)
 
-    def counted(carry):  # `steps` iterations; a row that finished, or every row after a failure, idles
-        def one(_, carry):
-            i, cache, *rest, active, stopped, status = carry
-            ran = cond(carry)  # whether the early-stopping loop runs this iteration
-            out = body((i, cache, *rest, active & (status == Status.OK), stopped, status))
-            # an iteration the early loop would not run writes nothing but the cache's counters (of
-            # transitions run): those keep their values
-            counters = jax.tree.map(lambda new, old: jnp.where(ran, new, old), out[1].counters, cache.counters)
-            return (out[0], out[1].replace(counters=counters), *out[2:])
+    def one(_, carry):  # one iteration; a row that finished, or every row after a failure, idles
+        i, cache, *rest, active, stopped, status = carry
+        ran = cond(carry)  # whether the early-stopping loop runs this iteration
+        out = body((i, cache, *rest, active & (status == Status.OK), stopped, status))
+        # an iteration the early loop would not run writes nothing but the cache's counters (of
+        # transitions run): those keep their values
+        counters = jax.tree.map(lambda new, old: jnp.where(ran, new, old), out[1].counters, cache.counters)
+        return (out[0], out[1].replace(counters=counters), *out[2:])
 
+    def counted(carry):  # `steps` iterations
         return jax.lax.fori_loop(0, steps, one, carry)
 
     def early(carry):
         return jax.lax.while_loop(cond, body, carry)
 
-    carry = jax.lax.platform_dependent(carry, default=early, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
+    axes = lockstep_axes(model)
+    if axes:  # every shard iterates while any shard's rows run (a finished shard idles, as `counted`)
+
+        def lockstep(carry):
+            def go(carry):
+                return (carry[0] < steps) & any_shard(cond(carry), axes)
+
+            return jax.lax.while_loop(go, lambda carry: one(carry[0], carry), carry)
+
+        carry = jax.lax.platform_dependent(carry, default=lockstep, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
+    else:
+        carry = jax.lax.platform_dependent(carry, default=early, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
     _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = carry
     return DecodeOutput(
         cache=cache,

@@ -38,6 +38,7 @@ from .layout import CacheLayout, Status, set_tail_row
 from .plan import DevicePlan
 from .policy import window_rebuild_tokens
 from .prefix_index import PrefixIndex, RecordState, init_prefix
+from .protocol import any_shard, lockstep_axes
 from .reasons import Reason
 from .spec import ObjectKind
 from .state import HybridCache, abi_words
@@ -832,7 +833,15 @@ def restore_window(
         c, _, st = model.cached_step(layout, c, window, slot[None], n_valid, seal=False, **step_options)
         return c, st
 
-    cache, st = jax.lax.cond(real | force, run, lambda c: (c, jnp.int32(Status.OK)), cache)
+    go = real | force
+    axes = lockstep_axes(model)
+    if axes:  # the step runs on every shard when any needs it; a shard that did not need it keeps its cache
+
+        def run(c, run=run):
+            out = run(c)
+            return jax.tree.map(lambda a, b: jnp.where(go, a, b), out, (c, jnp.int32(Status.OK)))
+
+    cache, st = jax.lax.cond(any_shard(go, axes), run, lambda c: (c, jnp.int32(Status.OK)), cache)
     return cache, plan, st
 
 

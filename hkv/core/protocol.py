@@ -20,6 +20,13 @@ takes `snapshots=None` and passes it to `hkv.run_step` prepares the SWA + TAIL s
 boundaries inside a prefill chunk (`hkv.InteriorSnapshots`), so a prefix restores at every block
 boundary whatever the chunk (without it, only where a step ended).
 
+Optional: `lockstep_axes() -> tuple[str, ...]`, the manual mesh axes (the data axis of a per-shard
+program, `hkv.MeshEngine`) across which the model's step exchanges data (DeepSeek-V4's experts split
+over the data axis: each step all-gathers every shard's tokens). Traced with such axes, every shard
+must run the model the same number of times: the decode loop iterates while any shard has work
+(a shard that finished idles) and a conditional step runs on every shard when any needs it
+(`lockstep_axes(model)`).
+
 `cached_step` is written against the model-facing API (`hkv.run_step`, `hkv.LayerCache`); see
 `hkv.core.layers` and docs/bring-your-own-model.md.
 """
@@ -30,6 +37,7 @@ import inspect
 from typing import Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from .layout import CacheLayout
 from .spec import CacheSpec
@@ -80,6 +88,20 @@ def accepts_keyword(model, name: str) -> bool:
     except (TypeError, ValueError, AttributeError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def lockstep_axes(model) -> tuple[str, ...]:
+    """`model.lockstep_axes()` where the model has it (in the trace being built), else (): the manual
+    mesh axes whose shards must run the model's step in lockstep."""
+    fn = getattr(model, "lockstep_axes", None)
+    return tuple(fn()) if fn is not None else ()
+
+
+def any_shard(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """bool scalar: `flag` on any shard of the manual mesh `axes` (itself without axes)."""
+    if not axes:
+        return flag
+    return jax.lax.psum(flag.astype(jnp.int32), axes) > 0
 
 
 def check_protocol(model) -> None:

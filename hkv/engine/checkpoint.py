@@ -599,7 +599,7 @@ def _bad(where: str, v: Any, want: str) -> EngineCheckpointError:
     return EngineCheckpointError(f"checkpoint metadata: {where}={_show(v)} is invalid: want {want}")
 
 
-_NOT_SAVED = ("disk", "tokenizer", "kernel_options", "progress", "seed", "tensor_parallel")
+_NOT_SAVED = ("disk", "tokenizer", "kernel_options", "progress", "seed", "tensor_parallel", "expert_axes")
 
 
 def _obj(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
@@ -901,7 +901,7 @@ def restore_mesh_engine(mesh_cls, path: str | os.PathLike, model, *, mesh, split
         may have any size: a shard's cache is replicated within it).
       split: whole-mesh config, D -> one shard's config (`hkv.engine.sharded.shard_config`).
       engine_kwargs: as `restore_engine`'s, plus the mesh engine's own (data_axis, model_axis, route,
-        tensor_parallel); the saved data_axis, model_axis and route apply unless given.
+        tensor_parallel, expert_axes); the saved data_axis, model_axis and route apply unless given.
     Returns:
       the mesh engine, with `cache` = the restored stacked cache, placed over `mesh`'s data axis.
     Raises:

@@ -153,7 +153,7 @@ class Engine(TextMethods):
 
     def __new__(cls, model=None, config=None, *args, mesh=None, **kwargs):
         """`Engine(model, config, mesh=m, ...)` with a `jax.sharding.Mesh` builds an `hkv.MeshEngine`
-        over it (its `data_axis`, `model_axis`, `tensor_parallel` and `route` keywords, and every
+        over it (its `data_axis`, `model_axis`, `tensor_parallel`, `expert_axes` and `route` keywords, and every
         other `Engine` keyword; docs/mesh.md); without one, an `Engine` on one device."""
         if mesh is not None and cls is Engine:
             return Engine.mesh_class(model, config, *args, mesh=mesh, **kwargs)

@@ -67,6 +67,7 @@ from .interrupts import DeferredInterrupt
 from .prefix_tools import PrefixQuery
 from .requests import EngineBusyError, Generation, LiveRequest, RequestHandle, check_prompts
 from .text_api import TextMethods
+from .weight_split import WeightSplit
 
 # the CompiledSteps transitions that run on one shard (under lax.cond); prefill and decode run on all
 ONE_SHARD = (
@@ -80,6 +81,7 @@ ONE_SHARD = (
     "mark_on_disk",
     "restore_window",
 )
+WEIGHTS_FIRST = ("restore_window",)  # the ONE_SHARD transitions that run the model (weights first)
 
 
 def shard_config(config: CacheConfig, shards: int) -> CacheConfig:
@@ -111,28 +113,16 @@ def shard_config(config: CacheConfig, shards: int) -> CacheConfig:
     )
 
 
-def weight_shardings(weights, mesh: Mesh, model_axis: str | None, dim_of: Callable | None):
+def weight_shardings(weights, mesh: Mesh, model_axis: str | None, dim_of: Callable | None, **experts):
     """A `NamedSharding` per weight leaf: dimension `dim_of(path, shape)` split over `model_axis`
-    when it divides evenly, replicated otherwise (and every leaf when there is no model axis).
+    when it divides evenly, replicated otherwise (and every leaf when there is no model axis); with
+    `expert_axes=` / `expert_dim_of=`, the routed experts over those axes (`WeightSplit`).
 
     Args:
       weights: an `nnx.State` (or any pytree of arrays).
       dim_of: (path "layers.groups.1.0.attn.wq_b", shape) -> the dimension to split (may be negative) or None.
     """
-    m = mesh.shape[model_axis] if model_axis is not None else 1
-
-    def one(path, leaf) -> NamedSharding:
-        spec = P()
-        if m > 1 and dim_of is not None:
-            name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-            dim = dim_of(name.removesuffix(".value"), tuple(leaf.shape))
-            if dim is not None and leaf.ndim and leaf.shape[dim] % m == 0:
-                parts = [None] * leaf.ndim
-                parts[dim % leaf.ndim] = model_axis
-                spec = P(*parts)
-        return NamedSharding(mesh, spec)
-
-    return jax.tree_util.tree_map_with_path(one, weights)
+    return WeightSplit(mesh, model_axis, dim_of, **experts).shardings(weights)
 
 
 def _squeeze(tree):
@@ -168,7 +158,7 @@ class ShardedSteps:
       one[name](layout, cache, shard, *args): the transition `name` (`ONE_SHARD`) on one shard.
     """
 
-    def __init__(self, base: CompiledSteps, mesh: Mesh, data_axis: str):
+    def __init__(self, base: CompiledSteps, mesh: Mesh, data_axis: str, split: WeightSplit | None = None):
         # Its own count: its programs trace `base`'s steps inside `shard_map`, and a single-device
         # engine of the same shard layout shares `base` (its traces are other programs). Counted
         # in `base.traces`, a mesh engine beside such an engine reported 2 compilations per step.
@@ -176,6 +166,13 @@ class ShardedSteps:
         self.mesh, self.data_axis = mesh, data_axis
         self.shards = mesh.shape[data_axis]
         d = P(data_axis)
+        # experts split over the data axis (`WeightSplit.expert_axes`): the weights enter each shard's
+        # program as its pieces, and every program that runs the model runs on every shard (its MoE
+        # exchanges tokens across the data axis: no shard may sit one out under a `lax.cond`)
+        over_data = split is not None and split.splits_over(data_axis)
+
+        def wspec(weights):
+            return split.in_specs(weights, data_axis) if over_data else P()
 
         def shmap(fn, in_specs):
             sharded = jax.shard_map(
@@ -196,7 +193,7 @@ class ShardedSteps:
                 )
 
             extra = () if snaps is None else (snaps,)
-            return shmap(local, (d, P(), d, d, d, d) + (d,) * len(extra))(
+            return shmap(local, (d, wspec(weights), d, d, d, d) + (d,) * len(extra))(
                 cache, weights, tokens, slots, n_valid, params, *extra
             )
 
@@ -205,12 +202,19 @@ class ShardedSteps:
                 c, tokens, slots, params, budget, stop_ids = _squeeze((cache, tokens, slots, params, budget, stop_ids))
                 return _unsqueeze(base.decode(layout, c, weights, tokens, slots, params, budget, stop_ids, steps, keep))
 
-            return shmap(local, (d, P(), d, d, d, d, d))(cache, weights, tokens, slots, params, budget, stop_ids)
+            return shmap(local, (d, wspec(weights), d, d, d, d, d))(
+                cache, weights, tokens, slots, params, budget, stop_ids
+            )
 
         self.prefill_all = nm.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
         self.decode_all = nm.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
 
-        def on_one_shard(fn):
+        def on_one_shard(fn, weights_first: bool = False):
+            """fn on shard `shard` only; with `weights_first` (its first argument is the weights: it
+            runs the model) and experts split over the data axis, run on every shard and kept on
+            `shard` only (a select, not a `lax.cond`: the MoE's exchange needs every shard)."""
+            everywhere = weights_first and over_data
+
             def outer(layout, cache, shard, *args):
                 def local(cache, shard, *args):
                     c = _squeeze(cache)
@@ -226,27 +230,39 @@ class ShardedSteps:
                         return (c, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:]))
 
                     mine = jax.lax.axis_index(data_axis) == shard
+                    if everywhere:
+                        out = jax.tree.map(lambda a, b: jnp.where(mine, a, b), run(c), skip(c))
+                        return _unsqueeze(out)
                     return _unsqueeze(jax.lax.cond(mine, run, skip, c))
 
-                return shmap(local, (d, P()) + (P(),) * len(args))(cache, shard, *args)
+                specs = (wspec(args[0]),) + (P(),) * (len(args) - 1) if weights_first else (P(),) * len(args)
+                return shmap(local, (d, P()) + specs)(cache, shard, *args)
 
             return nm.jit(outer, static_argnums=0, donate_argnums=1)
 
-        self.one = {name: on_one_shard(getattr(base, name)) for name in ONE_SHARD}
+        self.one = {name: on_one_shard(getattr(base, name), name in WEIGHTS_FIRST) for name in ONE_SHARD}
 
 
 _LOCK = threading.Lock()
 _SHARED: dict = {}
 
 
-def sharded_steps(graphdef, kernel_options: dict | None, layout: CacheLayout, mesh: Mesh, data_axis: str):
-    """The shared `ShardedSteps` for this model structure, kernel options, shard layout and mesh."""
+def sharded_steps(
+    graphdef,
+    kernel_options: dict | None,
+    layout: CacheLayout,
+    mesh: Mesh,
+    data_axis: str,
+    split: WeightSplit | None = None,
+):
+    """The shared `ShardedSteps` for this model structure, kernel options, shard layout, mesh and
+    weight split."""
     base = compiled_steps(graphdef, kernel_options, layout)
-    key = (id(base), mesh, data_axis)
+    key = (id(base), mesh, data_axis, split)
     with _LOCK:
         hit = _SHARED.get(key)
         if hit is None or hit[0] is not base:
-            hit = (base, ShardedSteps(base, mesh, data_axis))
+            hit = (base, ShardedSteps(base, mesh, data_axis, split))
             _SHARED.clear()  # the newest only: older entries' programs are freed with their base
             _SHARED[key] = hit
         return hit[1]
@@ -383,6 +399,12 @@ class MeshEngine(TextMethods):
         replicate; default `model.tensor_parallel_dim` when the model has one, else replicate all.
       route: "prefix" (default: the shard with the longest cached prefix, else the least loaded) or
         "balance" (least loaded only, ignoring cached prefixes).
+      expert_axes: None (default): the routed experts split as `tensor_parallel` says (over
+        `model_axis` only). A tuple of mesh axes, data axis first: the routed experts split over all
+        of them, e.g. `(data_axis, model_axis)`: attention data-parallel and every device holding
+        E / (D x M) experts ("DP attention + EP"); each step's MoE all-gathers the data shards'
+        tokens and reduce-scatters the pair outputs back (`models.deepseek_v4.moe`). Needs a model
+        with `expert_parallel_dim`; `ValueError` when the axes do not divide its experts.
       engine_kwargs: every other `hkv.Engine` keyword (block_tokens, prefill_chunk, decode_steps,
         retention, disk, seed, ...). A `disk` tier is shared by every shard.
 
@@ -404,6 +426,7 @@ class MeshEngine(TextMethods):
         model_axis: str | None = "model",
         tensor_parallel: Callable | None = None,
         route: str = "prefix",
+        expert_axes: Sequence[str] | None = None,
         **engine_kwargs,
     ):
         if not isinstance(mesh, Mesh):
@@ -417,6 +440,13 @@ class MeshEngine(TextMethods):
             raise ValueError(f"mesh axes {extra} are neither data_axis={data_axis!r} nor model_axis={model_axis!r}")
         if route not in ("prefix", "balance"):
             raise ValueError(f"route={route!r} must be 'prefix' or 'balance'")
+        if expert_axes is not None:
+            expert_axes = tuple(expert_axes)
+            if not expert_axes or (data_axis in expert_axes and expert_axes[0] != data_axis):
+                raise ValueError(
+                    f"expert_axes={expert_axes!r} must be a non-empty tuple of mesh axes with data_axis="
+                    f"{data_axis!r}, if present, first (each data shard's experts on its own devices)"
+                )
         warm = engine_kwargs.pop("warmup", False)
         self._seed_set = engine_kwargs.get("seed") is not None
         self._tensor_parallel_set = tensor_parallel is not None
@@ -429,7 +459,11 @@ class MeshEngine(TextMethods):
         weights = jax.tree.map(lambda x: x, weights)
         self._digest = weights_digest(weights)
         dim_of = tensor_parallel if tensor_parallel is not None else getattr(model, "tensor_parallel_dim", None)
-        self.weight_shardings = weight_shardings(weights, mesh, model_axis, dim_of)
+        self._expert_axes_set = expert_axes is not None
+        self.weight_split = WeightSplit(
+            mesh, model_axis, dim_of, expert_axes or (), getattr(model, "expert_parallel_dim", None)
+        )
+        self.weight_shardings = self.weight_split.shardings(weights)
         self._weights = jax.device_put(weights, self.weight_shardings)
         self._kernel_options = engine_kwargs.get("kernel_options")
         self.cache: HybridCache | None = None
@@ -448,7 +482,8 @@ class MeshEngine(TextMethods):
     # ------------------------------------------------------------------ device state (shards call these)
     def _sharded(self, layout: CacheLayout) -> ShardedSteps:
         if self._steps is None:
-            self._steps = sharded_steps(self._graphdef, self._kernel_options, layout, self.mesh, self.data_axis)
+            split = self.weight_split if self.weight_split.splits_over(self.data_axis) else None
+            self._steps = sharded_steps(self._graphdef, self._kernel_options, layout, self.mesh, self.data_axis, split)
         return self._steps
 
     def _ensure_cache(self, layout: CacheLayout) -> HybridCache:
@@ -789,8 +824,12 @@ class MeshEngine(TextMethods):
 
     def unsaved_settings(self) -> dict[str, bool]:
         """Which settings a checkpoint cannot hold are set (`hkv.Engine.unsaved_settings`, plus a
-        `tensor_parallel` function); `restore` warns, naming those not given to it again."""
-        mine = {"seed": self._seed_set, "tensor_parallel": self._tensor_parallel_set}
+        `tensor_parallel` function and `expert_axes`); `restore` warns, naming those not given to it again."""
+        mine = {
+            "seed": self._seed_set,
+            "tensor_parallel": self._tensor_parallel_set,
+            "expert_axes": self._expert_axes_set,
+        }
         return {**self.shards[0].unsaved_settings(), **mine}
 
     @contextlib.contextmanager

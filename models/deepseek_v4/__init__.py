@@ -7,13 +7,14 @@ tiny = deepseek_v4.init(deepseek_v4.tiny_config(), seed=0)
 """
 
 from .config import ConfigError, DeepseekV4Config, RopeSpec, flash_config, tiny_config
-from .model import DeepseekV4, forward_fn, init, load, random_tensors, tensor_parallel_dim
+from .model import DeepseekV4, expert_parallel_dim, forward_fn, init, load, random_tensors, tensor_parallel_dim
 
 __all__ = [
     "ConfigError",
     "DeepseekV4",
     "DeepseekV4Config",
     "RopeSpec",
+    "expert_parallel_dim",
     "flash_config",
     "forward_fn",
     "init",

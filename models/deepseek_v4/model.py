@@ -12,7 +12,7 @@ compressor position biases and the router bias stay float32 whatever `dtype` the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
 from .layer_scan import LayerStack, stateless_layers
-from .moe import EXPERT_AXIS, MoE, splits
+from .moe import EXPERT_AXIS, MoE, data_split, splits
 from .norms import linear, rms_norm
 from .quant_format import KEPT_QUANTIZED, QuantizedTensor, host_dense
 from .quantized import quantized_or_param, weight
@@ -68,6 +68,21 @@ def tensor_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
     if dim is None or len(shape) < -dim:
         return None
     return dim
+
+
+_EXPERT_STACKS = (("ffn", "w_up"), ("ffn", "w_gate"), ("ffn", "w_down"))
+
+
+def expert_parallel_dim(path: str, shape: tuple[int, ...]) -> int | None:
+    """The expert dimension of the routed-expert stack at `path` ([E, ...], or [repetitions, E, ...]
+    in a stacked run; a quantized stack's ".data" and ".scale" alike), or None for any other weight:
+    what `hkv.MeshEngine(..., expert_axes=...)` splits over several mesh axes."""
+    parts = tuple(path.split("."))
+    if parts and parts[-1] in ("data", "scale"):
+        parts = parts[:-1]
+    if parts[-2:] not in _EXPERT_STACKS or len(shape) < 3:
+        return None
+    return _TP_DIMS[parts[-2:]]
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -201,6 +216,21 @@ class DeepseekV4(nnx.Module):
         to replicate it; see `tensor_parallel_dim` (module function)."""
         return tensor_parallel_dim(path, shape)
 
+    def lockstep_axes(self) -> tuple[str, ...]:
+        """The manual mesh axes this trace's routed experts are split over (`moe.data_split`: a per-
+        data-shard program of `hkv.MeshEngine(..., expert_axes=(data, ...))`), else (): the shards of
+        these axes must run every step together (`hkv.core.protocol.lockstep_axes`)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, MoE):
+                return data_split(mesh, node.stacks().gate.arrays()[0].shape[-3], node.n_experts)
+        return ()
+
+    def expert_parallel_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
+        """The expert dimension of a routed-expert stack, else None (`hkv.MeshEngine`'s `expert_axes`
+        split it); see `expert_parallel_dim` (module function)."""
+        return expert_parallel_dim(path, shape)
+
     # -------------------------------------------------------------- cached path
     def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):
         """The `hkv.CacheSpec` of this model (storage in the model's dtype)."""
@@ -259,6 +289,7 @@ def load(
     mesh: Mesh | None = None,
     model_axis: str = "model",
     progress_bars: bool | None = None,
+    expert_axes: Sequence[str] = (),
 ) -> DeepseekV4:
     """Load an HF-format DeepSeek-V4 directory (`config.json` + `*.safetensors`, sharded or not).
 
@@ -279,6 +310,9 @@ def load(
         whole model is never on one device or in host memory, and each process of a multi-process
         mesh reads only its own devices' slices.
       progress_bars: a bar over the bytes placed on the mesh (None: when interactive).
+      expert_axes: the routed experts split over these mesh axes instead (`expert_parallel_dim`), as
+        `hkv.Engine(model, config, mesh=mesh, expert_axes=...)` splits them: e.g. ("data", "model")
+        for data-parallel attention with E / (D x M) experts per device.
     """
     from .checkpoint import read_checkpoint, read_config
 
@@ -286,5 +320,6 @@ def load(
     tensors = read_checkpoint(path, cfg, progress=progress, keep_quantized=not dequantize)
     if mesh is None:
         return DeepseekV4(cfg, tensors, dtype)
-    with placing(OnMesh.for_checkpoint(tensors, mesh, model_axis, tensor_parallel_dim, progress_bars)):
+    experts = {"expert_axes": tuple(expert_axes), "expert_dim_of": expert_parallel_dim}
+    with placing(OnMesh.for_checkpoint(tensors, mesh, model_axis, tensor_parallel_dim, progress_bars, **experts)):
         return DeepseekV4(cfg, tensors, dtype)

@@ -15,7 +15,11 @@ On a mesh whose "model" axis splits the experts (a step traced by `hkv.MeshEngin
 `jax.set_mesh`), the experts run expert parallel (`MoE.experts_parallel`): each device only the pairs
 routed to its own experts, by the paths above over its local experts, and one psum over "model"
 combines them — no device gathers another's expert weights, and every token's output is the single
-device's bits.
+device's bits. Where the experts are also split over the data axis a step is traced per shard of
+(`hkv.MeshEngine(..., expert_axes=("data", "model"))`: attention data-parallel, the experts over every
+device), each data shard's tokens are all-gathered over that axis, each device runs the pairs routed
+to its E / (D x M) experts for every shard's tokens, and a psum over "model" then a reduce-scatter over
+the data axis hand each shard its own tokens' pair outputs: drop-free, and still one device's bits.
 """
 
 from __future__ import annotations
@@ -81,6 +85,28 @@ def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype
 
 
 EXPERT_AXIS = "model"  # the mesh axis that splits the routed experts (`hkv.MeshEngine`'s model axis)
+
+
+def data_split(mesh, local: int, n: int) -> tuple[str, ...]:
+    """The manual mesh axes (the data axis `hkv.MeshEngine` traces its steps per shard of) that split n
+    routed experts when this shard's stack holds `local` of them: () where local == n.
+
+    Raises:
+      ValueError: local != n and the manual axes' sizes times local is not n (a stack split some
+        other way than over the data shards the step is traced for).
+    """
+    if local == n:
+        return ()
+    manual = tuple(a for a in mesh.axis_names if a in getattr(mesh, "manual_axes", ()))
+    shards = 1
+    for a in manual:
+        shards *= mesh.shape[a]
+    if not manual or local * shards != n:
+        raise ValueError(
+            f"this shard holds {local} of {n} routed experts, but the step is traced over manual mesh axes "
+            f"{manual} of {shards} shards; experts split over the data axis need {n} = {local} x shards"
+        )
+    return manual
 
 
 def splits(mesh, n: int) -> bool:
@@ -172,7 +198,9 @@ class Experts:
 
     def pairs(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
         """Every pair's output by the path this backend and size call for: `pairs_ragged` where
-        `ragged_dot` is native; on CPU `pairs_routed` while tokens x top-k < experts, else `pairs_tiled`."""
+        `ragged_dot` is native; on CPU `pairs_routed` while tokens x top-k < experts, else `pairs_tiled`.
+        A pair whose id is `n_experts` (no expert: another device's, `MoE.experts_parallel`) leaves the
+        other pairs' outputs as they are; its own row is unspecified (zeros from `pairs_ragged`)."""
         n, k = idx.shape
 
         def cpu(x, idx):
@@ -291,8 +319,9 @@ class MoE(nnx.Module):
         -> [N, hidden]: expert parallel (`experts_parallel`) inside a mesh whose "model" axis splits the
         experts; else `ragged_dot` where it is native, on CPU `experts_cpu`."""
         mesh = jax.sharding.get_abstract_mesh()
-        if splits(mesh, self.n_experts):
-            return self.experts_parallel(x, weights, idx, mesh)
+        over = data_split(mesh, self.stacks().gate.arrays()[0].shape[-3], self.n_experts)
+        if over or splits(mesh, self.n_experts):
+            return self.experts_parallel(x, weights, idx, mesh, over)
         return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
@@ -328,33 +357,58 @@ class MoE(nnx.Module):
         pairs = self.stacks().pairs_ragged(x, idx, self.n_experts)
         return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
 
-    def experts_parallel(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, mesh) -> jnp.ndarray:
+    def experts_parallel(
+        self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, mesh, over: tuple[str, ...] = ()
+    ) -> jnp.ndarray:
         """Expert parallelism over the mesh's "model" axis (inside a step traced on that mesh, e.g. by
-        `hkv.MeshEngine`): each device holds E / m experts and runs only the (token, slot) pairs routed
-        to them (`Experts.pairs`, on its local experts: drop-free, hash-routed layers alike), the other
-        pairs' rows are zeros; one `psum` over "model" gives every device every pair's output, each
-        computed by exactly one device (the sum adds only zeros to it: the same value), and the
-        combine is the single device's. The tokens are already on every device of the axis (attention
-        ends in an all-reduce), so there is nothing to dispatch. x [N, hidden] -> [N, hidden]."""
-        m = mesh.shape[EXPERT_AXIS]
-        local = self.n_experts // m
+        `hkv.MeshEngine`) and, with `over` (`data_split`: the manual data axes this step is traced per
+        shard of), over those too. Each device holds E / (D x M) experts and runs only the (token,
+        slot) pairs routed to them (`Experts.pairs`, on its local experts: drop-free, hash-routed
+        layers alike); the other pairs' rows are zeros. One `psum` over "model" gives every device of
+        the shard every pair's output, each computed by exactly one device (the sum adds only zeros
+        to it: the same value), and the combine is the single device's. Within a shard the tokens are
+        already on every device of "model" (attention ends in an all-reduce); across data shards they
+        are all-gathered over `over` first and the pair outputs reduce-scattered back, each shard
+        keeping its own tokens'. x [N, hidden] -> [N, hidden]."""
+        d = 1
+        for a in over:
+            d *= mesh.shape[a]
+        m = mesh.shape[EXPERT_AXIS] if splits(mesh, self.n_experts // d) else 1
+        local = self.n_experts // (d * m)
         stacks = self.stacks()
 
         def on_device(x, idx, *arrays):
-            first = jax.lax.axis_index(EXPERT_AXIS) * local
+            if over:  # every data shard's tokens: [D * N, ...], shard-major
+                x = jax.lax.all_gather(x, over, tiled=True)
+                idx = jax.lax.all_gather(idx, over, tiled=True)
+            shard = jax.lax.axis_index(over) * m if over else 0
+            if m > 1:
+                shard = shard + jax.lax.axis_index(EXPERT_AXIS)
+            first = shard * local
             mine = (idx >= first) & (idx < first + local)
-            pairs = stacks.with_arrays(arrays).pairs(x, jnp.where(mine, idx - first, 0), local)
-            return jax.lax.psum(jnp.where(mine[..., None], pairs, 0.0), EXPERT_AXIS)
+            # another device's pair gets the id `local` (no expert here): `ragged_dot` leaves it out of
+            # every group (no arithmetic where the grouped matmul is native), and the CPU paths' rows
+            # for it are dropped below
+            pairs = stacks.with_arrays(arrays).pairs(x, jnp.where(mine, idx - first, local), local)
+            pairs = jnp.where(mine[..., None], pairs, 0.0)
+            if m > 1:
+                pairs = jax.lax.psum(pairs, EXPERT_AXIS)
+            if over:  # each shard its own tokens' outputs, summed over the shards (one is not zero)
+                pairs = jax.lax.psum_scatter(pairs, over, scatter_dimension=0, tiled=True)
+            return pairs
 
         arrays = stacks.arrays()
-        pairs = jax.shard_map(
-            on_device,
-            mesh=mesh,
-            in_specs=(P(), P()) + tuple(P(*([None] * (a.ndim - 3)), EXPERT_AXIS) for a in arrays),
-            out_specs=P(),
-            axis_names={EXPERT_AXIS},
-            check_vma=False,
-        )(x, idx, *arrays)
+        if m == 1:  # the data axes are manual already: this trace is one device's
+            pairs = on_device(x, idx, *arrays)
+        else:
+            pairs = jax.shard_map(
+                on_device,
+                mesh=mesh,
+                in_specs=(P(), P()) + tuple(P(*([None] * (a.ndim - 3)), EXPERT_AXIS) for a in arrays),
+                out_specs=P(),
+                axis_names={EXPERT_AXIS},
+                check_vma=False,
+            )(x, idx, *arrays)
         return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:

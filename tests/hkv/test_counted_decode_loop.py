@@ -76,3 +76,36 @@ def test_a_stop_id_ends_its_row_in_both_loops(model, monkeypatch):
     counted, _ = _run(model, monkeypatch, ("cpu",), max_context=64, steps=8, budget=[8, 8], stop=(stop,))
     _same(counted, early)
     assert int(early[2][0]) == 3
+
+
+def test_shards_in_lockstep_iterate_together_and_each_keeps_its_own_loops_bits(model, monkeypatch):
+    """Traced per data shard for a model whose step exchanges data across the shards (`lockstep_axes`:
+    DeepSeek-V4 with its experts split over the data axis), the loop runs while any shard has rows to
+    decode: shard 0 is done after 2 tokens, shard 1 runs 8 iterations, and each shard's tokens, counts,
+    status and cache are its own early-stopping loop's bit for bit (a finished shard idles)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    budgets = [[2, 0], [8, 3]]
+    wants = [_run(model, monkeypatch, (), max_context=64, steps=8, budget=b)[0] for b in budgets]
+    layout = hkv.CacheLayout(model.cache_spec(block_tokens=8), hkv.CacheConfig(slots=2, max_context=64, page_size=4))
+    cache = hkv.init_cache(layout)
+    for _ in range(2):
+        cache, _, _ = hkv.transitions.claim_slot(layout, cache)
+    monkeypatch.setattr(type(model), "lockstep_axes", lambda self: ("data",))
+
+    def per_shard(cache, budget):
+        out = hkv.decode_loop(
+            model, layout, cache, jnp.asarray([3, 17]), jnp.asarray([0, 1]), steps=8, budget=budget[0]
+        )
+        return jax.tree.map(lambda x: x[None], out)
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+                               axis_names={"data"}, check_vma=False))  # fmt: skip
+    text = fn.lower(cache, jnp.asarray(budgets)).compile().as_text()
+    got = jax.tree.map(np.asarray, fn(cache, jnp.asarray(budgets)))
+    assert "all-reduce" in text  # the loop's condition asks every shard
+    for d in range(2):
+        _same(jax.tree.map(lambda x, d=d: x[d], got), wants[d])
+    assert [int(n) for n in got[2][0]] == [2, 0] and [int(n) for n in got[2][1]] == [8, 3]

@@ -4,6 +4,8 @@ TPUs run, whatever the routing's skew."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,24 @@ def test_cpu_paths_equal_the_grouped_matmul(layer, n, skew):
     want = np.asarray(jax.jit(layer.experts_ragged)(x, w, idx))
     for path in (layer.experts_cpu, layer.experts_tiled, layer.experts_routed):
         np.testing.assert_allclose(np.asarray(jax.jit(path)(x, w, idx)), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("n", [3, 300])
+def test_a_pair_of_no_expert_here_leaves_the_others_alone(layer, n):
+    """A pair whose id is the expert count (another device's, under expert parallelism) changes no other
+    pair's output on any path, and the grouped matmul computes nothing for it (a zero row)."""
+    rng = np.random.default_rng(n)
+    e, k = layer.n_experts, layer.top_k
+    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), jnp.float32)
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    away = rng.random(idx.shape) < 0.5
+    stacks = layer.stacks()
+    for path in (stacks.pairs_ragged, stacks.pairs_tiled, lambda x, i, e: stacks.pairs_routed(x, i)):
+        want = np.asarray(jax.jit(path, static_argnums=2)(x, jnp.asarray(idx, jnp.int32), e))
+        got = np.asarray(jax.jit(path, static_argnums=2)(x, jnp.asarray(np.where(away, e, idx), jnp.int32), e))
+        np.testing.assert_array_equal(got[~away], want[~away])
+        if path == stacks.pairs_ragged:
+            assert not got[away].any()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -104,3 +124,57 @@ def test_expert_parallel_runs_only_local_experts_and_gives_the_same_bits(tmp_pat
         got = np.asarray(fn(state, x, w, idx))
     np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32))
     assert "all-reduce" in hlo and "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=str)
+@pytest.mark.parametrize("n", [3, 300])  # decode (pairs through their own experts) and prefill (tiles)
+def test_experts_split_over_the_data_axis_give_each_shard_its_tokens_bits(shape, n):
+    """Traced per data shard (as `hkv.MeshEngine(..., expert_axes=("data", "model"))` traces its steps)
+    with the 8 experts split over every device: each shard's tokens are all-gathered over "data", every
+    device runs the pairs routed to its one expert, and each shard gets back exactly the single
+    device's bits for its own tokens; the weights are never gathered."""
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hkv import numerics
+
+    cfg = tiny_config(n_routed_experts=8)
+    moe = next(l.ffn for l in init(cfg, seed=0).layers if not l.ffn.is_hash)
+    d = shape[0]
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(rng.standard_normal((d, n, cfg.hidden_size)), jnp.float32)
+    # shard 0 routes everything to expert 0 (one device's load is every pair of its shard)
+    idx = np.stack([rng.permutation(moe.n_experts)[: moe.top_k] for _ in range(d * n)]).reshape(d, n, -1)
+    idx[0] = np.arange(moe.top_k)
+    idx = jnp.asarray(idx, jnp.int32)
+    w = jnp.asarray(rng.random((d, n, moe.top_k)), jnp.float32)
+    want = np.stack([np.asarray(numerics.jit(moe.experts)(x[i], w[i], idx[i])) for i in range(d)])
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model"))
+    graphdef, state = nnx.split(moe)
+
+    def experts(a):  # the stacked experts [E, ...]; the rest is 2-D or less
+        return a.ndim == 3
+
+    state = jax.device_put(
+        state, jax.tree.map(lambda a: NamedSharding(mesh, P(("data", "model")) if experts(a) else P()), state)
+    )
+    specs = jax.tree.map(lambda a: P("data") if experts(a) else P(), state)
+
+    def run(state, x, w, idx):
+        return nnx.merge(graphdef, state).experts(x[0], w[0], idx[0])[None]
+
+    fn = numerics.jit(
+        jax.shard_map(
+            run, mesh=mesh, in_specs=(specs, P("data"), P("data"), P("data")), out_specs=P("data"),
+            axis_names={"data"}, check_vma=False,
+        )
+    )  # fmt: skip
+    hlo = fn.lower(state, x, w, idx).compile().as_text()
+    got = np.asarray(fn(state, x, w, idx))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert "reduce-scatter" in hlo or "all-reduce" in hlo
+    gathered = re.findall(r"= (?:f32|s32)\[([\d,]+)\][^\n]*all-gather\(", hlo)
+    assert gathered
+    assert all(int(s.split(",")[0]) == d * n for s in gathered), gathered  # tokens only, never weights

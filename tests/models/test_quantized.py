@@ -210,6 +210,33 @@ def test_the_mesh_engine_splits_the_quantized_experts_and_keeps_the_tokens(relea
         assert shard.shape[-3] * split == data.shape[-3], (shard.shape, data.shape)
 
 
+@pytest.mark.slow
+def test_dp_attention_with_the_experts_over_every_device_keeps_the_tokens(tmp_path):
+    """The 8 x H200 layout on 8 host devices: `load(..., mesh=(2, 4), expert_axes=("data", "model"))`
+    streams an 8-expert release checkpoint with each device holding one FP4 expert (no replica), and
+    `hkv.Engine(model, config, mesh=mesh, expert_axes=...)` gives the dequantized single-device
+    engine's greedy tokens."""
+    cfg = tiny_config(n_routed_experts=8)
+    write_release_checkpoint(tmp_path, cfg, random_tensors(cfg, seed=4), fp8_block=16)
+    prompts = [p[:50] for p in PROMPTS]
+    want = [
+        g.tokens
+        for g in hkv.Engine(load(tmp_path, dtype=jnp.float32, dequantize=True), CONF, **OPTS).generate(prompts, 6)
+    ]
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    axes = ("data", "model")
+    model = load(tmp_path, dtype=jnp.float32, mesh=mesh, expert_axes=axes)
+    leaves = dict(nnx.to_flat_state(nnx.state(model)))
+    stacks = [v.get_value() for k, v in leaves.items() if k[-2:] == ("w_gate", "data")]
+    assert stacks and all(a.dtype == jnp.uint8 for a in stacks)
+    for a in stacks:  # one expert per device, no two devices the same
+        assert {s.data.shape[-3] for s in a.addressable_shards} == {1}
+        assert len({s.index[-3].start for s in a.addressable_shards}) == 8
+    engine = hkv.Engine(model, CONF, mesh=mesh, expert_axes=axes, **OPTS)
+    assert isinstance(engine, hkv.MeshEngine)
+    assert [g.tokens for g in engine.generate(prompts, 6)] == want
+
+
 # ------------------------------------------------------------------------- a scanned quantized run
 # layer 0 unrolled, then (CSA, HCA) x 3 held stacked and run under one scan (3 repetitions: no stacked
 # shape is mistaken for a product's batch padded to 2)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hkv.engine.sharded import weight_shardings
-from models.deepseek_v4 import DeepseekV4, load, random_tensors, tensor_parallel_dim, tiny_config
+from models.deepseek_v4 import DeepseekV4, expert_parallel_dim, load, random_tensors, tensor_parallel_dim, tiny_config
 from models.deepseek_v4.checkpoint import read_checkpoint, read_config, read_safetensors
 from models.deepseek_v4.release import write_release_checkpoint
 from models.lazy_arrays import read
@@ -41,13 +41,19 @@ def flat(model) -> dict:
     return {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
 
 
-def test_each_weight_lands_sharded_as_the_mesh_engine_shards_it(shards):
+@pytest.mark.parametrize(
+    ("shape", "expert_axes"),
+    [((2, 4), ()), ((2, 2), ("data", "model"))],
+    ids=["experts-over-model", "experts-over-all"],
+)
+def test_each_weight_lands_sharded_as_the_mesh_engine_shards_it(shards, shape, expert_axes):
     path, _, _ = shards
-    mesh = mesh_of(2, 4)
-    model = load(path, dtype=jnp.float32, mesh=mesh)
+    mesh = mesh_of(*shape)
+    model = load(path, dtype=jnp.float32, mesh=mesh, expert_axes=expert_axes)
     single = flat(load(path, dtype=jnp.float32))
     state = nnx.state(model)
-    want = dict(nnx.to_flat_state(weight_shardings(state, mesh, "model", tensor_parallel_dim)))
+    experts = {"expert_axes": expert_axes, "expert_dim_of": expert_parallel_dim}
+    want = dict(nnx.to_flat_state(weight_shardings(state, mesh, "model", tensor_parallel_dim, **experts)))
     got = flat(model)
     assert got.keys() == single.keys()
     for k, a in got.items():
@@ -56,11 +62,13 @@ def test_each_weight_lands_sharded_as_the_mesh_engine_shards_it(shards):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(single[k]), err_msg=str(k))
     experts = [a for k, a in got.items() if k[-2:] == ("w_down", "data")]
     assert experts and all(a.dtype == jnp.uint8 for a in experts)
-    for a in experts:  # a quarter of the experts on each device of the model axis, FP4 packed
-        assert {s.data.shape[-3] for s in a.addressable_shards} == {CFG.n_routed_experts // 4}
+    ways = 4  # the experts over the model axis's 4 devices, or over (data, model) = (2, 2)
+    for a in experts:  # each device its share of the experts, FP4 packed
+        assert {s.data.shape[-3] for s in a.addressable_shards} == {CFG.n_routed_experts // ways}
+        assert len({s.index[-3].start for s in a.addressable_shards}) == ways
     queries = [a for k, a in got.items() if k[-2:] == ("wq_b", "data") and "indexer" not in k]
     assert queries and all(a.dtype == jnp.float8_e4m3fn for a in queries)
-    assert all({s.data.shape[-2] for s in a.addressable_shards} == {a.shape[-2] // 4} for a in queries)
+    assert all({s.data.shape[-2] for s in a.addressable_shards} == {a.shape[-2] // shape[1]} for a in queries)
 
 
 def test_host_memory_holds_about_one_weight_at_a_time(shards):

@@ -25,12 +25,13 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 import hkv
+from hkv.core.policy import RetentionPolicy
 from hkv.core.sampling import GREEDY, SamplingBatch
 from hkv.engine.chat import tiny_chat_template
 from hkv.engine.sharded import shard_config, weight_shardings
 from hkv.engine.text import tiny_tokenizer
 from hkv.store.tier import DiskTier
-from models.deepseek_v4 import init, tensor_parallel_dim, tiny_config
+from models.deepseek_v4 import expert_parallel_dim, init, tensor_parallel_dim, tiny_config
 
 CFG = tiny_config()
 BT = 16
@@ -144,6 +145,12 @@ def test_stacked_layers_keep_their_repetition_axis_whole_and_split_the_same_dims
     assert specs[csa + "['ffn']['w_up'].value"] == PartitionSpec(None, "model", None, None)
     assert specs[csa + "['attn']['indexer']['wq_b'].value"] == PartitionSpec()
     assert specs[csa + "['attn']['wkv'].value"] == PartitionSpec()
+    # experts over every device of a (2, 2) mesh: the repetition axis whole, the expert axis split 4 ways
+    over = weight_shardings(weights, mesh_of(2, 2), "model", tensor_parallel_dim,
+                            expert_axes=("data", "model"), expert_dim_of=expert_parallel_dim)  # fmt: skip
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(over)}
+    assert specs[csa + "['ffn']['w_up'].value"] == PartitionSpec(None, ("data", "model"), None, None)
+    assert specs[csa + "['attn']['wq_b'].value"] == PartitionSpec(None, "model", None)
 
 
 # slow: `make test` keeps the mesh's token equality and prefix routing through the README example below
@@ -431,3 +438,84 @@ def test_a_data_parallel_mesh_gives_the_same_logit_bits_as_one_device(model):
     for i, (a, b) in enumerate(zip(one, mesh, strict=True)):
         assert a.tokens == b.tokens, i
         np.testing.assert_array_equal(np.asarray(b.logits), np.asarray(a.logits), err_msg=f"prompt {i}")
+
+
+# ---------------------------------------------------- experts split over the data axis too (DP attention + EP)
+EP_CFG = tiny_config(n_routed_experts=8)  # 8 experts: one per device on every 8-device mesh
+RETAIN = RetentionPolicy(every_n_blocks=4)  # snapshots every 4 blocks: a hit at 7 rebuilds its window
+EP_CONF = hkv.CacheConfig(slots=8, max_context=160, page_size=8, prefix_records=128)  # 16 records a shard at (8, 1)
+
+
+@pytest.fixture(scope="module")
+def ep_model():
+    return init(EP_CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ep_reference(ep_model):
+    """The single-device engine's tokens for the 8-expert model: greedy, seeded, a second turn, and
+    a prompt that restores 7 blocks and rebuilds their window (`restore_window`)."""
+    e = hkv.Engine(ep_model, EP_CONF, retention=RETAIN, **OPTS)
+    greedy = [g.tokens for g in e.generate(PROMPTS, NEW)]
+    seeded = [g.tokens for g in e.generate(PROMPTS, NEW, sampling=SEEDED)]
+    turn2 = [p + g + [5, 6, 7] for p, g in zip(PROMPTS, greedy, strict=True)]
+    second = [g.tokens for g in e.generate(turn2, 4)]
+    base = _rng.integers(0, EP_CFG.vocab_size, 8 * BT + 5).tolist()
+    rebuilt = base[: 7 * BT + 3] + [(t + 1) % EP_CFG.vocab_size for t in base[7 * BT + 3 : 7 * BT + 9]]
+    e.generate([base], 2)
+    (g,) = e.generate([rebuilt], 4)
+    assert g.plan.window_recomputed is not None, g.plan
+    return {"greedy": greedy, "seeded": seeded, "turn2": turn2, "second": second, "base": base,
+            "rebuilt": rebuilt, "rebuilt_tokens": g.tokens}  # fmt: skip
+
+
+@pytest.mark.slow  # ~1 min of compiling per mesh on a cold cache
+@pytest.mark.parametrize("shape", [(4, 2), (8, 1), (2, 4)], ids=str)
+def test_experts_split_over_data_and_model_keep_every_token(ep_model, ep_reference, shape):
+    """`expert_axes=("data", "model")`: attention data-parallel, each device holding 8 / (D x M) of the
+    experts; the tokens (greedy, seeded, a second turn restored on its shard, a window rebuilt by
+    `restore_window`) are the single-device engine's, one program per bucket."""
+    mesh = mesh_of(*shape)
+    engine = hkv.MeshEngine(ep_model, EP_CONF, mesh=mesh, expert_axes=("data", "model"), retention=RETAIN, **OPTS)
+    leaves = dict(nnx.to_flat_state(engine._weights))
+    stacks = [v.value for k, v in leaves.items() if k[-1] in ("w_gate", "w_up", "w_down")]
+    assert len(stacks) == 3 * EP_CFG.num_hidden_layers
+    for w in stacks:  # one expert per device, every device a different one
+        shards = w.addressable_shards
+        assert len(shards) == 8 and all(s.data.shape[-3] == 1 for s in shards), w.sharding
+        assert len({s.index[-3].start for s in shards}) == 8, w.sharding
+    run_and_check(engine, ep_reference)
+    engine.generate([ep_reference["base"]], 2)
+    (g,) = engine.generate([ep_reference["rebuilt"]], 4)
+    assert g.tokens == ep_reference["rebuilt_tokens"]
+    assert g.plan.window_recomputed is not None, g.plan
+    for d in range(len(engine.shards)):
+        hkv.check_invariants(engine.layout, engine.shard_cache(d))
+
+
+def test_expert_axes_are_checked_by_name(model, ep_model):
+    """A bad `expert_axes` is refused before anything compiles: the data axis after another, an axis
+    the mesh lacks, a split the experts do not divide (4 experts over 8 devices), a model without
+    routed experts."""
+    with pytest.raises(ValueError, match=r"data_axis='data', if present, first"):
+        hkv.MeshEngine(ep_model, CONF, mesh=mesh_of(4, 2), expert_axes=("model", "data"), **OPTS)
+    with pytest.raises(ValueError, match=r"expert_axes=\('data', 'expert'\) must be distinct axes of the mesh"):
+        hkv.MeshEngine(ep_model, CONF, mesh=mesh_of(4, 2), expert_axes=("data", "expert"), **OPTS)
+    with pytest.raises(ValueError, match=r"split the experts 8 ways, which does not divide the 4 experts of"):
+        hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), expert_axes=("data", "model"), **OPTS)
+    from models.gemma3 import init as gemma_init
+    from models.gemma3 import tiny_config as gemma_tiny
+
+    with pytest.raises(ValueError, match=r"needs a model that names its routed experts"):
+        hkv.MeshEngine(gemma_init(gemma_tiny(), seed=0), CONF, mesh=mesh_of(4, 2), expert_axes=("data",), **OPTS)
+    # a good one: the experts' specs name both axes, and a checkpoint says the setting was not saved
+    engine = hkv.MeshEngine(ep_model, CONF, mesh=mesh_of(4, 2), expert_axes=("data", "model"), **OPTS)
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(engine.weight_shardings)}
+    g, j, _ = ep_model.layers.locate(1)
+    layer = f"['layers']['groups'][{g}][{j}]"
+    assert specs[layer + "['ffn']['w_down'].value"] == PartitionSpec(("data", "model"), None, None)
+    assert specs[layer + "['attn']['wq_b'].value"] == PartitionSpec("model", None)  # heads: as without
+    assert (
+        engine.unsaved_settings()["expert_axes"]
+        and not hkv.MeshEngine(ep_model, CONF, mesh=mesh_of(4, 2), **OPTS).unsaved_settings()["expert_axes"]
+    )
