@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models.deepseek_v4 import DeepseekV4, flash_config, tensor_parallel_dim
+from models.deepseek_v4 import DeepseekV4, expert_parallel_dim, flash_config, tensor_parallel_dim
 from models.deepseek_v4.release import abstract_release_tensors
 from models.gemma3 import Gemma3, gemma3_27b_config
 from models.gemma3.model import expected_tensors as gemma_tensors
@@ -47,11 +47,16 @@ CONTEXTS = (128 * 1024, 1024 * 1024)
 GB = 10**9
 
 
+EVERY_DEVICE = ("data", "model")  # `expert_axes` of the "DP attention + EP" layouts
+
+
 def models() -> dict:
-    """name -> (build(), tensor_parallel_dim or None, meshes (data, model) to plan)."""
+    """name -> (build(), tensor_parallel_dim or None, layouts ((data, model), expert_axes) to plan)."""
     flash = flash_config()
     gemma = gemma3_27b_config()
-    v4_meshes = ((1, 8), (2, 4), (4, 2), (8, 1))
+    v4_meshes = tuple((m, ()) for m in ((1, 8), (2, 4), (4, 2), (8, 1))) + tuple(
+        (m, EVERY_DEVICE) for m in ((8, 1), (4, 2), (2, 4))
+    )
 
     def gemma_build():
         return Gemma3(
@@ -69,7 +74,7 @@ def models() -> dict:
             tensor_parallel_dim,
             v4_meshes,
         ),
-        "Gemma-3-27B, bf16": (gemma_build, None, ((8, 1),)),
+        "Gemma-3-27B, bf16": (gemma_build, None, (((8, 1), ()),)),
     }
 
 
@@ -82,14 +87,17 @@ def compute(compile_step: bool = False) -> list[dict]:
     meshes also counts the compiled decode step's temporaries)."""
     rows = []
     for name, (build, dim_of, meshes) in models().items():
-        for mesh_shape in meshes:
-            model = abstract_model(build, abstract_mesh(mesh_shape), "model", dim_of)
+        for mesh_shape, expert_axes in meshes:
+            experts = {"expert_axes": expert_axes, "expert_dim_of": expert_parallel_dim} if expert_axes else {}
+            model = abstract_model(build, abstract_mesh(mesh_shape), "model", dim_of, **experts)
             spec = model.cache_spec(block_tokens=64)
-            row = {"model": name, "mesh": list(mesh_shape), "fits": {}, "temp_bytes": {}}
+            row = {"model": name, "mesh": list(mesh_shape), "expert_axes": list(expert_axes)}
+            row |= {"fits": {}, "temp_bytes": {}}
             for platform in PLATFORMS.values():
                 for context in CONTEXTS:
                     temps = None
                     release = "release" in name and platform.name == "8xH200" and mesh_shape in COMPILED
+                    release = release and not expert_axes
                     release = release and context == CONTEXTS[0]
                     if compile_step and release:
                         temps = _temporaries(build, dim_of, mesh_shape, spec, context)
@@ -142,10 +150,16 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         fits = " | ".join(f"{r['fits'][f'{n} {k}']:,} / {r['fits'][f'{n} {m}']:,}" for n in names)
         out.append(
-            f"| {r['model']} | ({r['mesh'][0]}, {r['mesh'][1]}) | {_gb(r['weights_bytes'])} "
+            f"| {r['model']} | {_mesh(r)} | {_gb(r['weights_bytes'])} "
             f"| {_gb(r[f'cache_per_slot_{k}'])} | {_gb(r[f'cache_per_slot_{m}'])} | {fits} |"
         )
     return "\n".join(out)
+
+
+def _mesh(row: dict) -> str:
+    """The mesh column: (8, 1), or (8, 1), EP over all where the experts are split over every device."""
+    shape = f"({row['mesh'][0]}, {row['mesh'][1]})"
+    return shape + ", EP over all" if row["expert_axes"] else shape
 
 
 def largest(rows: list[dict]) -> list[str]:
@@ -155,7 +169,7 @@ def largest(rows: list[dict]) -> list[str]:
         for context in CONTEXTS:
             best = max(rows, key=lambda r: r["fits"][f"{name} {context}"])
             n = best["fits"][f"{name} {context}"]
-            where = f"{best['model']}, mesh {tuple(best['mesh'])}" if n else "nothing planned fits"
+            where = f"{best['model']}, mesh {_mesh(best)}" if n else "nothing planned fits"
             out.append(f"* {name}, {_tokens(context)} tokens: {n:,} contexts per node ({where})")
     return out
 
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             for key, temp in r["temp_bytes"].items():
                 context = int(key.split()[1])
                 print(
-                    f"  {r['model']} {tuple(r['mesh'])} {_tokens(context)}: {r['fits'][key]:,} contexts / node, "
+                    f"  {r['model']} {_mesh(r)} {_tokens(context)}: {r['fits'][key]:,} contexts / node, "
                     f"temporaries {_gb(temp)} / device"
                 )
 

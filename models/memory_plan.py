@@ -115,12 +115,13 @@ class MemoryPlan:
         return self.slots_per_shard > 0
 
 
-def abstract_model(build: Callable[[], nnx.Module], mesh, model_axis: str | None = "model", dim_of=None):
+def abstract_model(build: Callable[[], nnx.Module], mesh, model_axis: str | None = "model", dim_of=None, **experts):
     """`build()` (a model constructor call over abstract checkpoint tensors, e.g. `DeepseekV4(cfg,
     release.abstract_release_tensors(cfg), jnp.bfloat16)`) under the `Abstract` placement: a model whose
     weights are `jax.ShapeDtypeStruct`s sharded on `mesh` as the mesh engine shards them (`dim_of`:
-    the model's `tensor_parallel_dim`, or None to replicate)."""
-    with placing(Abstract(mesh, model_axis, dim_of)):
+    the model's `tensor_parallel_dim`, or None to replicate; `experts`: `expert_axes` and
+    `expert_dim_of`, as `hkv.MeshEngine(..., expert_axes=)` splits the routed experts)."""
+    with placing(Abstract(mesh, model_axis, dim_of, **experts)):
         return build()
 
 
