@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from hkv.engine.weight_split import WeightSplit
 from models.deepseek_v4 import DeepseekV4, expert_parallel_dim, flash_config, tensor_parallel_dim
 from models.deepseek_v4.release import abstract_release_tensors
 from models.gemma3 import Gemma3, gemma3_27b_config
@@ -39,6 +40,7 @@ from models.memory_plan import (
     RESERVE_FRACTION,
     abstract_mesh,
     abstract_model,
+    compile_mesh_temporaries,
     compile_temporaries,
     plan,
 )
@@ -78,7 +80,8 @@ def models() -> dict:
     }
 
 
-COMPILED = ((1, 8), (2, 4))  # the meshes `--compile` lowers (V4-Flash release on 8xH200, 128K)
+# the layouts `--compile` lowers (V4-Flash release on 8xH200, 128K)
+COMPILED = (((1, 8), ()), ((2, 4), ()), ((8, 1), EVERY_DEVICE))
 
 
 def compute(compile_step: bool = False) -> list[dict]:
@@ -96,11 +99,9 @@ def compute(compile_step: bool = False) -> list[dict]:
             for platform in PLATFORMS.values():
                 for context in CONTEXTS:
                     temps = None
-                    release = "release" in name and platform.name == "8xH200" and mesh_shape in COMPILED
-                    release = release and not expert_axes
-                    release = release and context == CONTEXTS[0]
-                    if compile_step and release:
-                        temps = _temporaries(build, dim_of, mesh_shape, spec, context)
+                    release = "release" in name and platform.name == "8xH200" and context == CONTEXTS[0]
+                    if compile_step and release and (mesh_shape, expert_axes) in COMPILED:
+                        temps = _temporaries(build, dim_of, mesh_shape, expert_axes, spec, context)
                     p = plan(model, spec, name, platform, mesh_shape, context, temps)
                     row["weights_bytes"] = p.weights_bytes
                     row[f"cache_per_slot_{context}"] = p.cache_per_slot_bytes
@@ -111,19 +112,32 @@ def compute(compile_step: bool = False) -> list[dict]:
     return rows
 
 
-def _temporaries(build, dim_of, mesh_shape, spec, context):
-    """slots -> temporaries of the decode step of one data shard (a (1, model) mesh of host devices)."""
-    sub = (1, mesh_shape[1])
-    mesh = Mesh(np.array(jax.devices()[: sub[1]]).reshape(sub), ("data", "model"))
-    model = abstract_model(build, mesh, "model", dim_of)
+def _temporaries(build, dim_of, mesh_shape, expert_axes, spec, context):
+    """slots -> temporaries of the decode step: of one data shard (a (1, model) mesh of host devices),
+    or, with the experts over the data axis too, of the mesh engine's dispatch over the whole mesh."""
+    if expert_axes:
+        mesh = Mesh(np.array(jax.devices()[: mesh_shape[0] * mesh_shape[1]]).reshape(mesh_shape), ("data", "model"))
+        model = abstract_model(build, mesh, "model", dim_of, expert_axes=expert_axes, expert_dim_of=expert_parallel_dim)
+        split = WeightSplit(mesh, "model", dim_of, expert_axes, expert_parallel_dim)
+
+        def compile_one(slots: int) -> int:
+            return compile_mesh_temporaries(model, spec, mesh, split, slots, context)
+    else:
+        sub = (1, mesh_shape[1])
+        mesh = Mesh(np.array(jax.devices()[: sub[1]]).reshape(sub), ("data", "model"))
+        model = abstract_model(build, mesh, "model", dim_of)
+
+        def compile_one(slots: int) -> int:
+            return compile_temporaries(model, spec, mesh, slots, context)
+
     cache: dict[int, int] = {}
 
     def temps(slots: int) -> int:
         if slots not in cache:
             t = time.perf_counter()
-            cache[slots] = compile_temporaries(model, spec, mesh, slots, context)
-            print(f"  compiled {mesh_shape} {slots} slots x {context} tokens: {cache[slots] / GB:.1f} GB "
-                  f"temporaries ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+            cache[slots] = compile_one(slots)
+            print(f"  compiled {mesh_shape} {expert_axes or ''} {slots} slots x {context} tokens: "
+                  f"{cache[slots] / GB:.1f} GB temporaries ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
         return cache[slots]
 
     return temps

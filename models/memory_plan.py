@@ -39,7 +39,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from hkv import CacheConfig, CacheLayout
+from hkv.core.sampling import GREEDY, SamplingBatch
 from hkv.core.state import init_cache
+from hkv.engine.sharded import sharded_steps
 from models.placement import Abstract, placing
 
 __all__ = [
@@ -167,6 +169,31 @@ def compile_temporaries(model, spec, mesh: Mesh, slots: int, context: int) -> in
     with jax.set_mesh(mesh):  # as the mesh engine traces its steps: the MoE runs expert parallel
         compiled = jax.jit(step, donate_argnums=(1,)).lower(weights, cache, ids, rows, rows).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def compile_mesh_temporaries(model, spec, mesh: Mesh, split, slots: int, context: int) -> int:
+    """Temporary bytes per device of `hkv.MeshEngine`'s decode dispatch (one token for each of `slots`
+    slots of every data shard: `ShardedSteps.decode_all`, the program the engine runs), lowered with
+    `model`'s abstract weights placed on `mesh` (a concrete (data, model) mesh of this machine's
+    devices) by `split` (an `hkv.engine.weight_split.WeightSplit`, e.g. the experts over every device)
+    and an abstract stacked cache, compiled by this backend (`memory_analysis`)."""
+    graphdef, weights = nnx.split(model)
+    weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on(mesh, x.sharding)), weights)
+    layout = layout_for(spec, slots, context)
+    d = mesh.shape["data"]
+    over_data = NamedSharding(mesh, PartitionSpec("data"))
+    cache = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((d, *x.shape), x.dtype, sharding=over_data),
+        jax.eval_shape(lambda: init_cache(layout)),
+    )
+    rows = np.zeros((d, slots), np.int32)
+    params = SamplingBatch.stack([GREEDY] * slots)
+    params = jax.tree.map(lambda x: np.stack([np.asarray(x)] * d), params)
+    steps = sharded_steps(graphdef, None, layout, mesh, "data", split if split.splits_over("data") else None)
+    order = np.broadcast_to(np.arange(slots, dtype=np.int32), (d, slots)).copy()
+    stops = np.full((d, slots, 1), -1, np.int32)
+    lowered = steps.decode_all.lower(layout, cache, weights, rows, order, params, rows + 1, stops, 1, False)
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
 
 def _on(mesh: Mesh, sharding) -> NamedSharding:

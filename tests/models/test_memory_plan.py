@@ -93,3 +93,26 @@ def test_compiled_temporaries_come_from_the_lowered_decode_step():
     spec = model.cache_spec(block_tokens=16)
     one, four = (compile_temporaries(model, spec, mesh, s, 256) for s in (1, 4))
     assert 0 < one < four  # more slots, more scratch
+
+
+@pytest.mark.slow
+def test_the_mesh_dispatch_temporaries_of_experts_over_every_device():
+    """The "EP over all" layout's temporaries come from the mesh engine's own decode dispatch over the
+    whole (8, 1) mesh (`ShardedSteps.decode_all`), its all-gathered tokens included."""
+    from hkv.engine.weight_split import WeightSplit
+    from models.deepseek_v4 import expert_parallel_dim
+    from models.memory_plan import compile_mesh_temporaries
+
+    cfg = tiny_config(n_routed_experts=8)
+    mesh, axes = mesh_of(8, 1), ("data", "model")
+    model = abstract_model(
+        lambda: DeepseekV4(cfg, abstract_release_tensors(cfg), jnp.float32), mesh, "model", tensor_parallel_dim,
+        expert_axes=axes, expert_dim_of=expert_parallel_dim,
+    )  # fmt: skip
+    g, j, _ = model.layers.locate(1)
+    stack = model.layers.groups[g][j].ffn.w_gate.data.value  # a routed-expert stack: one expert per device
+    assert stack.sharding.shard_shape(stack.shape)[-3] == 1
+    split = WeightSplit(mesh, "model", tensor_parallel_dim, axes, expert_parallel_dim)
+    spec = model.cache_spec(block_tokens=16)
+    one, four = (compile_mesh_temporaries(model, spec, mesh, split, s, 256) for s in (1, 4))
+    assert 0 < one < four
