@@ -519,3 +519,22 @@ def test_expert_axes_are_checked_by_name(model, ep_model):
         engine.unsaved_settings()["expert_axes"]
         and not hkv.MeshEngine(ep_model, CONF, mesh=mesh_of(4, 2), **OPTS).unsaved_settings()["expert_axes"]
     )
+
+
+@pytest.mark.slow  # compiles a (4, 2) EP engine's programs
+def test_a_saved_ep_engine_restores_with_its_expert_axes_and_warns_without(ep_model, ep_reference, tmp_path):
+    """`expert_axes` is a runtime setting a checkpoint does not hold: restored with it again, the second
+    turns restore their prefixes with the single-device engine's tokens and the experts split over every
+    device; restored without it, the warning names it."""
+    axes = ("data", "model")
+    engine = hkv.MeshEngine(ep_model, EP_CONF, mesh=mesh_of(4, 2), expert_axes=axes, retention=RETAIN, **OPTS)
+    assert [g.tokens for g in engine.generate(PROMPTS, NEW)] == ep_reference["greedy"]
+    engine.save(tmp_path / "ck")
+    restored = hkv.Engine.restore(tmp_path / "ck", ep_model, mesh=mesh_of(4, 2), expert_axes=axes)
+    assert restored.weight_split.expert_axes == axes
+    second = restored.generate(ep_reference["turn2"], 4)
+    assert [g.tokens for g in second] == ep_reference["second"]
+    assert all(g.plan.restored_tokens > 0 for g in second), [g.plan for g in second]
+    with pytest.warns(UserWarning, match=r"expert_axes"):
+        plain = hkv.Engine.restore(tmp_path / "ck", ep_model, mesh=mesh_of(4, 2))
+    assert plain.weight_split.expert_axes == ()
