@@ -835,11 +835,12 @@ def restore_window(
 
     go = real | force
     axes = lockstep_axes(model)
-    if axes:  # the step runs on every shard when any needs it; a shard that did not need it keeps its cache
+    if axes:  # the step runs on every shard when any needs it; one that did not has no valid token:
 
-        def run(c, run=run):
-            out = run(c)
-            return jax.tree.map(lambda a, b: jnp.where(go, a, b), out, (c, jnp.int32(Status.OK)))
+        def run(c, run=run):  # it writes nothing, and keeps its counters and an OK status
+            new, st = run(c)
+            counters = jax.tree.map(lambda a, b: jnp.where(go, a, b), new.counters, c.counters)
+            return new.replace(counters=counters), jnp.where(go, st, jnp.int32(Status.OK))
 
     cache, st = jax.lax.cond(any_shard(go, axes), run, lambda c: (c, jnp.int32(Status.OK)), cache)
     return cache, plan, st

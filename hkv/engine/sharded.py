@@ -81,7 +81,6 @@ ONE_SHARD = (
     "mark_on_disk",
     "restore_window",
 )
-WEIGHTS_FIRST = ("restore_window",)  # the ONE_SHARD transitions that run the model (weights first)
 
 
 def shard_config(config: CacheConfig, shards: int) -> CacheConfig:
@@ -209,11 +208,8 @@ class ShardedSteps:
         self.prefill_all = nm.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
         self.decode_all = nm.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
 
-        def on_one_shard(fn, weights_first: bool = False):
-            """fn on shard `shard` only; with `weights_first` (its first argument is the weights: it
-            runs the model) and experts split over the data axis, run on every shard and kept on
-            `shard` only (a select, not a `lax.cond`: the MoE's exchange needs every shard)."""
-            everywhere = weights_first and over_data
+        def on_one_shard(fn):
+            """fn on shard `shard` only (a `lax.cond`: the other shards return their cache unchanged)."""
 
             def outer(layout, cache, shard, *args):
                 def local(cache, shard, *args):
@@ -230,17 +226,34 @@ class ShardedSteps:
                         return (c, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:]))
 
                     mine = jax.lax.axis_index(data_axis) == shard
-                    if everywhere:
-                        out = jax.tree.map(lambda a, b: jnp.where(mine, a, b), run(c), skip(c))
-                        return _unsqueeze(out)
                     return _unsqueeze(jax.lax.cond(mine, run, skip, c))
 
-                specs = (wspec(args[0]),) + (P(),) * (len(args) - 1) if weights_first else (P(),) * len(args)
-                return shmap(local, (d, P()) + specs)(cache, shard, *args)
+                return shmap(local, (d, P()) + (P(),) * len(args))(cache, shard, *args)
 
             return nm.jit(outer, static_argnums=0, donate_argnums=1)
 
-        self.one = {name: on_one_shard(getattr(base, name), name in WEIGHTS_FIRST) for name in ONE_SHARD}
+        def window_on_every_shard(layout, cache, shard, weights, slot, keys, toks, n_blocks, ids, force):
+            """`restore_window` with the experts split over the data axis: its model step exchanges
+            tokens across the shards, so every shard runs the program (not a `lax.cond`). The others
+            run it on an unknown slot (`layout.slots`), not forced: their restore claims nothing and
+            their step has no valid token, so it writes nothing, and no shard selects between two
+            caches (which would keep a second copy of the pools)."""
+
+            def local(cache, shard, weights, slot, keys, toks, n_blocks, ids, force):
+                mine = jax.lax.axis_index(data_axis) == shard
+                slot = jnp.where(mine, slot, layout.slots)
+                out = base.restore_window(
+                    layout, _squeeze(cache), weights, slot, keys, toks, n_blocks, ids, force & mine
+                )
+                return _unsqueeze(out)
+
+            args = (cache, shard, weights, slot, keys, toks, n_blocks, ids, force)
+            return shmap(local, (d, P(), wspec(weights)) + (P(),) * 6)(*args)
+
+        everywhere = {"restore_window": nm.jit(window_on_every_shard, static_argnums=0, donate_argnums=1)}
+        self.one = {name: on_one_shard(getattr(base, name)) for name in ONE_SHARD}
+        if over_data:
+            self.one.update(everywhere)
 
 
 _LOCK = threading.Lock()
