@@ -108,8 +108,6 @@ class OnMesh(Placement):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
         self.mesh = mesh
         self.split = WeightSplit(mesh, model_axis, dim_of, tuple(expert_axes), expert_dim_of)
-        self.model_axis = self.split.model_axis
-        self.dim_of = dim_of
         self.placed = 0  # weights placed so far
         self.bytes_placed = 0  # their global bytes (replicas counted once)
         self.peak_staging_bytes = 0  # the most host bytes one weight's slices took (what the host holds at once)
@@ -201,8 +199,6 @@ class Abstract(OnMesh):
             raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh or AbstractMesh")
         self.mesh = mesh
         self.split = WeightSplit(mesh, model_axis, dim_of, tuple(expert_axes), expert_dim_of)
-        self.model_axis = self.split.model_axis
-        self.dim_of = dim_of
         self.placed = 0
         self.bytes_placed = 0
         self.peak_staging_bytes = 0

@@ -251,17 +251,15 @@ def decode_steps(
         return jax.lax.while_loop(cond, body, carry)
 
     axes = lockstep_axes(model)
-    if axes:  # every shard iterates while any shard's rows run (a finished shard idles, as `counted`)
 
-        def lockstep(carry):
-            def go(carry):
-                return (carry[0] < steps) & any_shard(cond(carry), axes)
+    def lockstep(carry):  # every shard iterates while any shard's rows run (a finished one idles, as `counted`)
+        def go(carry):
+            return (carry[0] < steps) & any_shard(cond(carry), axes)
 
-            return jax.lax.while_loop(go, lambda carry: one(carry[0], carry), carry)
+        return jax.lax.while_loop(go, lambda carry: one(carry[0], carry), carry)
 
-        carry = jax.lax.platform_dependent(carry, default=lockstep, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
-    else:
-        carry = jax.lax.platform_dependent(carry, default=early, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
+    default = lockstep if axes else early
+    carry = jax.lax.platform_dependent(carry, default=default, **dict.fromkeys(COUNTED_LOOP_PLATFORMS, counted))
     _, cache, _, _, out, lps, kept, tops, n_new, _, stopped, status = carry
     return DecodeOutput(
         cache=cache,

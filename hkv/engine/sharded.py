@@ -250,10 +250,9 @@ class ShardedSteps:
             args = (cache, shard, weights, slot, keys, toks, n_blocks, ids, force)
             return shmap(local, (d, P(), wspec(weights)) + (P(),) * 6)(*args)
 
-        everywhere = {"restore_window": nm.jit(window_on_every_shard, static_argnums=0, donate_argnums=1)}
         self.one = {name: on_one_shard(getattr(base, name)) for name in ONE_SHARD}
         if over_data:
-            self.one.update(everywhere)
+            self.one["restore_window"] = nm.jit(window_on_every_shard, static_argnums=0, donate_argnums=1)
 
 
 _LOCK = threading.Lock()

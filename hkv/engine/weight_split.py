@@ -19,6 +19,7 @@ split over "model" automatically).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -72,10 +73,7 @@ class WeightSplit:
     @property
     def expert_devices(self) -> int:
         """How many ways `expert_axes` split a stack of experts (1 without them)."""
-        n = 1
-        for a in self.expert_axes:
-            n *= self.mesh.shape[a]
-        return n
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes)
 
     def spec(self, name: str | None, shape: tuple[int, ...]) -> P:
         """The PartitionSpec of weight `name` of `shape` on the mesh.

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from .config import CSA, HCA
+from .model import expert_parallel_dim
 
 _NOT_PRODUCTS = ("ape", "tid2eid")  # 2-D leaves that are added or looked up, not multiplied
-_EXPERT_STACKS = ("w_gate", "w_up", "w_down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,8 @@ def weight_products(model) -> list[WeightProduct]:
     for path, leaf in nnx.to_flat_state(nnx.state(model)):
         names = [str(p) for p in path]
         value = leaf.get_value()
-        if names[-1] == "scale" and len(names) > 1 and names[-2] not in ("hc_attn", "hc_ffn", "hc_head"):
-            continue  # a quantized weight's scale grid: its data counts the weight
+        if names[-1] == "scale":
+            continue  # a quantized weight's scale grid (its data counts the weight), or a 1-D mixer scale
         quantized = names[-1] == "data"  # stored FP8 / packed FP4 (uint8)
         if names[-1] in ("data", "value"):
             names = names[:-1]
@@ -86,7 +86,7 @@ def weight_products(model) -> list[WeightProduct]:
             continue
         shape = _logical_shape(model, names, value)
         name = ".".join(names)
-        if names[-1] in _EXPERT_STACKS:  # [.., E, in, out] held dense; [.., E, out, in] quantized
+        if expert_parallel_dim(name, shape) is not None:  # [.., E, in, out] dense; [.., E, out, in] quantized
             k_in, n_out = (shape[-2], shape[-1]) if not quantized else (shape[-1], shape[-2])
             count = int(np.prod(shape[:-2]))
             out.append(WeightProduct(name, k_in, n_out, count, cfg.num_experts_per_tok / cfg.n_routed_experts))

@@ -30,7 +30,7 @@ from .cached import cached_step
 from .config import DeepseekV4Config
 from .hyper_connection import HyperConnection, HyperHead, merge
 from .layer_scan import LayerStack, stateless_layers
-from .moe import EXPERT_AXIS, MoE, data_split, splits
+from .moe import EXPERT_AXIS, MoE, splits
 from .norms import linear, rms_norm
 from .quant_format import KEPT_QUANTIZED, QuantizedTensor, host_dense
 from .quantized import quantized_or_param, weight
@@ -223,7 +223,7 @@ class DeepseekV4(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         for _, node in nnx.iter_graph(self):
             if isinstance(node, MoE):
-                return data_split(mesh, node.stacks().gate.arrays()[0].shape[-3], node.n_experts)
+                return node.data_axes(mesh)
         return ()
 
     def expert_parallel_dim(self, path: str, shape: tuple[int, ...]) -> int | None:

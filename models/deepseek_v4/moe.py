@@ -25,6 +25,7 @@ the data axis hand each shard its own tokens' pair outputs: drop-free, and still
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -98,9 +99,7 @@ def data_split(mesh, local: int, n: int) -> tuple[str, ...]:
     if local == n:
         return ()
     manual = tuple(a for a in mesh.axis_names if a in getattr(mesh, "manual_axes", ()))
-    shards = 1
-    for a in manual:
-        shards *= mesh.shape[a]
+    shards = math.prod(mesh.shape[a] for a in manual)
     if not manual or local * shards != n:
         raise ValueError(
             f"this shard holds {local} of {n} routed experts, but the step is traced over manual mesh axes "
@@ -319,10 +318,15 @@ class MoE(nnx.Module):
         -> [N, hidden]: expert parallel (`experts_parallel`) inside a mesh whose "model" axis splits the
         experts; else `ragged_dot` where it is native, on CPU `experts_cpu`."""
         mesh = jax.sharding.get_abstract_mesh()
-        over = data_split(mesh, self.stacks().gate.arrays()[0].shape[-3], self.n_experts)
+        over = self.data_axes(mesh)
         if over or splits(mesh, self.n_experts):
             return self.experts_parallel(x, weights, idx, mesh, over)
         return jax.lax.platform_dependent(x, weights, idx, cpu=self.experts_cpu, default=self.experts_ragged)
+
+    def data_axes(self, mesh) -> tuple[str, ...]:
+        """The manual mesh axes this trace's stacks are split over (`data_split`: the stack holds fewer
+        experts than the config), else ()."""
+        return data_split(mesh, self.stacks().gate.arrays()[0].shape[-3], self.n_experts)
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` without `ragged_dot`: `experts_routed` while tokens x top-k < experts, every expert
@@ -370,9 +374,7 @@ class MoE(nnx.Module):
         already on every device of "model" (attention ends in an all-reduce); across data shards they
         are all-gathered over `over` first and the pair outputs reduce-scattered back, each shard
         keeping its own tokens'. x [N, hidden] -> [N, hidden]."""
-        d = 1
-        for a in over:
-            d *= mesh.shape[a]
+        d = math.prod(mesh.shape[a] for a in over)
         m = mesh.shape[EXPERT_AXIS] if splits(mesh, self.n_experts // d) else 1
         local = self.n_experts // (d * m)
         stacks = self.stacks()
