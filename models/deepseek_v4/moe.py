@@ -60,29 +60,32 @@ def swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
     return numerics.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-def _combine_pairs(pairs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, n_experts: int, dtype) -> jnp.ndarray:
-    """`_combine` of each token's k pair outputs: pairs [N, k, hidden] (pair j of token n ran expert
-    idx[n, j]) placed at their experts (zeros elsewhere), weights [N, k], idx int32[N, k] -> [N, hidden]."""
-    # a select per slot, not a scatter: XLA:CPU runs a scatter as a loop of one-row updates (N * k
-    # iterations, each its own thunks), ~5% of a long prefill. The same values land (the last slot
-    # naming an expert wins, as the scatter's updates in order), so the same bits follow.
-    n, k = idx.shape
-    at = idx[:, :, None] == jnp.arange(n_experts, dtype=idx.dtype)  # [N, k, E]
-    per_expert = jnp.zeros((n, n_experts, pairs.shape[-1]), pairs.dtype)
-    for j in range(k):
-        per_expert = jnp.where(at[:, j, :, None], pairs[:, j, None, :], per_expert)
-    return _combine(per_expert, weights, idx, dtype)
+def _combine_pairs(pairs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype) -> jnp.ndarray:
+    """Each token's weighted sum of its k pair outputs: sum_j w[n, j] * pairs[n, j] (each output
+    rounded to `dtype` first), the terms added in float32 strictly in ascending expert id
+    (`numerics.ordered_sum`), so a token's sum depends on its own pairs only: the same bits for any
+    number of tokens, on every path and mesh (the numerical contract). A token naming one expert in
+    several slots (a hash table may) counts that expert's output once, weighted by those slots'
+    weights summed. O(N k hidden): nothing of the shape [N, experts, hidden] is built (a prefill chunk
+    of DeepSeek-V4-Flash, 256 experts of 4096, would need 4 MiB per token for it).
 
-
-def _combine(outputs: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, dtype) -> jnp.ndarray:
-    """sum_e w[n, e] * outputs[n, e] over every expert e (w zero where token n did not pick e), as one
-    [1, E] x [E, hidden] float32 product per token (`numerics.batched_matmul`: the same bits for any
-    number of tokens; on a mesh that splits the experts, a sum of partial products across devices).
-    outputs [N, E, hidden] (rounded to `dtype` first), weights [N, k], idx int32[N, k] -> [N, hidden]."""
-    e = outputs.shape[1]
-    dense = numerics.fixed_sum(jnp.where(idx[..., None] == jnp.arange(e), weights[..., None], 0.0), axis=1)
-    y = outputs.astype(dtype).astype(jnp.float32)
-    return numerics.batched_matmul(dense.astype(jnp.float32)[:, None, :], y)[:, 0].astype(dtype)
+    Args:
+      pairs: [N, k, hidden], pair j of token n the output of expert idx[n, j].
+      weights: [N, k] routing weights. idx: int32[N, k] expert ids.
+      dtype: the activations' dtype (the result's).
+    Returns:
+      [N, hidden] in `dtype`.
+    """
+    n = idx.shape[0]
+    same = idx[:, :, None] == idx[:, None, :]  # [N, k, k]
+    merged = numerics.fixed_sum(jnp.where(same, weights[:, None, :].astype(jnp.float32), 0.0), axis=-1)
+    order = jnp.argsort(idx, axis=-1, stable=True)  # [N, k]: the slots by expert id
+    ids = jnp.take_along_axis(idx, order, axis=-1)
+    first = jnp.concatenate([jnp.ones((n, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=-1)
+    w = jnp.take_along_axis(merged, order, axis=-1)
+    y = jnp.take_along_axis(pairs, order[..., None], axis=1).astype(dtype).astype(jnp.float32)
+    terms = jnp.where(first[..., None], numerics.mul(w[..., None], y), 0.0)  # a repeated expert: once
+    return numerics.ordered_sum(terms, axis=1).astype(dtype)
 
 
 EXPERT_AXIS = "model"  # the mesh axis that splits the routed experts (`hkv.MeshEngine`'s model axis)
@@ -341,7 +344,8 @@ class MoE(nnx.Module):
         if n * e <= 2 * (n * k + e * TILE):
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
             y = self.stacks().rows(xe, None)  # [E, N, hidden] float32
-            return _combine(jnp.swapaxes(y, 0, 1), weights, idx, x.dtype)
+            pairs = jnp.take_along_axis(jnp.swapaxes(y, 0, 1), idx[..., None], axis=1)  # [N, k, hidden]
+            return _combine_pairs(pairs, weights, idx, x.dtype)
         return self.experts_tiled(x, weights, idx)
 
     def experts_routed(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
@@ -349,17 +353,17 @@ class MoE(nnx.Module):
         and weight reads of tokens x top-k experts, not of every expert (what `experts_cpu` runs while
         tokens x top-k < experts: a decode step of a few sequences). x [N, hidden] -> [N, hidden]."""
         pairs = self.stacks().pairs_routed(x, idx)
-        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
+        return _combine_pairs(pairs, weights, idx, x.dtype)
 
     def experts_tiled(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """Grouped matmul in tiles (`Experts.pairs_tiled`). x [N, hidden] -> [N, hidden]."""
         pairs = self.stacks().pairs_tiled(x, idx, self.n_experts)
-        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
+        return _combine_pairs(pairs, weights, idx, x.dtype)
 
     def experts_ragged(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` as one `jax.lax.ragged_dot` per projection (`Experts.pairs_ragged`)."""
         pairs = self.stacks().pairs_ragged(x, idx, self.n_experts)
-        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
+        return _combine_pairs(pairs, weights, idx, x.dtype)
 
     def experts_parallel(
         self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray, mesh, over: tuple[str, ...] = ()
@@ -411,7 +415,7 @@ class MoE(nnx.Module):
                 axis_names={EXPERT_AXIS},
                 check_vma=False,
             )(x, idx, *arrays)
-        return _combine_pairs(pairs, weights, idx, self.n_experts, x.dtype)
+        return _combine_pairs(pairs, weights, idx, x.dtype)
 
     def shared(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(
