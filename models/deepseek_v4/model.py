@@ -211,10 +211,11 @@ class DeepseekV4(nnx.Module):
                 f"token ids range [{arr.min()}, {arr.max()}] must lie in [0, vocab_size={self.cfg.vocab_size})"
             )
 
-    def tensor_parallel_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
-        """The dimension of weight `path` split over a mesh's model axis (`hkv.MeshEngine`), or None
-        to replicate it; see `tensor_parallel_dim` (module function)."""
-        return tensor_parallel_dim(path, shape)
+    # The module functions themselves, not bound methods: `hkv.MeshEngine` keys its shared programs
+    # by them (`WeightSplit`), and a bound method would keep this model alive in that cache and make
+    # two models of one structure look different.
+    tensor_parallel_dim = staticmethod(tensor_parallel_dim)
+    """(path, shape) -> the dimension of that weight split over a mesh's model axis, or None."""
 
     def lockstep_axes(self) -> tuple[str, ...]:
         """The manual mesh axes this trace's routed experts are split over (`moe.data_split`: a per-
@@ -226,10 +227,8 @@ class DeepseekV4(nnx.Module):
                 return node.data_axes(mesh)
         return ()
 
-    def expert_parallel_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
-        """The expert dimension of a routed-expert stack, else None (`hkv.MeshEngine`'s `expert_axes`
-        split it); see `expert_parallel_dim` (module function)."""
-        return expert_parallel_dim(path, shape)
+    expert_parallel_dim = staticmethod(expert_parallel_dim)
+    """(path, shape) -> the expert dimension of a routed-expert stack (`expert_axes` split it), else None."""
 
     # -------------------------------------------------------------- cached path
     def cache_spec(self, block_tokens: int = 16, model_id: str = "unknown"):

@@ -407,6 +407,31 @@ def test_a_closed_mesh_engine_refuses_every_call_by_name(model):
             call()
 
 
+def test_the_shared_programs_key_holds_no_model():
+    """Mesh engines of two models of one structure key their shared programs (`sharded_steps`) by an
+    equal weight split, and that key keeps neither model alive once its engine is gone (the model's
+    `tensor_parallel_dim` / `expert_parallel_dim` were bound methods: each model its own key, and
+    the newest kept alive by the cache)."""
+    import gc
+    import weakref
+
+    from hkv.engine.sharded import sharded_steps
+
+    cfg = tiny_config(n_routed_experts=8)  # one expert per device of the (4, 2) mesh
+    a, b = init(cfg, seed=5), init(cfg, seed=6)
+    mesh = mesh_of(4, 2)
+    ea = hkv.Engine(a, CONF, mesh=mesh, expert_axes=("data", "model"), **OPTS)
+    eb = hkv.Engine(b, CONF, mesh=mesh, expert_axes=("data", "model"), **OPTS)
+    assert ea.weight_split == eb.weight_split
+    sharded_steps(nnx.split(a)[0], None, ea.layout, mesh, "data", ea.weight_split)
+    gone = weakref.ref(a)
+    ea.close()
+    del ea, a
+    gc.collect()
+    assert gone() is None
+    eb.close()
+
+
 def test_balance_routing_ignores_cached_prefixes_and_spreads_by_load(model):
     engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), route="balance", **OPTS)
     first = [g.plan.shard for g in engine.generate(PROMPTS, 1)]
