@@ -42,6 +42,11 @@ from .quant_format import stack as stack_quantized
 from .quantized import QuantizedLinear, dequantize_device, quantized_or_param, weight
 
 TILE = 64  # pairs per tile of the CPU grouped matmul
+# Most bytes of expert weights the CPU grouped matmul gathers at once (each tile its expert's three
+# projections): more tiles than that fits run a group at a time in a loop, so a long prefill chunk of
+# a large model holds a few experts' copies, not one per tile (a 4K-token chunk of DeepSeek-V4-Flash
+# split 8 ways: 416 tiles of 48 MiB). Small models run every tile in one product.
+GATHER_BYTES = 256 * 2**20
 
 
 def score(logits: jnp.ndarray, scoring_func: str) -> jnp.ndarray:
@@ -198,6 +203,30 @@ class Experts:
         up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
         return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
 
+    def tile_rows(self, rows: jnp.ndarray, expert: jnp.ndarray, budget: int | None = None) -> jnp.ndarray:
+        """`rows(rows, expert)` over G tiles, as many tiles at a time as `budget` bytes of gathered
+        weights hold (default `GATHER_BYTES`; at least one): one batched product where all fit, else a
+        loop over groups of tiles (the tiles padded to whole groups with zero rows). Each tile's
+        product is the same bits either way (a batched product's elements do not depend on the batch).
+        rows [G, R, hidden], expert int32[G] -> float32 [G, R, hidden]."""
+        g = rows.shape[0]
+        dt = rows.dtype
+        shapes = (jax.eval_shape(lambda s=s: s.weights(None, dt)).shape for s in (self.gate, self.up, self.down))
+        per_tile = sum(math.prod(shape[-2:]) for shape in shapes)
+        per = max(1, (GATHER_BYTES if budget is None else budget) // (per_tile * jnp.dtype(dt).itemsize))
+        if per >= g:
+            return self.rows(rows, expert)
+        steps = -(-g // per)
+        pad = steps * per - g
+        rows = jnp.pad(rows, ((0, pad), (0, 0), (0, 0))).reshape(steps, per, *rows.shape[1:])
+        expert = jnp.pad(expert, (0, pad)).reshape(steps, per)
+
+        def group(_, xs):
+            return None, self.rows(*xs)
+
+        _, y = jax.lax.scan(group, None, (rows, expert))
+        return y.reshape(steps * per, *y.shape[2:])[:g]
+
     def pairs(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
         """Every pair's output by the path this backend and size call for: `pairs_ragged` where
         `ragged_dot` is native; on CPU `pairs_routed` while tokens x top-k < experts, else `pairs_tiled`.
@@ -244,7 +273,7 @@ class Experts:
         pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
         rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
         tile_expert = run_c[::TILE]  # a tile lies in one expert's run: its first row's
-        y = self.rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
+        y = self.tile_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
         return y[dest].reshape(n, k, -1)
 
     def pairs_ragged(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:

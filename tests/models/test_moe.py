@@ -223,3 +223,23 @@ def test_the_combine_of_many_experts_builds_nothing_per_expert():
     # the CPU path (XLA:CPU lowers `ragged_dot` itself to a dense masked product over every expert)
     temp = numerics.jit(moe.experts_cpu).lower(x, w, idx).compile().memory_analysis().temp_size_in_bytes
     assert temp < per_expert / 3, (temp, per_expert)  # 1.05x it before
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tiles_run_a_group_at_a_time_give_the_same_bits(layer, monkeypatch, dtype):
+    """A prefill chunk whose tiles' gathered weights exceed `GATHER_BYTES` runs its tiles a group at a
+    time (a loop); every token's output is the same bits as all tiles in one product."""
+    from hkv import numerics
+    from models.deepseek_v4 import moe
+
+    rng = np.random.default_rng(11)
+    n, e, k = 300, layer.n_experts, layer.top_k
+    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), dtype)
+    idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    whole = np.asarray(numerics.jit(layer.experts_tiled)(x, w, idx))
+    per_tile = 3 * layer.w_gate.value.shape[1] * layer.w_gate.value.shape[2] * jnp.dtype(dtype).itemsize
+    monkeypatch.setattr(moe, "GATHER_BYTES", 3 * per_tile)  # 3 tiles a group: the last group padded
+    grouped = numerics.jit(layer.experts_tiled)
+    assert "while" in grouped.lower(x, w, idx).as_text()
+    np.testing.assert_array_equal(np.asarray(grouped(x, w, idx)), whole)
