@@ -5,14 +5,15 @@ device memory, seconds.
 
     python benchmarks/memory_plan.py              # the tables of docs/scaling.md ("Memory plan")
     python benchmarks/memory_plan.py --json       # the same numbers as JSON
-    python benchmarks/memory_plan.py --compile    # + the decode step's temporaries, compiled here (~10 min)
+    python benchmarks/memory_plan.py --compile    # + the decode and prefill steps' temporaries, compiled here
 
 Per device: the weights (each weight's shard in its storage dtype: the release's FP8 / FP4 kept
 quantized, or bf16 as `load(dequantize=True)` holds them), and one data shard's cache per slot (64-token
 pages, no prefix records); per node: how many contexts of 128K and 1M tokens fit in the device memory
-less `RESERVE_FRACTION` (10%), every data shard full. With `--compile` the decode step is also lowered
-with those abstract weights and cache and compiled for this machine's CPU on 8 host devices, and its
-temporaries (`memory_analysis`) counted too: the CPU program's scratch, not a GPU's or TPU's.
+less `RESERVE_FRACTION` (10%), every data shard full. With `--compile` the decode step and a prefill
+step of `--chunk` tokens are also lowered with those abstract weights and cache and compiled for this
+machine's CPU on 8 host devices, and the larger of their temporaries (`memory_analysis`: the engine
+runs one program at a time) counted too: the CPU programs' scratch, not a GPU's or TPU's.
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ def models() -> dict:
 
 # the layouts `--compile` lowers (V4-Flash release on 8xH200, 128K)
 COMPILED = (((1, 8), ()), ((2, 4), ()), ((8, 1), EVERY_DEVICE))
+CHUNK = 4096  # tokens per prefill step `--compile` lowers (`hkv.Engine(prefill_chunk=...)`)
 
 
-def compute(compile_step: bool = False) -> list[dict]:
+def compute(compile_step: bool = False, chunk: int = CHUNK) -> list[dict]:
     """One row per (model, mesh): per device weights and cache per slot, and per platform the contexts
     of each length one node fits (with `compile_step`, V4-Flash release on 8xH200 at `COMPILED`
-    meshes also counts the compiled decode step's temporaries)."""
+    meshes also counts the temporaries of the compiled decode step and of a prefill step of `chunk`
+    tokens, the larger of the two: `temp_bytes`, and each: `decode_temp_bytes`, `prefill_temp_bytes`)."""
     rows = []
     for name, (build, dim_of, meshes) in models().items():
         for mesh_shape, expert_axes in meshes:
@@ -95,52 +98,71 @@ def compute(compile_step: bool = False) -> list[dict]:
             model = abstract_model(build, abstract_mesh(mesh_shape), "model", dim_of, **experts)
             spec = model.cache_spec(block_tokens=64)
             row = {"model": name, "mesh": list(mesh_shape), "expert_axes": list(expert_axes)}
-            row |= {"fits": {}, "temp_bytes": {}}
+            row |= {"fits": {}, "temp_bytes": {}, "decode_temp_bytes": {}, "prefill_temp_bytes": {}}
             for platform in PLATFORMS.values():
                 for context in CONTEXTS:
                     temps = None
                     release = "release" in name and platform.name == "8xH200" and context == CONTEXTS[0]
                     if compile_step and release and (mesh_shape, expert_axes) in COMPILED:
-                        temps = _temporaries(build, dim_of, mesh_shape, expert_axes, spec, context)
+                        temps = _Temporaries(build, dim_of, mesh_shape, expert_axes, spec, context, chunk)
                     p = plan(model, spec, name, platform, mesh_shape, context, temps)
                     row["weights_bytes"] = p.weights_bytes
                     row[f"cache_per_slot_{context}"] = p.cache_per_slot_bytes
                     row["fits"][f"{platform.name} {context}"] = p.slots_per_node
                     if p.temp_bytes is not None:
-                        row["temp_bytes"][f"{platform.name} {context}"] = p.temp_bytes
+                        key = f"{platform.name} {context}"
+                        row["temp_bytes"][key] = p.temp_bytes
+                        row["decode_temp_bytes"][key] = temps.decode(p.slots_per_shard)
+                        row["prefill_temp_bytes"][key] = temps.prefill(p.slots_per_shard)
             rows.append(row)
     return rows
 
 
-def _temporaries(build, dim_of, mesh_shape, expert_axes, spec, context):
-    """slots -> temporaries of the decode step: of one data shard (a (1, model) mesh of host devices),
-    or, with the experts over the data axis too, of the mesh engine's dispatch over the whole mesh."""
-    if expert_axes:
-        mesh = Mesh(np.array(jax.devices()[: mesh_shape[0] * mesh_shape[1]]).reshape(mesh_shape), ("data", "model"))
-        model = abstract_model(build, mesh, "model", dim_of, expert_axes=expert_axes, expert_dim_of=expert_parallel_dim)
-        split = WeightSplit(mesh, "model", dim_of, expert_axes, expert_parallel_dim)
+class _Temporaries:
+    """slots -> the larger temporaries of the decode step and of a prefill step of `chunk` tokens,
+    each compiled once per slot count: of one data shard (a (1, model) mesh of host devices), or,
+    with the experts over the data axis too, of the mesh engine's dispatch over the whole mesh."""
 
-        def compile_one(slots: int) -> int:
-            return compile_mesh_temporaries(model, spec, mesh, split, slots, context)
-    else:
-        sub = (1, mesh_shape[1])
-        mesh = Mesh(np.array(jax.devices()[: sub[1]]).reshape(sub), ("data", "model"))
-        model = abstract_model(build, mesh, "model", dim_of)
+    def __init__(self, build, dim_of, mesh_shape, expert_axes, spec, context, chunk):
+        self.label, self.context, self.chunk = f"{mesh_shape} {expert_axes or ''}", context, chunk
+        if expert_axes:
+            mesh = Mesh(np.array(jax.devices()[: mesh_shape[0] * mesh_shape[1]]).reshape(mesh_shape), ("data", "model"))
+            model = abstract_model(
+                build, mesh, "model", dim_of, expert_axes=expert_axes, expert_dim_of=expert_parallel_dim
+            )
+            split = WeightSplit(mesh, "model", dim_of, expert_axes, expert_parallel_dim)
 
-        def compile_one(slots: int) -> int:
-            return compile_temporaries(model, spec, mesh, slots, context)
+            def compile_one(slots: int, chunk: int | None) -> int:
+                return compile_mesh_temporaries(model, spec, mesh, split, slots, context, chunk)
+        else:
+            sub = (1, mesh_shape[1])
+            mesh = Mesh(np.array(jax.devices()[: sub[1]]).reshape(sub), ("data", "model"))
+            model = abstract_model(build, mesh, "model", dim_of)
 
-    cache: dict[int, int] = {}
+            def compile_one(slots: int, chunk: int | None) -> int:
+                return compile_temporaries(model, spec, mesh, slots, context, chunk)
 
-    def temps(slots: int) -> int:
-        if slots not in cache:
+        self.compile_one = compile_one
+        self.known: dict[tuple[int, int | None], int] = {}
+
+    def _get(self, slots: int, chunk: int | None) -> int:
+        if (slots, chunk) not in self.known:
             t = time.perf_counter()
-            cache[slots] = compile_one(slots)
-            print(f"  compiled {mesh_shape} {expert_axes or ''} {slots} slots x {context} tokens: "
-                  f"{cache[slots] / GB:.1f} GB temporaries ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
-        return cache[slots]
+            self.known[slots, chunk] = self.compile_one(slots, chunk)
+            what = "decode" if chunk is None else f"prefill of {chunk} tokens"
+            took = time.perf_counter() - t
+            print(f"  compiled {self.label} {what}, {slots} slots x {self.context} tokens: "
+                  f"{self.known[slots, chunk] / GB:.1f} GB temporaries ({took:.0f} s)", flush=True)  # fmt: skip
+        return self.known[slots, chunk]
 
-    return temps
+    def decode(self, slots: int) -> int:
+        return self._get(slots, None)
+
+    def prefill(self, slots: int) -> int:
+        return self._get(slots, self.chunk)
+
+    def __call__(self, slots: int) -> int:
+        return max(self.decode(slots), self.prefill(slots))
 
 
 def _tokens(n: int) -> str:
@@ -191,9 +213,12 @@ def largest(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="the numbers as JSON")
-    ap.add_argument("--compile", action="store_true", help="also count the compiled decode step's temporaries")
+    ap.add_argument("--compile", action="store_true", help="also count the compiled steps' temporaries")
+    ap.add_argument("--chunk", type=int, default=CHUNK, help=f"tokens per compiled prefill step (default {CHUNK})")
     args = ap.parse_args(argv)
-    rows = compute(args.compile)
+    if args.chunk < 1:
+        ap.error(f"--chunk={args.chunk} must be at least 1")
+    rows = compute(args.compile, args.chunk)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -204,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print("\n".join(largest(rows)))
     if args.compile:
-        print("\nWith the decode step's temporaries (CPU program, compiled here), 8xH200:")
+        print(f"\nWith the temporaries (CPU programs, compiled here; prefill steps of {args.chunk} tokens), 8xH200:")
         for r in rows:
             for key, temp in r["temp_bytes"].items():
                 context = int(key.split()[1])
                 print(
                     f"  {r['model']} {_mesh(r)} {_tokens(context)}: {r['fits'][key]:,} contexts / node, "
-                    f"temporaries {_gb(temp)} / device"
+                    f"temporaries {_gb(temp)} / device (decode {_gb(r['decode_temp_bytes'][key])}, "
+                    f"prefill {_gb(r['prefill_temp_bytes'][key])})"
                 )
 
 

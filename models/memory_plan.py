@@ -9,9 +9,10 @@ allocated), and its cache with `jax.eval_shape(init_cache)`. Per device that giv
   (FP8 / packed FP4 / bf16 for a release checkpoint kept quantized);
 * **cache**: one data shard's `HybridCache` (the mesh engine splits the slots over "data"; within a
   shard every device holds the shard's cache);
-* **temporaries** (optional, `compile_temporaries`): the decode step lowered with those abstract
-  weights and cache and compiled for this machine's backend (`memory_analysis().temp_size_in_bytes`):
-  the CPU program's scratch when run here, not a GPU's or a TPU's.
+* **temporaries** (optional, `compile_temporaries` / `compile_mesh_temporaries`): the decode step, or
+  a prefill step of `chunk` tokens, lowered with those abstract weights and cache and compiled for
+  this machine's backend (`memory_analysis().temp_size_in_bytes`): the CPU program's scratch when run
+  here, not a GPU's or a TPU's.
 
 `plan(...)` then finds the most slots per node whose weights + cache (+ temporaries when given) fit in
 the platform's memory less `RESERVE_FRACTION`. `benchmarks/memory_plan.py` prints the tables of
@@ -23,7 +24,10 @@ Public API
     abstract_model(build, mesh)     a model built with abstract weights on `mesh`
     per_device_bytes(tree)          bytes one device holds of a tree of sharded abstract arrays
     cache_bytes(spec, slots, context)   bytes of one cache of `slots` slots (abstract)
-    compile_temporaries(model, spec, mesh, slots, context)   temp bytes of the compiled decode step
+    compile_temporaries(model, spec, mesh, slots, context, chunk=None)
+                                    temp bytes of the compiled decode (or prefill-chunk) step
+    compile_mesh_temporaries(model, spec, mesh, split, slots, context, chunk=None)
+                                    the same for the mesh engine's dispatch over every data shard
     plan(model, spec, name, platform, mesh_shape, context, temporaries=None)
 """
 
@@ -52,6 +56,7 @@ __all__ = [
     "abstract_mesh",
     "abstract_model",
     "cache_bytes",
+    "compile_mesh_temporaries",
     "compile_temporaries",
     "layout_for",
     "per_device_bytes",
@@ -148,10 +153,11 @@ def cache_bytes(spec, slots: int, context: int) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
 
 
-def compile_temporaries(model, spec, mesh: Mesh, slots: int, context: int) -> int:
-    """Temporary bytes per device of the decode step (one token for each of `slots` slots), lowered
-    with `model`'s abstract weights (sharded on `mesh`, a concrete (1, model) mesh of this machine's
-    devices) and an abstract cache, compiled by this backend (`memory_analysis`)."""
+def compile_temporaries(model, spec, mesh: Mesh, slots: int, context: int, chunk: int | None = None) -> int:
+    """Temporary bytes per device of the decode step (one token for each of `slots` slots) or, with
+    `chunk`, of one prefill step (`chunk` tokens of one slot of a `slots`-slot cache), lowered with
+    `model`'s abstract weights (sharded on `mesh`, a concrete (1, model) mesh of this machine's devices)
+    and an abstract cache, compiled by this backend (`memory_analysis`)."""
     graphdef, weights = nnx.split(model)
     weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on(mesh, x.sharding)), weights)
     layout = layout_for(spec, slots, context)
@@ -164,19 +170,22 @@ def compile_temporaries(model, spec, mesh: Mesh, slots: int, context: int) -> in
     def step(weights, cache, tokens, slots_, n_valid):
         return nnx.merge(graphdef, weights).cached_step(layout, cache, tokens, slots_, n_valid)
 
-    ids = jax.ShapeDtypeStruct((slots, 1), jnp.int32, sharding=replicated)
-    rows = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=replicated)
+    rows, width = (slots, 1) if chunk is None else (1, chunk)
+    ids = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=replicated)
+    which = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
     with jax.set_mesh(mesh):  # as the mesh engine traces its steps: the MoE runs expert parallel
-        compiled = jax.jit(step, donate_argnums=(1,)).lower(weights, cache, ids, rows, rows).compile()
+        compiled = jax.jit(step, donate_argnums=(1,)).lower(weights, cache, ids, which, which).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def compile_mesh_temporaries(model, spec, mesh: Mesh, split, slots: int, context: int) -> int:
+def compile_mesh_temporaries(model, spec, mesh: Mesh, split, slots: int, context: int, chunk: int | None = None) -> int:
     """Temporary bytes per device of `hkv.MeshEngine`'s decode dispatch (one token for each of `slots`
-    slots of every data shard: `ShardedSteps.decode_all`, the program the engine runs), lowered with
-    `model`'s abstract weights placed on `mesh` (a concrete (data, model) mesh of this machine's
-    devices) by `split` (an `hkv.engine.weight_split.WeightSplit`, e.g. the experts over every device)
-    and an abstract stacked cache, compiled by this backend (`memory_analysis`)."""
+    slots of every data shard: `ShardedSteps.decode_all`, the program the engine runs) or, with
+    `chunk`, of its prefill dispatch (`ShardedSteps.prefill_all`: one row of `chunk` tokens on every
+    data shard), lowered with `model`'s abstract weights placed on `mesh` (a concrete (data, model)
+    mesh of this machine's devices) by `split` (an `hkv.engine.weight_split.WeightSplit`, e.g. the
+    experts over every device) and an abstract stacked cache, compiled by this backend
+    (`memory_analysis`)."""
     graphdef, weights = nnx.split(model)
     weights = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_on(mesh, x.sharding)), weights)
     layout = layout_for(spec, slots, context)
@@ -186,13 +195,18 @@ def compile_mesh_temporaries(model, spec, mesh: Mesh, split, slots: int, context
         lambda x: jax.ShapeDtypeStruct((d, *x.shape), x.dtype, sharding=over_data),
         jax.eval_shape(lambda: init_cache(layout)),
     )
-    rows = np.zeros((d, slots), np.int32)
-    params = SamplingBatch.stack([GREEDY] * slots)
-    params = jax.tree.map(lambda x: np.stack([np.asarray(x)] * d), params)
     steps = sharded_steps(graphdef, None, layout, mesh, "data", split if split.splits_over("data") else None)
-    order = np.broadcast_to(np.arange(slots, dtype=np.int32), (d, slots)).copy()
-    stops = np.full((d, slots, 1), -1, np.int32)
-    lowered = steps.decode_all.lower(layout, cache, weights, rows, order, params, rows + 1, stops, 1, False)
+    rows = 1 if chunk is not None else slots
+    params = SamplingBatch.stack([GREEDY] * rows)
+    params = jax.tree.map(lambda x: np.stack([np.asarray(x)] * d), params)
+    order = np.broadcast_to(np.arange(rows, dtype=np.int32), (d, rows)).copy()
+    if chunk is not None:
+        tokens = np.zeros((d, 1, chunk), np.int32)
+        lowered = steps.prefill_all.lower(layout, cache, weights, tokens, order, order + chunk, params, False)
+    else:
+        zeros = np.zeros((d, slots), np.int32)
+        stops = np.full((d, slots, 1), -1, np.int32)
+        lowered = steps.decode_all.lower(layout, cache, weights, zeros, order, params, zeros + 1, stops, 1, False)
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
 
@@ -216,8 +230,9 @@ def plan(
 
     Args:
       spec: the model's `hkv.CacheSpec` (`model.cache_spec(block_tokens=64)`).
-      temporaries: slots -> temp bytes of the decode step at that many slots (`compile_temporaries`),
-        counted with the weights and cache; None: left to `RESERVE_FRACTION`.
+      temporaries: slots -> temp bytes of the steps at that many slots (`compile_temporaries`: the
+        decode step's, or the larger of it and a prefill step's), counted with the weights and cache;
+        None: left to `RESERVE_FRACTION`.
     """
     data, mp = mesh_shape
     if data * mp != platform.devices:

@@ -93,6 +93,8 @@ def test_compiled_temporaries_come_from_the_lowered_decode_step():
     spec = model.cache_spec(block_tokens=16)
     one, four = (compile_temporaries(model, spec, mesh, s, 256) for s in (1, 4))
     assert 0 < one < four  # more slots, more scratch
+    short, long = (compile_temporaries(model, spec, mesh, 1, 256, chunk=c) for c in (16, 128))
+    assert one < short < long  # a prefill chunk: more tokens, more scratch
 
 
 @pytest.mark.slow
@@ -116,3 +118,5 @@ def test_the_mesh_dispatch_temporaries_of_experts_over_every_device():
     spec = model.cache_spec(block_tokens=16)
     one, four = (compile_mesh_temporaries(model, spec, mesh, split, s, 256) for s in (1, 4))
     assert 0 < one < four
+    short, long = (compile_mesh_temporaries(model, spec, mesh, split, 1, 256, chunk=c) for c in (16, 128))
+    assert one < short < long  # the prefill dispatch: one row of `chunk` tokens on every shard
