@@ -512,6 +512,42 @@ def _compressed_source(entries: jax.Array, limit: jax.Array | None, picks: jax.A
     return nm.KeyTiles(rows, rows, nm.pad_tiles(bias == 0, 2))  # rows [B, C, T, KT, 1, D]
 
 
+# Elements of picked compressed rows ([queries x picks x D]) a prefill chunk's sparse attention
+# gathers at once: beyond, its queries run a block at a time (a 4K-token chunk of DeepSeek-V4-Flash,
+# 512 picks of 512, gathers 1G elements; blocks of 512 queries hold 128M). Small models run whole.
+PICKED_ELEMENTS = 1 << 27
+
+
+def _attend_picked(q, k_tiles, v_tiles, valid, entries, picks, *, scale, sinks, softcap) -> jax.Array:
+    """`_attend_tiles` of a sparse (CSA) layer's chunk with each query's picked entries
+    (`_compressed_source`), its queries a block at a time when their gathered rows exceed
+    `PICKED_ELEMENTS` (`jax.lax.map` over blocks; the last padded with queries that see nothing). A
+    query's output depends on its own scores only, so the bits are those of one call.
+
+    q [B, C, H, D]; k/v tiles [B, T, KT, Hkv, D]; valid [B, C, T, KT]; entries [B, N, D]; picks
+    int32[B, C, k] -> [B, C, H, D]."""
+    b, c = q.shape[:2]
+    per_query = picks.shape[-1] * entries.shape[-1]
+    block = max(1, PICKED_ELEMENTS // max(1, b * per_query))
+    if block >= c:
+        extra = _compressed_source(entries, None, picks)
+        return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
+    nb = -(-c // block)
+    pad = nb * block - c
+
+    def blocks(x, fill):  # [B, C, ...] -> [nb, B, block, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape((b, nb, block) + x.shape[2:]), 1, 0)
+
+    def one(xs):
+        qb, vb, pb = xs
+        extra = _compressed_source(entries, None, pb)
+        return _attend_tiles(qb, k_tiles, v_tiles, vb, extra, scale=scale, sinks=sinks, softcap=softcap)
+
+    out = jax.lax.map(one, (blocks(q, 0), blocks(valid, False), blocks(picks, -1)))  # [nb, B, block, H, D]
+    return jnp.moveaxis(out, 0, 1).reshape((b, nb * block) + out.shape[3:])[:, :c]
+
+
 def _attend_banded(q, k_tiles, v_tiles, valid, window: int, *, scale, sinks, softcap) -> jax.Array:
     """`_attend_tiles` of a sliding-window layer's chunk, its queries in blocks of KEY_TILE: block j
     (queries j * KT .. j * KT + KT - 1) attends only tiles j .. j + W - 1 of the run (W = the tiles one
@@ -943,7 +979,10 @@ class LayerCache:
         extra = None
         if compressed:
             entries, limit = self._entries(cache, ObjectKind.COMPRESSED)
-            extra = _compressed_source(entries.astype(rows.dtype), limit, None if picks is None else picks)
+            if picks is not None:
+                return _attend_picked(q, k_tiles, v_tiles, valid, entries.astype(rows.dtype), picks,
+                                      scale=scale, sinks=sinks, softcap=softcap)  # fmt: skip
+            extra = _compressed_source(entries.astype(rows.dtype), limit, None)
         if extra is None and self.window is not None:
             return _attend_banded(q, k_tiles, v_tiles, valid, self.window, scale=scale, sinks=sinks, softcap=softcap)
         return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)

@@ -162,3 +162,21 @@ def test_random_specs_keep_the_contract_by_every_path_and_route(layers, dtype, s
     assert ("window" in report.routes) is (not has_full)  # rebuilt exactly when every layer is windowed
     assert ("window_refused" in report.routes) is has_full
     assert "snapshot" in report.routes and "disk" in report.routes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_attention_in_query_blocks_keeps_the_bits(monkeypatch, dtype):
+    """A prefill chunk whose picked compressed rows exceed `PICKED_ELEMENTS` runs its sparse (CSA)
+    attention a block of queries at a time: forced here to one query per block, the engine's logits
+    equal the stateless forward's (every query at once) bit for bit."""
+    from hkv.core import layers
+
+    model = deepseek_v4.init(deepseek_v4.tiny_config(), seed=11, dtype=dtype)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.vocab_size, n).tolist() for n in (70, 45)]
+    ref = _reference(model, prompts, NEW)
+    monkeypatch.setattr(layers, "PICKED_ELEMENTS", 1)
+    # a layout no other test builds: its programs are traced afresh, with the blocks
+    engine = hkv.Engine(model, hkv.CacheConfig(slots=2, max_context=144, page_size=16), prefill_chunk=32)
+    engine.decode_while_building = False
+    _assert_bitwise(engine.generate(prompts, NEW, return_logits=True), prompts, ref, "sparse attention in blocks")
