@@ -22,6 +22,15 @@ def layer():
     return next(l.ffn for l in model.layers if not l.ffn.is_hash)
 
 
+def routed_inputs(layer, n: int, seed: int, dtype=jnp.float32):
+    """n random tokens [n, hidden] in `dtype`, k distinct random experts each, random weights."""
+    rng = np.random.default_rng(seed)
+    e, k = layer.n_experts, layer.top_k
+    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), dtype)
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    return x, idx, jnp.asarray(rng.random((n, k)), jnp.float32)
+
+
 @pytest.mark.parametrize("n", [1, 3, 40, 300])
 @pytest.mark.parametrize("skew", ["random", "one expert", "two experts"])
 def test_cpu_paths_equal_the_grouped_matmul(layer, n, skew):
@@ -66,11 +75,8 @@ def test_dense_and_tiled_paths_give_each_token_the_same_bits(layer, dtype):
     a long prompt (prefill), in float32 and bfloat16 (products padded to the probed row floor)."""
     from hkv import numerics
 
-    rng = np.random.default_rng(7)
-    n, e, k = 300, layer.n_experts, layer.top_k
-    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), dtype)
-    idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    x, idx, w = routed_inputs(layer, 300, 7, dtype)
+    idx = jnp.asarray(idx, jnp.int32)
     tiled = np.asarray(numerics.jit(layer.experts_tiled)(x, w, idx))
     dense = numerics.jit(layer.experts_cpu)
     routed = numerics.jit(layer.experts_routed)
@@ -185,13 +191,10 @@ def test_a_token_naming_one_expert_twice_counts_its_output_once_on_every_path(la
     once, weighted by both slots' weights, and the paths agree bit for bit."""
     from hkv import numerics
 
-    rng = np.random.default_rng(3)
-    n, e, k = 300, layer.n_experts, layer.top_k
-    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), jnp.float32)
-    idx = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    n, e = 300, layer.n_experts
+    x, idx, w = routed_inputs(layer, n, 3)
     idx[::3, 1] = idx[::3, 0]  # every third token: its first expert twice
     idx = jnp.asarray(idx, jnp.int32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
     outputs = np.asarray(jax.jit(layer.stacks().pairs_ragged, static_argnums=2)(x, idx, e))  # [N, k, hidden]
     rounded = outputs.astype(np.float32)
     want = np.zeros((n, x.shape[1]), np.float64)
@@ -232,11 +235,8 @@ def test_tiles_run_a_group_at_a_time_give_the_same_bits(layer, monkeypatch, dtyp
     from hkv import numerics
     from models.deepseek_v4 import moe
 
-    rng = np.random.default_rng(11)
-    n, e, k = 300, layer.n_experts, layer.top_k
-    x = jnp.asarray(rng.standard_normal((n, layer.w_gate.value.shape[1])), dtype)
-    idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    x, idx, w = routed_inputs(layer, 300, 11, dtype)
+    idx = jnp.asarray(idx, jnp.int32)
     whole = np.asarray(numerics.jit(layer.experts_tiled)(x, w, idx))
     per_tile = 3 * layer.w_gate.value.shape[1] * layer.w_gate.value.shape[2] * jnp.dtype(dtype).itemsize
     monkeypatch.setattr(moe, "GATHER_BYTES", 3 * per_tile)  # 3 tiles a group: the last group padded
