@@ -164,7 +164,7 @@ def test_random_specs_keep_the_contract_by_every_path_and_route(layers, dtype, s
     assert "snapshot" in report.routes and "disk" in report.routes
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_sparse_attention_in_query_blocks_keeps_the_bits(monkeypatch, dtype):
     """A prefill chunk whose picked compressed rows exceed `PICKED_ELEMENTS` runs its sparse (CSA)
     attention a block of queries at a time: forced here to one query per block, the engine's logits
