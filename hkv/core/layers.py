@@ -476,19 +476,27 @@ def indexer_topk(
         raise ValueError(f"{block=} must be >= 1")
     if s <= block:
         return select_topk(indexer_scores(q, weights, keys, dh), limit, k)
+
+    def one(qb, wb, lb):
+        return select_topk(indexer_scores(qb, wb, keys, dh), lb, k)
+
+    return _in_query_blocks(one, block, (q, weights, limit), (0, 0, 0))  # padded queries see no entries
+
+
+def _in_query_blocks(fn, block: int, args: tuple, fills: tuple) -> jax.Array:
+    """`fn` a block of `block` queries at a time (`jax.lax.map`): args are [B, S, ...] arrays, each
+    padded along S to whole blocks with its `fills` value; fn(*[B, block, ...] pieces) -> [B, block,
+    ...]. Returns fn's outputs for the S queries, [B, S, ...]."""
+    b, s = args[0].shape[:2]
     nb = -(-s // block)
     pad = nb * block - s
 
-    def blocks(x):  # [B, S, ...] -> [nb, B, block, ...] (padded queries see no entries)
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    def blocks(x, fill):  # [B, S, ...] -> [nb, B, block, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return jnp.moveaxis(x.reshape((b, nb, block) + x.shape[2:]), 1, 0)
 
-    def one(args):
-        qb, wb, lb = args
-        return select_topk(indexer_scores(qb, wb, keys, dh), lb, k)
-
-    picks = jax.lax.map(one, (blocks(q), blocks(weights), blocks(limit)))  # [nb, B, block, k]
-    return jnp.moveaxis(picks, 0, 1).reshape(b, nb * block, k)[:, :s]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(blocks(x, f) for x, f in zip(args, fills, strict=True)))
+    return jnp.moveaxis(out, 0, 1).reshape((b, nb * block) + out.shape[3:])[:, :s]
 
 
 def selection_bias(indices: jax.Array, n_entries: int) -> jax.Array:
@@ -521,31 +529,21 @@ PICKED_ELEMENTS = 1 << 27
 def _attend_picked(q, k_tiles, v_tiles, valid, entries, picks, *, scale, sinks, softcap) -> jax.Array:
     """`_attend_tiles` of a sparse (CSA) layer's chunk with each query's picked entries
     (`_compressed_source`), its queries a block at a time when their gathered rows exceed
-    `PICKED_ELEMENTS` (`jax.lax.map` over blocks; the last padded with queries that see nothing). A
+    `PICKED_ELEMENTS` (`_in_query_blocks`; the last block padded with queries that see nothing). A
     query's output depends on its own scores only, so the bits are those of one call.
 
     q [B, C, H, D]; k/v tiles [B, T, KT, Hkv, D]; valid [B, C, T, KT]; entries [B, N, D]; picks
     int32[B, C, k] -> [B, C, H, D]."""
     b, c = q.shape[:2]
-    per_query = picks.shape[-1] * entries.shape[-1]
-    block = max(1, PICKED_ELEMENTS // max(1, b * per_query))
-    if block >= c:
-        extra = _compressed_source(entries, None, picks)
-        return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
-    nb = -(-c // block)
-    pad = nb * block - c
+    block = max(1, PICKED_ELEMENTS // max(1, b * picks.shape[-1] * entries.shape[-1]))
 
-    def blocks(x, fill):  # [B, C, ...] -> [nb, B, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.moveaxis(x.reshape((b, nb, block) + x.shape[2:]), 1, 0)
-
-    def one(xs):
-        qb, vb, pb = xs
+    def one(qb, vb, pb):
         extra = _compressed_source(entries, None, pb)
         return _attend_tiles(qb, k_tiles, v_tiles, vb, extra, scale=scale, sinks=sinks, softcap=softcap)
 
-    out = jax.lax.map(one, (blocks(q, 0), blocks(valid, False), blocks(picks, -1)))  # [nb, B, block, H, D]
-    return jnp.moveaxis(out, 0, 1).reshape((b, nb * block) + out.shape[3:])[:, :c]
+    if block >= c:
+        return one(q, valid, picks)
+    return _in_query_blocks(one, block, (q, valid, picks), (0, False, -1))
 
 
 def _attend_banded(q, k_tiles, v_tiles, valid, window: int, *, scale, sinks, softcap) -> jax.Array:

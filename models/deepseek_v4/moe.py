@@ -203,18 +203,18 @@ class Experts:
         up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
         return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
 
-    def tile_rows(self, rows: jnp.ndarray, expert: jnp.ndarray, budget: int | None = None) -> jnp.ndarray:
-        """`rows(rows, expert)` over G tiles, as many tiles at a time as `budget` bytes of gathered
-        weights hold (default `GATHER_BYTES`; at least one): one batched product where all fit or
-        there are at most twice as many tiles as experts, else a loop over groups of tiles (the tiles
-        padded to whole groups with zero rows). Each tile's product is the same bits either way (a
-        batched product's elements do not depend on the batch).
+    def tile_rows(self, rows: jnp.ndarray, expert: jnp.ndarray) -> jnp.ndarray:
+        """`rows(rows, expert)` over G tiles, as many tiles at a time as `GATHER_BYTES` of gathered
+        weights hold (at least one): one batched product where all fit or there are at most twice as
+        many tiles as experts, else a loop over groups of tiles (the tiles padded to whole groups with
+        zero rows). Each tile's product is the same bits either way (a batched product's elements do
+        not depend on the batch).
         rows [G, R, hidden], expert int32[G] -> float32 [G, R, hidden]."""
         g = rows.shape[0]
         dt = rows.dtype
         shapes = (jax.eval_shape(lambda s=s: s.weights(None, dt)).shape for s in (self.gate, self.up, self.down))
         per_tile = sum(math.prod(shape[-2:]) for shape in shapes)
-        per = max(1, (GATHER_BYTES if budget is None else budget) // (per_tile * jnp.dtype(dt).itemsize))
+        per = max(1, GATHER_BYTES // (per_tile * jnp.dtype(dt).itemsize))
         # at most twice as many tiles as experts (a decode step: every expert a tile or two): the loop
         # would cost more than it saves, as XLA copies the stack whole into it (one byte per weight,
         # float32 scales: 1.1 GB more at 8 slots of V4-Flash on (1, 8))
