@@ -8,8 +8,11 @@ over every (pair, expert): tokens x top-k x experts, worse than computing every 
 There (`jax.lax.platform_dependent`) fewer (token, slot) pairs than experts (decode of a few
 sequences) run each pair through its own expert's gathered weights (tokens x top-k), a few more
 tokens run every expert densely, weighted by the routing (tokens x experts), and many tokens
-(prefill) run in tiles of `TILE` pairs that each belong to one expert, each expert's pairs padded to
-whole tiles (tokens x top-k + experts x TILE rows).
+(prefill) run in tiles of pairs that each belong to one expert, each expert's pairs padded to whole
+tiles (tokens x top-k + experts x tile rows). A tile holds `TILE` rows, or fewer (`Experts.tile`) where
+a float32 product's kernel changes its order below `TILE` rows but not below a smaller tile: every
+product then stays within the row counts that sum in one order, and a decode step's few rows are
+padded to 2, not to 64.
 
 On a mesh whose "model" axis splits the experts (a step traced by `hkv.MeshEngine`, or under
 `jax.set_mesh`), the experts run expert parallel (`MoE.experts_parallel`): each device only the pairs
@@ -41,7 +44,9 @@ from .quant_format import host_dense
 from .quant_format import stack as stack_quantized
 from .quantized import QuantizedLinear, dequantize_device, quantized_or_param, weight
 
-TILE = 64  # pairs per tile of the CPU grouped matmul
+TILE = 64  # pairs per tile of the CPU grouped matmul (at most; `Experts.tile`)
+# Smaller tiles tried, largest first, where a float32 product's order changes below TILE rows
+TILES = (32, 16, 8)
 # Most bytes of expert weights the CPU grouped matmul gathers at once (each tile its expert's three
 # projections): more tiles than that fits run a group at a time in a loop, so a long prefill chunk of
 # a large model holds a few experts' copies, not one per tile (a 4K-token chunk of DeepSeek-V4-Flash
@@ -189,19 +194,35 @@ class Experts:
             down=self.down.with_arrays(arrays[a + b :]),
         )
 
+    def tile(self, dt) -> tuple[int, int]:
+        """(rows per tile of the CPU grouped matmul, the row floor of every expert product) for products
+        in `dt`: `TILE` rows and the probed floor at that count (`numerics.tile_rows_floor`: 2, or 64
+        for float32 products whose kernel changes order below 64 rows), unless that floor is not 2 and
+        a smaller tile of `TILES` has floor 2 for both products' shapes (float32 [256, 256] experts on
+        XLA:CPU: counts 2..32 share one order, 2..64 do not): then that tile and 2. Every product of
+        the experts (a tile, one routed pair, the dense path's tokens: at most a tile's rows) then sums
+        each element in one order, so a token's bits are the same on every path."""
+        hidden, inter = jax.eval_shape(lambda: self.gate.weights(None, dt)).shape[-2:]
+
+        def floor(rows: int) -> int:
+            return max(numerics.tile_rows_floor(dt, a, b, rows) for a, b in ((hidden, inter), (inter, hidden)))
+
+        if (top := floor(TILE)) == numerics.MIN_ROWS:
+            return TILE, top
+        return next(((r, numerics.MIN_ROWS) for r in TILES if floor(r) == numerics.MIN_ROWS), (TILE, top))
+
     def rows(self, rows: jnp.ndarray, expert: jnp.ndarray | None) -> jnp.ndarray:
         """SwiGLU of expert `expert[g]` over rows[g] (expert None: rows[g] go to expert g): rows [G, R,
-        hidden] -> float32 [G, R, hidden], as batched products (rows padded to `numerics.min_rows`)."""
+        hidden] with R <= `tile(rows.dtype)[0]` -> float32 [G, R, hidden], as batched products (rows
+        padded to the tile's floor: a tile's, one pair's or a few tokens' rows sum in one order)."""
         dt = rows.dtype
+        tile, floor = self.tile(dt)
+        if rows.shape[1] > tile:
+            raise ValueError(f"{rows.shape[1]} rows per product: at most the tile's {tile} sum in one order")
         wg, wu, wd = (s.weights(expert, dt) for s in (self.gate, self.up, self.down))
-        # rows per product: a tile's (TILE) or, in decode, one per token: padded to where every count up
-        # to TILE sums in one order (2 rows; float32 products whose kernel changes below TILE: TILE)
-        hidden, inter = wg.shape[-2:]
-        floor_in = numerics.tile_rows_floor(dt, hidden, inter, TILE)
-        floor_out = numerics.tile_rows_floor(dt, inter, hidden, TILE)
-        gate = numerics.batched_matmul(rows, wg, rows_floor=floor_in).astype(dt)
-        up = numerics.batched_matmul(rows, wu, rows_floor=floor_in).astype(dt)
-        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor_out)
+        gate = numerics.batched_matmul(rows, wg, rows_floor=floor).astype(dt)
+        up = numerics.batched_matmul(rows, wu, rows_floor=floor).astype(dt)
+        return numerics.batched_matmul(swiglu(gate, up, self.limit), wd, rows_floor=floor)
 
     def tile_rows(self, rows: jnp.ndarray, expert: jnp.ndarray) -> jnp.ndarray:
         """`rows(rows, expert)` over G tiles, as many tiles at a time as `GATHER_BYTES` of gathered
@@ -252,13 +273,14 @@ class Experts:
 
     def pairs_tiled(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
         """Grouped matmul in tiles: the N*k pairs sorted by expert, each expert's run padded to whole
-        tiles of `TILE` rows (P = N*k + experts*(TILE-1) rows at most, static), every tile multiplied by
-        its expert's weights (one batched product over the tiles). -> [N, k, hidden]."""
+        tiles of `tile` rows (`Experts.tile`; P = N*k + experts*(tile-1) rows at most, static), every
+        tile multiplied by its expert's weights (one batched product over the tiles). -> [N, k, hidden]."""
         n, k = idx.shape
         e, m = n_experts, n * k
         flat = idx.reshape(-1)
+        tile = self.tile(x.dtype)[0]
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        padded = (sizes + TILE - 1) // TILE * TILE
+        padded = (sizes + tile - 1) // tile * tile
         padded_end = jnp.cumsum(padded)
         padded_start = padded_end - padded  # each expert's first padded row
         order = jnp.argsort(flat, stable=True)  # pairs by expert
@@ -268,16 +290,16 @@ class Experts:
         # gathers, not scatters (XLA:CPU runs a scatter as a loop of one-row updates): pair i's padded
         # row, through the inverse of `order`; and each padded row's pair (or none: a zero row)
         dest = (padded_start[expert] + rank)[jnp.argsort(order)]
-        tiles = max(2, -(-(m + e * (TILE - 1)) // TILE))  # >= 2: a batch of one is another product
-        p = jnp.arange(tiles * TILE, dtype=jnp.int32)
+        tiles = max(2, -(-(m + e * (tile - 1)) // tile))  # >= 2: a batch of one is another product
+        p = jnp.arange(tiles * tile, dtype=jnp.int32)
         run = jnp.searchsorted(padded_end, p, side="right").astype(jnp.int32)  # the expert whose run holds p
         run_c = jnp.minimum(run, e - 1)  # rows past the last run: any expert (their rows are zeros)
         off = p - padded_start[run_c]
         real = (run < e) & (off < sizes[run_c])
         pair = order[jnp.clip(starts[run_c] + off, 0, m - 1)]
         rows = jnp.where(real[:, None], x[pair // k], jnp.zeros((), x.dtype))
-        tile_expert = run_c[::TILE]  # a tile lies in one expert's run: its first row's
-        y = self.tile_rows(rows.reshape(tiles, TILE, -1), tile_expert).reshape(tiles * TILE, -1)
+        tile_expert = run_c[::tile]  # a tile lies in one expert's run: its first row's
+        y = self.tile_rows(rows.reshape(tiles, tile, -1), tile_expert).reshape(tiles * tile, -1)
         return y[dest].reshape(n, k, -1)
 
     def pairs_ragged(self, x: jnp.ndarray, idx: jnp.ndarray, n_experts: int) -> jnp.ndarray:
@@ -366,15 +388,16 @@ class MoE(nnx.Module):
 
     def experts_cpu(self, x: jnp.ndarray, weights: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:
         """`experts` without `ragged_dot`: `experts_routed` while tokens x top-k < experts, every expert
-        for every token while that is fewer rows than the tiled grouping, else `experts_tiled`. All
-        compute each (token, expert) pair as a row of the same product ([rows, hidden] x [hidden,
-        inter], batched, rows padded to one floor), so a token's output is the same bits on every path
-        (the numerical contract)."""
+        for every token while the tokens fit one tile and that is fewer rows than the tiled grouping,
+        else `experts_tiled`. All compute each (token, expert) pair as a row of the same product
+        ([rows, hidden] x [hidden, inter], batched, at most a tile's rows padded to one floor:
+        `Experts.tile`), so a token's output is the same bits on every path (the numerical contract)."""
         n, k = idx.shape
         e = self.n_experts
         if n * k < e:
             return self.experts_routed(x, weights, idx)
-        if n * e <= 2 * (n * k + e * TILE):
+        tile = self.stacks().tile(x.dtype)[0]
+        if n <= tile and n * e <= 2 * (n * k + e * tile):
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
             y = self.stacks().rows(xe, None)  # [E, N, hidden] float32
             pairs = jnp.take_along_axis(jnp.swapaxes(y, 0, 1), idx[..., None], axis=1)  # [N, k, hidden]

@@ -243,3 +243,51 @@ def test_tiles_run_a_group_at_a_time_give_the_same_bits(layer, monkeypatch, dtyp
     grouped = numerics.jit(layer.experts_tiled)
     assert "while" in grouped.lower(x, w, idx).as_text()
     np.testing.assert_array_equal(np.asarray(grouped(x, w, idx)), whole)
+
+
+@pytest.fixture(scope="module")
+def wide_layer():
+    """A routed-experts layer of [256, 256] float32 experts, a shape whose XLA:CPU kernels sum rows
+    2..32 in one order but not rows 2..64 (where this CPU's probe says so)."""
+    cfg = tiny_config(hidden_size=256, moe_intermediate_size=256, n_routed_experts=8)
+    return next(l.ffn for l in init(cfg, seed=0).layers if not l.ffn.is_hash)
+
+
+def test_experts_whose_kernel_changes_below_a_tile_run_smaller_tiles_in_one_order(wide_layer):
+    """Whatever tile this CPU's probe gives the experts, every path gives each token the same bits:
+    its own experts (decode of a few tokens), every expert (a few more), or the tiles of a long prompt."""
+    from hkv import numerics
+
+    layer = wide_layer
+    tile, floor = layer.stacks().tile(jnp.float32)
+    assert floor == numerics.MIN_ROWS or tile == 64, (tile, floor)
+    x, idx, w = routed_inputs(layer, 300, 5)
+    idx = jnp.asarray(idx, jnp.int32)
+    tiled = np.asarray(numerics.jit(layer.experts_tiled)(x, w, idx))
+    for rows in ([4], [0, 1, 2], list(range(8)), list(range(tile)), list(range(tile + 1))):
+        sel = tuple(a[jnp.asarray(rows)] for a in (x, w, idx))
+        for path in (layer.experts_cpu, layer.experts_routed):
+            np.testing.assert_array_equal(np.asarray(numerics.jit(path)(*sel)), tiled[rows], err_msg=f"{len(rows)}")
+
+
+def test_a_decode_step_pads_expert_products_to_the_smaller_tiles_floor(wide_layer, monkeypatch):
+    """Where float32 products of [256, 256] experts sum 2..32 rows in one order but not 2..64 (the probe
+    of this VM's CPU), the experts run in tiles of 32 rows with a floor of 2: a decode step of 8 tokens
+    multiplies 8 rows per expert, not 64 (the padding to 64 cost a mid-size model's batch-8 decode step
+    most of its time)."""
+    import hkv.numerics
+    from hkv import numerics
+
+    def probe(dtype, k, n, rows=None):  # this VM's CPU at [256, 256]
+        return 64 if rows is None or rows > 32 else 2
+
+    monkeypatch.setattr(hkv.numerics, "tile_rows_floor", probe)
+    layer = wide_layer
+    assert layer.stacks().tile(jnp.float32) == (32, 2)
+    n, e, hidden = 8, layer.n_experts, 256
+    x = jax.ShapeDtypeStruct((n, hidden), jnp.float32)
+    w = jax.ShapeDtypeStruct((n, layer.top_k), jnp.float32)
+    idx = jax.ShapeDtypeStruct((n, layer.top_k), jnp.int32)
+    flops = numerics.jit(layer.experts_cpu).lower(x, w, idx).compile().cost_analysis()["flops"]
+    padded = 3 * e * 64 * hidden * hidden * 2  # every expert's three products over 64 rows
+    assert flops < padded / 4, (flops, padded)
