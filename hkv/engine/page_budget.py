@@ -16,20 +16,21 @@ from hkv.core.layout import CacheLayout
 from hkv.core.state import HybridCache
 
 
-def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> bool:
-    """True when some pool has fewer free pages than `reserve(layout, cache, slots, new_lengths)`
-    would map: for each slot, the unmapped pages of the rows [lo, hi) its group must hold at the new
-    length (`transitions.required_rows`).
+def pages_wanted(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> tuple[int, ...]:
+    """Per layout group, the pages `reserve(layout, cache, slots, new_lengths)` would map: for each slot,
+    the unmapped pages of the rows [lo, hi) its group must hold at the new length
+    (`transitions.required_rows`).
 
     Args:
-      layout, cache: the engine's (only page tables and refcounts are read, copied to the host).
+      layout, cache: the engine's (only the page tables are read, copied to the host).
       slots: the slots of the step's rows; new_lengths: their lengths after it (same length).
       holds: per row, the boundary whose windows the step keeps mapped (`reserve`'s hold), or None.
     Returns:
-      whether the step would fail with NO_PAGES.
+      one count per group of `layout.groups`.
     """
-    tables, refcounts = jax.device_get(([g.page_table for g in cache.groups], [g.refcount for g in cache.groups]))
+    tables = jax.device_get([g.page_table for g in cache.groups])
     ps = layout.page_size
+    wanted = []
     for gi, grp in enumerate(layout.groups):
         table = np.asarray(tables[gi])
         need = 0
@@ -40,6 +41,17 @@ def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, 
             upto = hi if holds is None or holds[j] is None else min(int(length), holds[j]) // grp.unit
             lo = 0 if grp.keep is None else max(upto - grp.keep, 0)
             need += int((table[int(slot), lo // ps : -(-hi // ps)] < 0).sum())
-        if need > int((np.asarray(refcounts[gi]) == 0).sum()):
-            return True
-    return False
+        wanted.append(need)
+    return tuple(wanted)
+
+
+def free_pages(cache: HybridCache) -> tuple[int, ...]:
+    """Per group, the pages no one references (refcount 0), read to the host."""
+    return tuple(int((np.asarray(rc) == 0).sum()) for rc in jax.device_get([g.refcount for g in cache.groups]))
+
+
+def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> bool:
+    """True when some pool has fewer free pages than `pages_wanted(layout, cache, slots, new_lengths,
+    holds)`: the step would fail with NO_PAGES."""
+    wanted = pages_wanted(layout, cache, slots, new_lengths, holds)
+    return any(w > f for w, f in zip(wanted, free_pages(cache), strict=True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -386,20 +387,25 @@ class PrefixManager:
         shorter_than: int | None = None,
         never_hit: bool = False,
         need: int | None = None,
+        pages: Sequence[int] | None = None,
     ) -> bool:
         """Evict the cheapest-to-reconstruct cached objects (see hkv.core.policy); False if nothing was.
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
         before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order).
-        need: whole records wanted (record slots for a batch of boundaries; None: one pass, room of
-        any kind). The policy's passes are repeated on the host snapshot, each taking what a pass
+        need: whole records wanted (record slots for a batch of boundaries); pages: free pages wanted
+        per layout group (a prefill chunk's, `page_budget.pages_wanted`); neither: one pass, room of
+        any kind. The policy's passes are repeated on the host snapshot, each taking what a pass
         takes (an eighth of the candidates, at least one) and marking its records evicted (a parent
         whose last child went becomes a leaf, a candidate of the next pass), until `need` records
-        are chosen; then ONE eviction step runs. The same records go as `need` rounds of
-        evict-and-record would evict (the records a sequence adds in between extend its own pinned
-        chain, never candidates), without a device round trip per block."""
+        are chosen or the chosen objects' page references, taken off the pools' refcounts on the
+        host as the eviction step does, leave `pages` free; then ONE eviction step runs. The same
+        objects go as that many rounds of one pass and one step would evict (the records a sequence
+        adds in between extend its own pinned chain, never candidates), without a device round trip
+        per pass."""
         if not self.enabled:
             return False
         meta, p = self._policy_columns()
+        freed_pages = None if pages is None else self._pages_freed_by(meta)
         live = self.hooks.live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
 
@@ -428,7 +434,11 @@ class PrefixManager:
                 (snap if kind == "snapshot" else whole)[r] = True
                 freed += kind == "record"
             chosen += batch
-            if unpinned or need is None or freed >= need:
+            if unpinned or (need is None and pages is None):
+                break
+            if need is not None and freed >= need:
+                break
+            if pages is not None and all(f >= w for f, w in zip(freed_pages(snap, whole), pages, strict=True)):
                 break
             # the next pass sees this one's evictions: the records tombstones, their snapshots gone
             # (`meta` is rebound to copies: the arrays read back from the device are read-only)
@@ -449,6 +459,28 @@ class PrefixManager:
                     q.record_stopped = True  # its chain is gone: never extend a record slot reused later
         self.hooks.say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
         return True
+
+    def _pages_freed_by(self, meta: dict[str, np.ndarray]):
+        """A function of (snapshot mask, record mask) -> the free pages per group once `prefix.evict`
+        took those objects' references off the pools' refcounts (read now, with the record pages),
+        computed on the host. `meta`: the policy's columns as read (before any pass)."""
+        view = self.hooks.view()
+        refcounts, record_pages = jax.device_get(([g.refcount for g in view.groups], view.prefix.pages))
+        refcounts = [np.asarray(r) for r in refcounts]
+        alive = meta["state"] == px.RecordState.ALIVE
+        swa_held = meta["swa_held"]
+
+        def free(snap: np.ndarray, whole: np.ndarray) -> list[int]:
+            out = []
+            for gi, grp in enumerate(self.layout.groups):
+                # as `prefix.evict`: a window goes with its snapshot, the other rows with the record
+                drop = ((snap | whole) & swa_held if grp.keep is not None else whole) & alive
+                ids = np.asarray(record_pages[gi])[drop].ravel()
+                dec = np.bincount(ids[ids >= 0], minlength=len(refcounts[gi]))
+                out.append(int((refcounts[gi] - dec == 0).sum()))
+            return out
+
+        return free
 
     def evict_all(self) -> int:
         """Evict every cached record from device memory, writing the snapshot blocks the disk tier
