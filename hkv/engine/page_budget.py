@@ -9,6 +9,8 @@ refcounts, a few KB) and counts what `hkv.core.transitions.reserve` would map.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
@@ -48,6 +50,30 @@ def pages_wanted(layout: CacheLayout, cache: HybridCache, slots, new_lengths, ho
 def free_pages(cache: HybridCache) -> tuple[int, ...]:
     """Per group, the pages no one references (refcount 0), read to the host."""
     return tuple(int((np.asarray(rc) == 0).sum()) for rc in jax.device_get([g.refcount for g in cache.groups]))
+
+
+def free_pages_after(
+    layout: CacheLayout, cache: HybridCache, alive: np.ndarray, swa_held: np.ndarray
+) -> Callable[[np.ndarray, np.ndarray], list[int]]:
+    """What an eviction would leave free, computed on the host: a function of (snapshot mask, record
+    mask), bool[records] as `hkv.core.prefix.evict` takes them, -> the free pages per group once
+    those objects' page references are taken off the pools' refcounts as that step does (a window
+    goes with its snapshot, the other groups' rows with the whole record). The refcounts and record
+    pages are read now; `alive` and `swa_held` are the prefix index's columns as read with them."""
+    refcounts, record_pages = jax.device_get(([g.refcount for g in cache.groups], cache.prefix.pages))
+    refcounts = [np.asarray(r) for r in refcounts]
+    record_pages = [np.asarray(p) for p in record_pages]
+
+    def free(snap: np.ndarray, whole: np.ndarray) -> list[int]:
+        out = []
+        for gi, grp in enumerate(layout.groups):
+            drop = ((snap | whole) & swa_held if grp.keep is not None else whole) & alive
+            ids = record_pages[gi][drop].ravel()
+            taken = np.bincount(ids[ids >= 0], minlength=len(refcounts[gi]))
+            out.append(int((refcounts[gi] - taken == 0).sum()))
+        return out
+
+    return free
 
 
 def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> bool:

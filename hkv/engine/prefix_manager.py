@@ -52,6 +52,7 @@ from .compile_plan import CompilePlan, EngineSteps
 from .compiled import builds_on_this_thread, step_name
 from .hooks import EngineHooks
 from .options import EngineOptions
+from .page_budget import free_pages_after
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .recording import AdmissionMemory, crossed, interior_snapshots, retains, wanted_snapshots
 from .requests import LiveRequest
@@ -405,7 +406,10 @@ class PrefixManager:
         if not self.enabled:
             return False
         meta, p = self._policy_columns()
-        freed_pages = None if pages is None else self._pages_freed_by(meta)
+        freed_pages = None
+        if pages is not None:  # (meta as read: before any pass marks its records evicted)
+            alive = meta["state"] == px.RecordState.ALIVE
+            freed_pages = free_pages_after(self.layout, self.hooks.view(), alive, meta["swa_held"])
         live = self.hooks.live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
 
@@ -459,28 +463,6 @@ class PrefixManager:
                     q.record_stopped = True  # its chain is gone: never extend a record slot reused later
         self.hooks.say(f"evicted {int(snap.sum())} snapshots, {int(whole.sum())} records")
         return True
-
-    def _pages_freed_by(self, meta: dict[str, np.ndarray]):
-        """A function of (snapshot mask, record mask) -> the free pages per group once `prefix.evict`
-        took those objects' references off the pools' refcounts (read now, with the record pages),
-        computed on the host. `meta`: the policy's columns as read (before any pass)."""
-        view = self.hooks.view()
-        refcounts, record_pages = jax.device_get(([g.refcount for g in view.groups], view.prefix.pages))
-        refcounts = [np.asarray(r) for r in refcounts]
-        alive = meta["state"] == px.RecordState.ALIVE
-        swa_held = meta["swa_held"]
-
-        def free(snap: np.ndarray, whole: np.ndarray) -> list[int]:
-            out = []
-            for gi, grp in enumerate(self.layout.groups):
-                # as `prefix.evict`: a window goes with its snapshot, the other rows with the record
-                drop = ((snap | whole) & swa_held if grp.keep is not None else whole) & alive
-                ids = np.asarray(record_pages[gi])[drop].ravel()
-                dec = np.bincount(ids[ids >= 0], minlength=len(refcounts[gi]))
-                out.append(int((refcounts[gi] - dec == 0).sum()))
-            return out
-
-        return free
 
     def evict_all(self) -> int:
         """Evict every cached record from device memory, writing the snapshot blocks the disk tier
