@@ -9,12 +9,13 @@ refcounts, a few KB) and counts what `hkv.core.transitions.reserve` would map.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from hkv.core.layout import CacheLayout
+from hkv.core.prefix import RecordState
 from hkv.core.state import HybridCache
 
 
@@ -52,17 +53,24 @@ def free_pages(cache: HybridCache) -> tuple[int, ...]:
     return tuple(int((np.asarray(rc) == 0).sum()) for rc in jax.device_get([g.refcount for g in cache.groups]))
 
 
+def fits(wanted: Sequence[int], free: Sequence[int]) -> bool:
+    """Whether every group has the pages wanted free (per-group counts, `layout.groups` order)."""
+    return all(w <= f for w, f in zip(wanted, free, strict=True))
+
+
 def free_pages_after(
-    layout: CacheLayout, cache: HybridCache, alive: np.ndarray, swa_held: np.ndarray
+    layout: CacheLayout, cache: HybridCache, meta: dict[str, np.ndarray]
 ) -> Callable[[np.ndarray, np.ndarray], list[int]]:
     """What an eviction would leave free, computed on the host: a function of (snapshot mask, record
     mask), bool[records] as `hkv.core.prefix.evict` takes them, -> the free pages per group once
     those objects' page references are taken off the pools' refcounts as that step does (a window
     goes with its snapshot, the other groups' rows with the whole record). The refcounts and record
-    pages are read now; `alive` and `swa_held` are the prefix index's columns as read with them."""
+    pages are read now; `meta` holds the prefix index's `state` and `swa_held` columns as read with
+    them (before any policy pass marks records evicted)."""
     refcounts, record_pages = jax.device_get(([g.refcount for g in cache.groups], cache.prefix.pages))
     refcounts = [np.asarray(r) for r in refcounts]
     record_pages = [np.asarray(p) for p in record_pages]
+    alive, swa_held = meta["state"] == RecordState.ALIVE, meta["swa_held"]
 
     def free(snap: np.ndarray, whole: np.ndarray) -> list[int]:
         out = []
@@ -79,5 +87,4 @@ def free_pages_after(
 def short_of_pages(layout: CacheLayout, cache: HybridCache, slots, new_lengths, holds=None) -> bool:
     """True when some pool has fewer free pages than `pages_wanted(layout, cache, slots, new_lengths,
     holds)`: the step would fail with NO_PAGES."""
-    wanted = pages_wanted(layout, cache, slots, new_lengths, holds)
-    return any(w > f for w, f in zip(wanted, free_pages(cache), strict=True))
+    return not fits(pages_wanted(layout, cache, slots, new_lengths, holds), free_pages(cache))

@@ -52,7 +52,7 @@ from .compile_plan import CompilePlan, EngineSteps
 from .compiled import builds_on_this_thread, step_name
 from .hooks import EngineHooks
 from .options import EngineOptions
-from .page_budget import free_pages_after
+from .page_budget import fits, free_pages_after
 from .prefix_tools import RECORD_BATCH, PrefixQuery, pack_records
 from .recording import AdmissionMemory, crossed, interior_snapshots, retains, wanted_snapshots
 from .requests import LiveRequest
@@ -102,6 +102,17 @@ class DiskProbe:
     snaps: list[int]
     reach: int
     error: bool = False
+
+
+def policy_columns(index: px.PrefixIndex, whole: bool) -> tuple[dict[str, np.ndarray], Any]:
+    """The eviction policy's columns of the prefix index on the host, and with `whole` (a disk tier,
+    whose write-behind copies blocks from the whole index) the whole index's host snapshot (else None)."""
+    fields = ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
+    if whole:
+        p = jax.device_get(index)
+        return {k: np.asarray(getattr(p, k)) for k in fields}, p
+    got = jax.device_get(tuple(getattr(index, k) for k in fields))  # not the token, page and TAIL arrays
+    return dict(zip(fields, map(np.asarray, got), strict=True)), None
 
 
 class PrefixManager:
@@ -370,17 +381,6 @@ class PrefixManager:
                 return
 
     # ----------------------------------------------------------------------------- eviction
-    def _policy_columns(self) -> tuple[dict[str, np.ndarray], Any]:
-        """The eviction policy's columns of the prefix index on the host, and (with a disk tier,
-        whose write-behind copies blocks from the whole index) the whole index's host snapshot."""
-        fields = ("state", "parent", "length", "last_used", "swa_held", "tail_slot", "hits")
-        if self.disk is not None:
-            p = jax.device_get(self.hooks.view().prefix)
-            return {k: np.asarray(getattr(p, k)) for k in fields}, p
-        index = self.hooks.view().prefix  # the policy's columns only (not the token, page and TAIL arrays)
-        got = jax.device_get(tuple(getattr(index, k) for k in fields))
-        return dict(zip(fields, map(np.asarray, got), strict=True)), None
-
     def make_room(
         self,
         kinds=("snapshot", "record"),
@@ -394,22 +394,17 @@ class PrefixManager:
         used_before, shorter_than, never_hit: admission control — only objects of chains last used
         before this prefix clock, shorter than this many tokens, or never reused (hkv.core.policy.eviction_order).
         need: whole records wanted (record slots for a batch of boundaries); pages: free pages wanted
-        per layout group (a prefill chunk's, `page_budget.pages_wanted`); neither: one pass, room of
-        any kind. The policy's passes are repeated on the host snapshot, each taking what a pass
-        takes (an eighth of the candidates, at least one) and marking its records evicted (a parent
-        whose last child went becomes a leaf, a candidate of the next pass), until `need` records
-        are chosen or the chosen objects' page references, taken off the pools' refcounts on the
-        host as the eviction step does, leave `pages` free; then ONE eviction step runs. The same
+        per layout group (`page_budget.pages_wanted`); neither: one pass, room of any kind. The
+        policy's passes are repeated on the host snapshot, each taking an eighth of the candidates
+        (at least one) and marking its records evicted (a parent whose last child went becomes a
+        leaf, a candidate of the next pass), until `need` records are chosen or the chosen objects
+        leave `pages` free (`page_budget.free_pages_after`); then ONE eviction step runs. The same
         objects go as that many rounds of one pass and one step would evict (the records a sequence
-        adds in between extend its own pinned chain, never candidates), without a device round trip
-        per pass."""
+        adds in between extend its own pinned chain, never candidates)."""
         if not self.enabled:
             return False
-        meta, p = self._policy_columns()
-        freed_pages = None
-        if pages is not None:  # (meta as read: before any pass marks its records evicted)
-            alive = meta["state"] == px.RecordState.ALIVE
-            freed_pages = free_pages_after(self.layout, self.hooks.view(), alive, meta["swa_held"])
+        meta, p = policy_columns(self.hooks.view().prefix, whole=self.disk is not None)
+        free_after = None if pages is None else free_pages_after(self.layout, self.hooks.view(), meta)
         live = self.hooks.live()
         pinned = {q.parent_record for q in live if q.parent_record >= 0}  # chains being extended
 
@@ -440,9 +435,7 @@ class PrefixManager:
             chosen += batch
             if unpinned or (need is None and pages is None):
                 break
-            if need is not None and freed >= need:
-                break
-            if pages is not None and all(f >= w for f, w in zip(freed_pages(snap, whole), pages, strict=True)):
+            if (need is not None and freed >= need) or (pages is not None and fits(pages, free_after(snap, whole))):
                 break
             # the next pass sees this one's evictions: the records tombstones, their snapshots gone
             # (`meta` is rebound to copies: the arrays read back from the device are read-only)

@@ -32,7 +32,7 @@ from .compile_plan import CompilePlan, EngineSteps, pow2, stop_width
 from .compiled import step_name, unpack_decode
 from .hooks import EngineHooks
 from .options import EngineOptions
-from .page_budget import pages_wanted, short_of_pages
+from .page_budget import fits, free_pages, pages_wanted
 from .prefix_manager import PrefixManager
 from .progress import Bars
 from .requests import LiveRequest, RequestCancelledError, TokenOutput
@@ -370,10 +370,11 @@ class Scheduler:
                 slots_now = slots[: len(rows)]
                 holds = [min(q.staged or (), default=None) for q in rows]
                 holds = [None if h is None else h * self.spec.block_tokens for h in holds]
-                while self.prefix.enabled and short_of_pages(self.layout, view(), slots_now, ends, holds):
+                while self.prefix.enabled:
                     # one eviction step that leaves the pages the chunk maps (the policy's passes
                     # simulated on the host), not one pass of the policy per round trip
-                    if not self.prefix.make_room(pages=pages_wanted(self.layout, view(), slots_now, ends, holds)):
+                    wanted = pages_wanted(self.layout, view(), slots_now, ends, holds)
+                    if fits(wanted, free_pages(view())) or not self.prefix.make_room(pages=wanted):
                         break
             name = step_name("prefill", f"{b}x{c}", logits=keep, read=read, variant=params.variant)
             out, dt, fresh = self.plan.timed(

@@ -396,10 +396,11 @@ class MoE(nnx.Module):
         e = self.n_experts
         if n * k < e:
             return self.experts_routed(x, weights, idx)
-        tile = self.stacks().tile(x.dtype)[0]
+        stacks = self.stacks()
+        tile = stacks.tile(x.dtype)[0]
         if n <= tile and n * e <= 2 * (n * k + e * tile):
             xe = jnp.broadcast_to(x[None], (e, *x.shape))  # [E, N, hidden]: products batched over the experts
-            y = self.stacks().rows(xe, None)  # [E, N, hidden] float32
+            y = stacks.rows(xe, None)  # [E, N, hidden] float32
             pairs = jnp.take_along_axis(jnp.swapaxes(y, 0, 1), idx[..., None], axis=1)  # [N, k, hidden]
             return _combine_pairs(pairs, weights, idx, x.dtype)
         return self.experts_tiled(x, weights, idx)
