@@ -21,7 +21,7 @@ logits and the `Status`), and afterwards commits lengths and slides windows. Eve
 path (one token per row: `pallas_kernels`, Pallas on GPU/TPU, the jnp reference on CPU) and a prefill
 path (jnp), with the same signature; which one runs is decided by the step's shape (C == 1: decode).
 A cached_step that also takes `read_tokens=None` and passes it on to `run_step` lets the engine run
-prefill in read sizes (`Step.read_tokens`: prefill reads cover the tokens held, not max_context).
+prefill and decode in read sizes (`Step.read_tokens`: reads cover the tokens held, not max_context).
 
 Layers with a compressor (article §2) also call `LayerCache.compress` (feed this step's projected
 rows; hkv keeps the TAIL of the open window and seals every window the step closes, with the model's
@@ -75,9 +75,10 @@ class Step:
       seal: whether windows this step closes are sealed into COMPRESSED / INDEXER rows (False: the
         prefix cache's window rebuild, which re-runs tokens whose entries are already sealed).
       read_tokens: a static bound on the tokens any running row holds after the step (None:
-        `max_context`); prefill reads of compressed entries and full-attention rows cover only that
-        many tokens, so a chunk's cost follows the context held, not the capacity (`run_step`
-        refuses a step whose rows would exceed it).
+        `max_context`); prefill reads of compressed entries and full-attention rows, and the decode
+        kernels' page tables (`LayerCache._step_table`), cover only that many tokens, so a step's
+        cost follows the context held, not the capacity (`run_step` refuses a step whose rows would
+        exceed it).
       backend, interpret: the `pallas_kernels` implementation of the decode ops.
       logit_rows: int32[B, R] the chunk rows whose logits the caller wants (None: every row);
         `head_rows` applies it.
@@ -709,7 +710,7 @@ class LayerCache:
         dequantized (`kv_quant.dequantized_pages`, those below the rows held; layer index None)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
-        pt = im.take(g.page_table, self.step.slots)
+        pt = self._step_table(g, gi)
         spec = self._layout.spec
         if spec.kv_quant is None:
             return g.pool, pt, li
@@ -718,6 +719,20 @@ class LayerCache:
         held = lengths if kind == ObjectKind.SWA else im.div(lengths, self.ratio)  # rows, or entries / keys
         pool, pt = kvq.dequantized_pages(spec, g.pool, li, pt, self._dim(kind), held, window)
         return pool, pt, None
+
+    def _step_table(self, g, gi: int) -> jax.Array:
+        """This step's page table of group `gi` (state `g`), int32[B, M]: the rows' slots' entries, cut
+        to the pages that `Step.context_bound` tokens' rows span where the group keeps every row (full
+        attention, COMPRESSED, INDEXER) and the step has `read_tokens`. The decode kernels read what
+        the table addresses (a full-attention layer `page_table.shape[1] * page_size` positions), so a
+        decode step's reads follow its read bound instead of `max_context`; `run_step` refuses a row
+        that would hold more. The pages cut hold no row a query may see: the same bits."""
+        pt = im.take(g.page_table, self.step.slots)
+        grp = self._layout.groups[gi]
+        if grp.keep is not None or self.step.read_tokens is None:
+            return pt
+        rows = -(-self.step.context_bound // grp.unit)
+        return pt[:, : max(1, -(-rows // self._layout.page_size))]
 
     def _write(self, cache: HybridCache, kind: ObjectKind, rows: jax.Array, values: jax.Array, valid: jax.Array):
         """Write values[B, R, D] at this layer's `kind` rows[B, R] where valid, at a traced pool index
@@ -1012,7 +1027,7 @@ class LayerCache:
         if picks is not None and self._layout.spec.kv_quant is not None:  # only the picked entries, dequantized
             cg, cl = self._group(ObjectKind.COMPRESSED)
             g, dim = cache.groups[cg], self._dim(ObjectKind.COMPRESSED)
-            pt_c = im.take(g.page_table, st.slots)
+            pt_c = self._step_table(g, cg)
             comp_pool, comp_pt, sel = kvq.dequantized_picks(
                 self._layout.spec, g.pool, cl, pt_c, picks[:, 0], n_comp, self.ratio, lengths, dim
             )

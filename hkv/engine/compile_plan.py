@@ -129,13 +129,14 @@ class CompilePlan:
         read = read_size(self.read_sizes, tokens)
         return None if read is None or read >= self.layout.config.max_context else read
 
-    def idle_decode_args(self, n_stop: int, keep: bool) -> tuple:
+    def idle_decode_args(self, n_stop: int, keep: bool, read: int | None = None) -> tuple:
         """Arguments (after layout, cache) of a decode step with every row idle (zero budgets): the
-        shapes and types a decode dispatch gives for stop width `n_stop` and logits `keep`."""
+        shapes and types a decode dispatch gives for stop width `n_stop`, logits `keep` and read
+        bound `read` (`read_bound`)."""
         s = self.layout.slots
         z = np.zeros((s,), np.int32)
         return (self.weights(), z, np.arange(s, dtype=np.int32), SamplingBatch.stack([GREEDY] * s), z,
-                np.full((s, n_stop), -1, np.int32), self.decode_steps, keep)  # fmt: skip
+                np.full((s, n_stop), -1, np.int32), self.decode_steps, keep, read)  # fmt: skip
 
     @staticmethod
     def unclaimed_decode_args(idle_args: tuple, slot: int) -> tuple:
@@ -226,12 +227,15 @@ class CompilePlan:
         self.ask_ahead(ahead)
 
     def build_decode_ahead(self, rows: list[LiveRequest]) -> None:
-        """Start building (`_Step.build_ahead`) the decode step these requests need (their stop
-        width and logits choice), unless none of them decodes."""
+        """Start building (`_Step.build_ahead`) the decode step these requests need first (their stop
+        width, logits choice and the read bound of their first dispatch), unless none of them decodes."""
         if not any(q.max_new > 1 for q in rows):
             return
         keep, n_stop = any(q.keep_logits for q in rows), stop_width(rows)
-        self.ask_ahead({("decode", n_stop, keep): (self.steps.decode, lambda: self.idle_decode_args(n_stop, keep))})
+        read = self.read_bound(max(len(q.prompt) + self.decode_steps for q in rows))
+        args = lambda: self.idle_decode_args(n_stop, keep, read)
+        variant = ("decode", n_stop, keep) + (() if read is None else (read,))
+        self.ask_ahead({variant: (self.steps.decode, args)})
 
     def restore_ahead(self) -> None:
         """Start building the prefix lookup's restore step on a background thread (`_Step.build_ahead`,
@@ -292,9 +296,9 @@ class CompilePlan:
                     none = np.full((b, w // self.block_tokens + 1), -1, np.int32)
                     args += (InteriorSnapshots(none, none.copy()),)
                 out.append((self.steps.prefill, args, step_name("prefill", f"{b}x{w}", logits=keep, read=r)))
-            for n_stop in sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}):
-                name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep)
-                out.append((self.steps.decode, self.idle_decode_args(n_stop, keep), name))
+            for n_stop, r in itertools.product(sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}), bounds):
+                name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep, read=r)
+                out.append((self.steps.decode, self.idle_decode_args(n_stop, keep, r), name))
         return out
 
     def slot_steps(

@@ -546,7 +546,8 @@ class CompiledSteps:
     Every function takes `(layout, cache, ...)` with the layout static and the cache donated.
     Attributes:
       traces: Counter {name: compilations}; names are "prefill[rows x chunk]" ("prefill[rows x
-        chunk@read]" for a prefill with read_tokens), "decode[steps]" (with "+stopsN" for N
+        chunk@read]" for a prefill with read_tokens), "decode[steps]" ("decode[steps@read]" with
+        read_tokens; "+stopsN" for N
         stop-id columns > 1, "+logits" when logits are kept)
         "restore_window" and "swap_in[rows per group]" (the disk tier's install step).
     """
@@ -585,16 +586,21 @@ class CompiledSteps:
                 **opts, **extra,
             )  # fmt: skip
 
-        def decode(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits):
+        def decode(
+            layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep_logits, read_tokens=None
+        ):
             n_stop = stop_ids.shape[1]
             count(
                 layout,
-                step_name("decode", str(steps), stops=n_stop, logits=keep_logits, variant=params.variant),
+                step_name(
+                    "decode", str(steps), stops=n_stop, logits=keep_logits, read=read_tokens, variant=params.variant
+                ),
             )
             model = merged(weights)
+            extra = {} if read_tokens is None else {"read_tokens": read_tokens}
             o = decode_steps(
                 model, layout, cache, tokens, slots, params, budget, stop_ids, steps=steps, keep_logits=keep_logits,
-                **opts,
+                **opts, **extra,
             )  # fmt: skip
             return o.cache, pack_decode(o), o.logits
 
@@ -608,7 +614,7 @@ class CompiledSteps:
             return _Step(self, name, fn, static)
 
         self.prefill = step(prefill, (0, 7, 8))
-        self.decode = step(decode, (0, 8, 9))
+        self.decode = step(decode, (0, 8, 9, 10))
         self.restore_window = step(restore_window)
         jit = step
 

@@ -103,9 +103,10 @@ class Engine(TextMethods):
     the step that finishes a prompt: it runs the narrowest that holds every row's remaining tokens
     instead of a full padded chunk. A warm request whose restore leaves a 64-token suffix then costs
     one 64-wide step, not one of prefill_chunk (default: none).
-    read_buckets: prefill read sizes in tokens (each in [1, max_context], one compilation per prefill
-    width each): a prefill step reads compressed entries (and full-attention rows) for the smallest
-    size holding every row's tokens after the step, not for max_context, so a chunk's cost follows the
+    read_buckets: prefill and decode read sizes in tokens (each in [1, max_context], one compilation
+    per prefill width, and per decode variant, each): a step reads compressed entries (and
+    full-attention rows) for the smallest size holding every row's tokens after the step (a decode
+    dispatch: after its `decode_steps` tokens), not for max_context, so its cost follows the
     context held (`hkv.Step.read_tokens`; needs a model whose cached_step takes `read_tokens`,
     `accepts_read_tokens`). None (default): `default_read_buckets(max_context)`,
     powers of two from 1024 to 3/4 of max_context; () reads max_context always.

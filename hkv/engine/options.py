@@ -54,7 +54,7 @@ class EngineOptions:
       block_tokens: state-table / prefix block size. prefill_chunk: tokens per prefill step.
       prefill_batch: most requests prefilled in one step.
       prefill_widths: the narrower prefill widths, ascending, then `prefill_chunk`.
-      read_buckets: prefill read sizes asked for (tokens, each in [1, max_context]).
+      read_buckets: prefill and decode read sizes asked for (tokens, each in [1, max_context]).
       decode_steps: tokens per decode dispatch. restore_choice: one of `RESTORE_CHOICES`.
     """
 

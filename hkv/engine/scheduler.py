@@ -476,7 +476,7 @@ class Scheduler:
         the cache's transitions unless a request arrives or is cancelled while a dispatch is ahead
         (it is admitted, or released, after that dispatch: other page ids, same tokens)."""
         toks, _, n_new, stopped, status, _ = host
-        weights, tokens, slots, params, last_budget, stop_ids, k, keep = args
+        weights, tokens, slots, params, last_budget, stop_ids, k, keep, read = args
         if not self.pipeline or status != Status.OK or keep or self.queue or self.prefilling:
             return
         if params.counts.shape[1] or params.ban_ids.shape[1]:
@@ -488,6 +488,7 @@ class Scheduler:
             return
         bt = self.spec.block_tokens
         tokens, budget = tokens.copy(), np.zeros_like(last_budget)
+        held = []
         for q in rows:
             if self.running.get(q.slot) is not q or cancelled(q):
                 return
@@ -499,9 +500,12 @@ class Scheduler:
                 return  # `_after_step` records this boundary
             budget[q.slot] = self._decode_budget(q, made, fed)
             tokens[q.slot] = toks[q.slot, n - 1]
+            held.append(fed + int(budget[q.slot]))
         if not rows or stop_width(rows) != stop_ids.shape[1]:
             return
-        nxt = (weights, tokens, slots, params, budget, stop_ids, k, keep)
+        if self.decode_read(held) != read:  # another program: dispatched (and built) in turn
+            return
+        nxt = (weights, tokens, slots, params, budget, stop_ids, k, keep, read)
         t0 = time.perf_counter()
         out = self.hooks.tx(self.steps.decode, *nxt)
         self.ahead = (rows, nxt, out, t0)
@@ -577,10 +581,18 @@ class Scheduler:
             stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
         params = self.sampling_batch(by_slot)
-        name = step_name("decode", str(k), stops=n_stop, logits=keep, variant=params.variant)
+        read = self.decode_read(q.fed + int(budget[q.slot]) for q in rows)
+        name = step_name("decode", str(k), stops=n_stop, logits=keep, read=read, variant=params.variant)
         args = (self.hooks.weights(), tokens, np.arange(s, dtype=np.int32), params, budget,
-                stop_ids, k, keep)  # fmt: skip
+                stop_ids, k, keep, read)  # fmt: skip
         return rows, args, name
+
+    def decode_read(self, held) -> int | None:
+        """The `read_tokens` of a decode dispatch after which its rows hold `held` tokens (an iterable
+        of ints: each row's tokens in its slot plus its budget): the smallest read size holding them
+        all (`CompilePlan.read_bound`; None at max_context), so that its full-attention and
+        compressed reads follow the context held, not max_context."""
+        return self.plan.read_bound(max(held, default=1))
 
     def sampling_batch(self, rows: list[LiveRequest | None], prompt_next: list[int] | None = None) -> SamplingBatch:
         """The `SamplingBatch` of a step's rows (None: an idle row, greedy). Penalized rows pass their

@@ -721,7 +721,7 @@ class MeshEngine(TextMethods):
         for d in range(n):
             if d in todo:
                 _, _, args, _ = todo[d]
-                _, tok, _, prm, bud, stp, _, _ = args
+                _, tok, _, prm, bud, stp = args[:6]
                 tokens[d], budget[d] = tok, bud
                 stop_ids[d, :, : stp.shape[1]] = stp
                 params.append(prm)

@@ -8,10 +8,13 @@ the Pallas kernels in the interpreter agrees; warm requests restore shared prefi
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hkv
+from hkv.core import transitions
 from models import gemma3
 from models.gemma3 import FULL, SLIDING, tiny_config
 
@@ -96,6 +99,28 @@ def test_mqa_chunked_prefill_and_decode_equal_stateless(mqa):
         "prefill[1x5]+logits",
     }
     hkv.check_invariants(engine.layout, engine.cache)
+
+
+def test_a_decode_step_reads_its_read_bound_not_max_context(gqa):
+    """The full-attention layer's decode reads the rows of `read_tokens` tokens, not max_context's (a
+    conversation of 41 tokens in a cache of 1024 read all 1024 positions per token): far fewer flops,
+    logits and cache bit for bit those of the unbounded step."""
+    layout = hkv.CacheLayout(gqa.cache_spec(), hkv.CacheConfig(slots=2, max_context=1024, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = transitions.claim_slot(layout, cache)
+    step = jax.jit(gqa.cached_step, static_argnums=0, static_argnames="read_tokens")
+    prompt = jnp.asarray([PROMPTS[1][:40]], jnp.int32)
+    cache, _, status = step(layout, cache, prompt, slot[None], jnp.asarray([40]))
+    tok, n = jnp.asarray([[PROMPTS[1][40]]], jnp.int32), jnp.asarray([1])
+    bounded, full = step(layout, cache, tok, slot[None], n, read_tokens=64), step(layout, cache, tok, slot[None], n)
+    assert int(status) == int(bounded[2]) == int(full[2]) == hkv.Status.OK
+    for a, b in zip(jax.tree.leaves(bounded[:2]), jax.tree.leaves(full[:2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def flops(**kw):
+        return step.lower(layout, cache, tok, slot[None], n, **kw).cost_analysis()["flops"]
+
+    assert flops(read_tokens=64) < 0.7 * flops()  # 1.6M vs 2.5M here; equal if the bound were ignored
 
 
 def test_decode_through_the_pallas_kernels_in_the_interpreter(mqa):

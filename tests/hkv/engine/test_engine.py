@@ -108,6 +108,10 @@ def test_read_buckets_bound_prefill_reads_and_stay_exact(model, oracle):
     assert hkv.Engine(model, config, prefill_chunk=64, block_tokens=16).read_sizes == (320,)
     assert hkv.default_read_buckets(8224) == (1024, 2048, 4096) and hkv.default_read_buckets(1024) == ()
     assert hkv.default_read_buckets(65536) == (1024, 2048, 4096, 8192, 16384, 32768)
+    # decode too: the 57-token prompt alone decodes reading 64 tokens' entries (decode[k@64])
+    alone = hkv.Engine(model, config, prefill_chunk=64, read_buckets=(128, 64), block_tokens=16)
+    _assert_oracle(alone.generate(PROMPTS[1:], NEW, return_logits=True), [o[1:] for o in oracle])
+    assert {n for n in alone.compilations if n.startswith("decode")} == {f"decode[{alone.decode_steps}@64]+logits"}
     for bad in ((0,), (321,), 64, (True,), (64.0,)):
         with pytest.raises(ValueError, match=r"read_buckets=.* must be a sequence of integers in \[1, 320\]"):
             hkv.Engine(model, config, prefill_chunk=64, read_buckets=bad, block_tokens=16)
@@ -141,6 +145,29 @@ def test_a_step_past_its_read_bound_is_refused_with_the_cache_unchanged(model):
     for bad in (0, 321, True, 32.0):
         with pytest.raises(ValueError, match=r"read_tokens=.* must be None or an int in \[1, 320\]"):
             model.cached_step(layout, out, toks, slot[None], jnp.asarray([40]), read_tokens=bad)
+
+
+def test_a_decode_step_reads_its_read_bound_with_the_same_bits(model):
+    """A decode step (one token per row) with read_tokens=R reads the compressed entries and indexer
+    keys of R tokens, not max_context's: fewer flops, and logits and cache bit for bit those of the
+    unbounded step (the pages it does not read hold nothing a query may see)."""
+    layout = hkv.CacheLayout(model.cache_spec(), hkv.CacheConfig(slots=2, max_context=320, page_size=8))
+    cache = hkv.init_cache(layout)
+    cache, slot, _ = tr.claim_slot(layout, cache)
+    step = jax.jit(model.cached_step, static_argnums=0, static_argnames="read_tokens")
+    cache, _, status = step(layout, cache, jnp.asarray([PROMPTS[1][:40]], jnp.int32), slot[None], jnp.asarray([40]))
+    assert int(status) == Status.OK
+    tok, n = jnp.asarray([[PROMPTS[1][40]]], jnp.int32), jnp.asarray([1])
+    bounded = step(layout, cache, tok, slot[None], n, read_tokens=64)
+    full = step(layout, cache, tok, slot[None], n)
+    assert int(bounded[2]) == int(full[2]) == Status.OK
+    np.testing.assert_array_equal(np.asarray(bounded[1]), np.asarray(full[1]))
+    _assert_same(_snapshot(bounded[0]), _snapshot(full[0]))
+
+    def flops(**kw):
+        return step.lower(layout, cache, tok, slot[None], n, **kw).cost_analysis()["flops"]
+
+    assert flops(read_tokens=64) < flops()  # equal if the decode kernels read max_context's pages
 
 
 def test_preemption_under_page_pressure_keeps_outputs_exact(model, oracle, monkeypatch):
