@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     for ctx, slots in args.caches:
-        if not (1 <= slots and args.prompt + args.new <= ctx):
+        if not (slots >= 1 and args.prompt + args.new <= ctx):
             ap.error(f"cache {ctx}:{slots} must hold --prompt + --new = {args.prompt + args.new} tokens in >= 1 slot")
     print(f"hkv at {_machine.hkv_revision()}, {_machine.cores()} cores; small Gemma 3, float32, prompt "
           f"{args.prompt}, {args.new} new tokens, {args.rounds} rounds\n")  # fmt: skip
