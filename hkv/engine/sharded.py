@@ -153,7 +153,7 @@ class ShardedSteps:
       prefill_all(layout, cache, weights, tokens[D,b,c], slots[D,b], n_valid[D,b], params[D,b], keep,
                   read, snaps: InteriorSnapshots with [D,b,K] fields or None)
       decode_all(layout, cache, weights, tokens[D,S], slots[D,S], params[D,S], budget[D,S],
-                 stop_ids[D,S,n], steps, keep)
+                 stop_ids[D,S,n], steps, keep, read)
       one[name](layout, cache, shard, *args): the transition `name` (`ONE_SHARD`) on one shard.
     """
 
@@ -196,17 +196,18 @@ class ShardedSteps:
                 cache, weights, tokens, slots, n_valid, params, *extra
             )
 
-        def decode_all(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep):
+        def decode_all(layout, cache, weights, tokens, slots, params, budget, stop_ids, steps, keep, read=None):
             def local(cache, weights, tokens, slots, params, budget, stop_ids):
                 c, tokens, slots, params, budget, stop_ids = _squeeze((cache, tokens, slots, params, budget, stop_ids))
-                return _unsqueeze(base.decode(layout, c, weights, tokens, slots, params, budget, stop_ids, steps, keep))
+                out = base.decode(layout, c, weights, tokens, slots, params, budget, stop_ids, steps, keep, read)
+                return _unsqueeze(out)
 
             return shmap(local, (d, wspec(weights), d, d, d, d, d))(
                 cache, weights, tokens, slots, params, budget, stop_ids
             )
 
         self.prefill_all = nm.jit(prefill_all, static_argnums=(0, 7, 8), donate_argnums=1)
-        self.decode_all = nm.jit(decode_all, static_argnums=(0, 8, 9), donate_argnums=1)
+        self.decode_all = nm.jit(decode_all, static_argnums=(0, 8, 9, 10), donate_argnums=1)
 
         def on_one_shard(fn):
             """fn on shard `shard` only (a `lax.cond`: the other shards return their cache unchanged)."""
@@ -320,11 +321,12 @@ class _ShardStepsView:
             extra = () if snaps is None else (jax.tree.map(lambda a: stack(a, -1), snaps),)
             return weights, *rows, keep, read, *extra
 
-        def pad_decode(weights, tokens, slots, params, budget, stop_ids, steps_, keep):
+        def pad_decode(weights, tokens, slots, params, budget, stop_ids, steps_, keep, read=None):
             idle_slots = np.arange(np.shape(slots)[0], dtype=np.int32)
             s = np.broadcast_to(idle_slots, (n, len(idle_slots))).copy()
             s[d] = np.asarray(slots)
-            return weights, stack(tokens, 0), s, same(params), stack(budget, 0), stack(stop_ids, -1), steps_, keep
+            rows = (stack(tokens, 0), s, same(params), stack(budget, 0), stack(stop_ids, -1))
+            return weights, *rows, steps_, keep, read
 
         self.prefill = _Bound(steps.prefill_all, d, pad_prefill)
         self.decode = _Bound(steps.decode_all, d, pad_decode)
@@ -730,13 +732,17 @@ class MeshEngine(TextMethods):
         params = SamplingBatch.widen_all(params)  # one compiled variant for every shard
         variant, top_n = params[0].variant, params[0].top_n
         params = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *params)
-        name = step_name("decode", str(k), stops=width, logits=keep, variant=variant)
+        reads = [args[8] for _, _, args, _ in todo.values()]  # each shard's read bound (None: max_context)
+        read = None if None in reads else max(reads)
+        name = step_name("decode", str(k), stops=width, logits=keep, read=read, variant=variant)
         steps = self._sharded(self.layout)
         fresh = steps.traces[name] == 0
         for e, _, _, _ in todo.values():
             e.compile_plan.names.add(name)
         t0 = time.perf_counter()
-        out = steps.decode_all(self.layout, self.cache, self._weights, tokens, slots, params, budget, stop_ids, k, keep)
+        out = steps.decode_all(
+            self.layout, self.cache, self._weights, tokens, slots, params, budget, stop_ids, k, keep, read
+        )
         self.cache = out[0]
         host = jax.device_get(out[1])  # [D, S, 2k + 3]: `pack_decode` per shard
         dt = time.perf_counter() - t0

@@ -432,6 +432,22 @@ def test_the_shared_programs_key_holds_no_model():
     eb.close()
 
 
+@pytest.mark.slow  # compiles a (4, 2) mesh engine's prefill and decode of its own
+def test_mesh_decode_reads_its_read_bound_with_the_same_tokens(model, reference):
+    """read_buckets=(64,): the 40- and 33-token prompts prefill and decode reading 64 tokens' entries,
+    on every shard at once (decode[8@64]), with the single-device engine's tokens; the warm-up lists
+    the decode of every read size, and runs it through a shard's view of the mesh steps."""
+    engine = hkv.Engine(model, CONF, mesh=mesh_of(4, 2), read_buckets=(64,), **OPTS)
+    picked = [PROMPTS[0], PROMPTS[2]]
+    assert [g.tokens for g in engine.generate(picked, NEW)] == [reference["greedy"][0], reference["greedy"][2]]
+    assert {n for n in engine.compilations if n.startswith("decode")} == {"decode[8@64]"}
+    names = [n for _, _, n in engine.shards[0].compile_plan.model_steps(logits=False, stop_ids=1)]
+    assert {n for n in names if n.startswith("decode")} == {"decode[8@64]", "decode[8]"}
+    plan = engine.shards[0].compile_plan
+    plan.timed(engine.shards[0].steps.decode, *plan.idle_decode_args(1, False, 64), name="decode[8@64]")
+    assert engine.compilations["decode[8@64]"] == 1  # the program generate built, through the shard view
+
+
 def test_balance_routing_ignores_cached_prefixes_and_spreads_by_load(model):
     engine = hkv.MeshEngine(model, CONF, mesh=mesh_of(4, 2), route="balance", **OPTS)
     first = [g.plan.shard for g in engine.generate(PROMPTS, 1)]
