@@ -28,7 +28,7 @@ from ..core.layout import CacheLayout
 from ..core.plan import DevicePlan
 from ..core.sampling import GREEDY, SamplingBatch
 from . import offload as swap
-from .compiled import step_name
+from .compiled import decode_size, step_name
 from .hooks import EngineHooks
 from .options import EngineOptions
 from .prefix_tools import RECORD_BATCH
@@ -117,6 +117,10 @@ class CompilePlan:
         self.build_seconds = 0.0  # the longest prefill step that compiled (`via_prefill`)
         self.via_prefill_seconds = 0.0  # time spent decoding through the prefill step
         self.compile_seconds = 0.0  # time spent compiling (or loading) steps, `Engine.stats()`
+        # decode dispatches run only as many rows as `decode_rows` picks (False: every slot, a
+        # `MeshEngine`'s shards, whose decode runs every shard's slots at once)
+        self.compact = True
+        self.decode_rows_used: set[int] = set()  # row counts of the decode dispatches run (`decode_rows`)
 
     def compilations(self) -> dict[str, int]:
         """Compilations of each step name this engine used (one per bucket when shared)."""
@@ -129,25 +133,42 @@ class CompilePlan:
         read = read_size(self.read_sizes, tokens)
         return None if read is None or read >= self.layout.config.max_context else read
 
-    def idle_decode_args(self, n_stop: int, keep: bool, read: int | None = None) -> tuple:
-        """Arguments (after layout, cache) of a decode step with every row idle (zero budgets): the
-        shapes and types a decode dispatch gives for stop width `n_stop`, logits `keep` and read
-        bound `read` (`read_bound`)."""
+    def decode_row_sizes(self) -> tuple[int, ...]:
+        """The row counts a decode dispatch may have: powers of two below `slots`, and `slots`."""
         s = self.layout.slots
-        z = np.zeros((s,), np.int32)
-        return (self.weights(), z, np.arange(s, dtype=np.int32), SamplingBatch.stack([GREEDY] * s), z,
-                np.full((s, n_stop), -1, np.int32), self.decode_steps, keep, read)  # fmt: skip
+        return tuple(sorted({pow2(n) for n in range(1, s + 1) if pow2(n) < s} | {s}))
+
+    def decode_rows(self, n: int) -> int:
+        """Rows of a decode dispatch for `n` running requests (the rest idle): the smallest row count
+        this engine has dispatched (or warmed up) that holds them, else the smallest of
+        `decode_row_sizes` that does. Idle rows cost a decode step what a running one does (the
+        weights' products and the MoE of every row), so one request in an 8-slot cache decodes
+        about as fast as in a 1-slot cache; reusing a larger program already built, rather than
+        compiling the exact size when requests finish, keeps compilations to one per size reached."""
+        fits = [b for b in self.decode_rows_used if b >= n]
+        b = min(fits) if fits else next(b for b in self.decode_row_sizes() if b >= n)
+        self.decode_rows_used.add(b)
+        return b
+
+    def idle_decode_args(self, n_stop: int, keep: bool, read: int | None = None, rows: int | None = None) -> tuple:
+        """Arguments (after layout, cache) of a decode step with every row idle (zero budgets): the
+        shapes and types a decode dispatch of `rows` rows (None: every slot) gives for stop width
+        `n_stop`, logits `keep` and read bound `read` (`read_bound`)."""
+        b = self.layout.slots if rows is None else rows
+        z = np.zeros((b,), np.int32)
+        return (self.weights(), z, np.arange(b, dtype=np.int32), SamplingBatch.stack([GREEDY] * b), z,
+                np.full((b, n_stop), -1, np.int32), self.decode_steps, keep, read)  # fmt: skip
 
     @staticmethod
     def unclaimed_decode_args(idle_args: tuple, slot: int) -> tuple:
-        """`idle_decode_args` with one token of budget for the row of `slot`, a slot nobody claimed:
-        the decode loop's body runs once, its step fails with SLOT_INACTIVE and changes nothing. With
-        every row idle the body runs zero times, and XLA:CPU sets up the body's matmul kernels at
-        their first run: the first request's first decode dispatch paid for it (~130 ms on the small
-        Gemma 3)."""
-        budget = np.zeros_like(idle_args[4])
-        budget[slot] = 1
-        return idle_args[:4] + (budget,) + idle_args[5:]
+        """`idle_decode_args` with one token of budget for a row running `slot`, a slot nobody
+        claimed: the decode loop's body runs once, its step fails with SLOT_INACTIVE and changes
+        nothing. With every row idle the body runs zero times, and XLA:CPU sets up the body's matmul
+        kernels at their first run: the first request's first decode dispatch paid for it (~130 ms
+        on the small Gemma 3)."""
+        slots, budget = np.array(idle_args[2]), np.zeros_like(idle_args[4])
+        slots[0], budget[0] = slot, 1
+        return idle_args[:2] + (slots, idle_args[3], budget) + idle_args[5:]
 
     def record_args(self, slot: jax.Array) -> tuple:
         """Arguments (after layout, cache) of a record step for `slot` that records nothing: the
@@ -233,8 +254,10 @@ class CompilePlan:
             return
         keep, n_stop = any(q.keep_logits for q in rows), stop_width(rows)
         read = self.read_bound(max(len(q.prompt) + self.decode_steps for q in rows))
-        args = lambda: self.idle_decode_args(n_stop, keep, read)
-        variant = ("decode", n_stop, keep) + (() if read is None else (read,))
+        b = next(b for b in self.decode_row_sizes() if b >= len(rows))
+        b = None if b == self.layout.slots else b
+        args = lambda: self.idle_decode_args(n_stop, keep, read, b)
+        variant = ("decode", n_stop, keep) + (() if read is None else (read,)) + (() if b is None else (f"{b}x",))
         self.ask_ahead({variant: (self.steps.decode, args)})
 
     def restore_ahead(self) -> None:
@@ -287,6 +310,7 @@ class CompilePlan:
         with inputs that change nothing (idle rows, zero budgets)."""
         out = []
         rows = sorted({pow2(n) for n in range(1, self.prefill_batch + 1)})
+        s = self.layout.slots
         for keep in (False, True) if logits else (False,):
             bounds = [self.read_bound(r or 1) for r in self.read_sizes]
             for b, w, r in itertools.product(rows, self.prefill_widths, bounds):
@@ -296,9 +320,11 @@ class CompilePlan:
                     none = np.full((b, w // self.block_tokens + 1), -1, np.int32)
                     args += (InteriorSnapshots(none, none.copy()),)
                 out.append((self.steps.prefill, args, step_name("prefill", f"{b}x{w}", logits=keep, read=r)))
-            for n_stop, r in itertools.product(sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)}), bounds):
-                name = step_name("decode", str(self.decode_steps), stops=n_stop, logits=keep, read=r)
-                out.append((self.steps.decode, self.idle_decode_args(n_stop, keep, r), name))
+            stops = sorted({pow2(n) for n in range(1, max(stop_ids, 1) + 1)})
+            for n_stop, r, b in itertools.product(stops, bounds, self.decode_row_sizes() if self.compact else (s,)):
+                size = decode_size(b, s, self.decode_steps)
+                name = step_name("decode", size, stops=n_stop, logits=keep, read=r)
+                out.append((self.steps.decode, self.idle_decode_args(n_stop, keep, r, b), name))
         return out
 
     def slot_steps(
@@ -383,6 +409,8 @@ class CompilePlan:
         every.append((t.release, (placeholder,), "release"))
         self.names.update(n for _, _, n in every if n.startswith(("prefill[", "decode[", "swap_in[")))
         self.precompile(every, times)
+        if self.compact:  # every decode row count is built: dispatches take the smallest that fits
+            self.decode_rows_used.update(self.decode_row_sizes())
         free = np.flatnonzero(~np.asarray(jax.device_get(self.cache().active)))
         for fn, args, name in model_steps:
             run(fn, *args, name=name)

@@ -95,6 +95,12 @@ def step_name(
     return f"{kind}[{size}]" + (f"+stops{stops}" if stops > 1 else "") + ("+logits" if logits else "") + variant
 
 
+def decode_size(rows: int, slots: int, steps: int) -> str:
+    """The size part of a decode step's name: "8" (`steps` tokens) for a dispatch over every slot,
+    "2x8" for one over `rows` < `slots` rows (`CompilePlan.decode_rows`)."""
+    return str(steps) if rows == slots else f"{rows}x{steps}"
+
+
 _TLS = threading.local()  # .log: the step names traced by this thread inside `_traced_names()`;
 # .jax_hits: persistent-cache hits of this thread's compiles inside `_jax_cache_hits()`
 
@@ -593,7 +599,12 @@ class CompiledSteps:
             count(
                 layout,
                 step_name(
-                    "decode", str(steps), stops=n_stop, logits=keep_logits, read=read_tokens, variant=params.variant
+                    "decode",
+                    decode_size(tokens.shape[0], layout.slots, steps),
+                    stops=n_stop,
+                    logits=keep_logits,
+                    read=read_tokens,
+                    variant=params.variant,
                 ),
             )
             model = merged(weights)

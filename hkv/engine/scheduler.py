@@ -29,7 +29,7 @@ from ..core import prefix as px
 from ..core.layout import CacheLayout, Status
 from ..core.sampling import GREEDY, RowHistory, SamplingBatch
 from .compile_plan import CompilePlan, EngineSteps, pow2, stop_width
-from .compiled import step_name, unpack_decode
+from .compiled import decode_size, step_name, unpack_decode
 from .hooks import EngineHooks
 from .options import EngineOptions
 from .page_budget import fits, free_pages, pages_wanted
@@ -444,8 +444,9 @@ class Scheduler:
             return
         out, dt, fresh = self.plan.timed(self.steps.decode, *args, name=name)
         host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
+        host, lg = self.by_slot(args[2], host, out[1] if args[7] else None)
         self._dispatch_ahead(rows, args, host)
-        self.decode_outputs(rows, host, out[1], dt, fresh)
+        self.decode_outputs(rows, host, lg, dt, fresh)
 
     def _finish_ahead(self) -> None:
         """Wait for the decode `_dispatch_ahead` sent and hand its results to its requests (after
@@ -454,12 +455,13 @@ class Scheduler:
         self.ahead = None
         host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
         dt = time.perf_counter() - t0
+        host, lg = self.by_slot(args[2], host, out[1] if args[7] else None)
         self._dispatch_ahead(rows, args, host)
         # a request cancelled since (its handle, or `generate_text`'s stop string) would not have run
         # this dispatch: its tokens are dropped (`_reap` releases its slot next); one released since
         # gets nothing either (its slot may hold another request now)
         rows = [q for q in rows if not cancelled(q) and self.running.get(q.slot) is q]
-        self.decode_outputs(rows, host, out[1], dt, False)
+        self.decode_outputs(rows, host, lg, dt, False)
 
     def _dispatch_ahead(self, rows: list[LiveRequest], args: tuple, host: tuple) -> None:
         """Send the next decode before the host hands these results (`host`, of a dispatch made with
@@ -488,19 +490,20 @@ class Scheduler:
             return
         bt = self.spec.block_tokens
         tokens, budget = tokens.copy(), np.zeros_like(last_budget)
+        row = {int(x): i for i, x in enumerate(slots)}  # (host: per slot; the step's inputs: per row)
         held = []
         for q in rows:
             if self.running.get(q.slot) is not q or cancelled(q):
                 return
-            n = int(n_new[q.slot])
+            n, i = int(n_new[q.slot]), row[q.slot]
             made, fed = len(q.tokens) + n, q.fed + n
-            if stopped[q.slot] or n != last_budget[q.slot] or made >= q.max_new:
+            if stopped[q.slot] or n != last_budget[i] or made >= q.max_new:
                 return  # ends here: `_decode_outputs` releases its slot before the next decode
             if self.prefix.enabled and fed % bt == 0:
                 return  # `_after_step` records this boundary
-            budget[q.slot] = self._decode_budget(q, made, fed)
-            tokens[q.slot] = toks[q.slot, n - 1]
-            held.append(fed + int(budget[q.slot]))
+            budget[i] = self._decode_budget(q, made, fed)
+            tokens[i] = toks[q.slot, n - 1]
+            held.append(fed + int(budget[i]))
         if not rows or stop_width(rows) != stop_ids.shape[1]:
             return
         if self.decode_read(held) != read:  # another program: dispatched (and built) in turn
@@ -567,25 +570,56 @@ class Scheduler:
         return min(self.opts.decode_steps, room)
 
     def decode_inputs(self) -> tuple[list[LiveRequest], tuple, str]:
-        """(the decoding requests, the decode step's arguments after (layout, cache), its name)."""
+        """(the decoding requests, the decode step's arguments after (layout, cache), its name).
+        The step's rows: the running requests' slots, then idle rows on free slots, as many as
+        `CompilePlan.decode_rows` picks (every slot, row i on slot i, when the plan does not compact:
+        a `MeshEngine` shard). Its outputs are per row: `by_slot` puts them per slot."""
         s, k = self.layout.slots, self.opts.decode_steps
         rows = list(self.running.values())
-        tokens = np.zeros((s,), np.int32)
-        budget = np.zeros((s,), np.int32)
-        by_slot: list[LiveRequest | None] = [None] * s
+        if self.plan.compact:
+            taken = [q.slot for q in rows]
+            free = sorted(set(range(s)) - set(taken))
+            slots = np.asarray(taken + free[: self.plan.decode_rows(len(rows)) - len(taken)], np.int32)
+        else:
+            slots = np.arange(s, dtype=np.int32)
+        row = {int(x): i for i, x in enumerate(slots)}
+        b = len(slots)
+        tokens = np.zeros((b,), np.int32)
+        budget = np.zeros((b,), np.int32)
+        by_row: list[LiveRequest | None] = [None] * b
         n_stop = stop_width(rows)
-        stop_ids = np.full((s, n_stop), -1, np.int32)
+        stop_ids = np.full((b, n_stop), -1, np.int32)
         for q in rows:
-            tokens[q.slot], budget[q.slot] = q.tokens[-1], self._decode_budget(q, len(q.tokens), q.fed)
-            by_slot[q.slot] = q
-            stop_ids[q.slot, : len(q.stop_ids)] = q.stop_ids
+            i = row[q.slot]
+            tokens[i], budget[i] = q.tokens[-1], self._decode_budget(q, len(q.tokens), q.fed)
+            by_row[i] = q
+            stop_ids[i, : len(q.stop_ids)] = q.stop_ids
         keep = any(q.keep_logits for q in rows)
-        params = self.sampling_batch(by_slot)
-        read = self.decode_read(q.fed + int(budget[q.slot]) for q in rows)
-        name = step_name("decode", str(k), stops=n_stop, logits=keep, read=read, variant=params.variant)
-        args = (self.hooks.weights(), tokens, np.arange(s, dtype=np.int32), params, budget,
-                stop_ids, k, keep, read)  # fmt: skip
+        params = self.sampling_batch(by_row)
+        read = self.decode_read(q.fed + int(budget[row[q.slot]]) for q in rows)
+        size = decode_size(b, s, k)
+        name = step_name("decode", size, stops=n_stop, logits=keep, read=read, variant=params.variant)
+        args = (self.hooks.weights(), tokens, slots, params, budget, stop_ids, k, keep, read)
         return rows, args, name
+
+    def by_slot(self, slots: np.ndarray, host: tuple, lg):
+        """A decode step's outputs per row (`unpack_decode`'s tuple; the logits, or None where no row
+        keeps them) -> per slot: row i's at `slots[i]` of arrays over every slot (the rest zeros), as
+        `decode_outputs` reads them."""
+        s = self.layout.slots
+        if len(slots) == s and np.array_equal(slots, np.arange(s)):
+            return host, lg
+
+        def spread(a):
+            a = np.asarray(a)
+            out = np.zeros((s, *a.shape[1:]), a.dtype)
+            out[slots] = a
+            return out
+
+        toks, lps, n_new, stopped, status, tops = host
+        tops = None if tops is None else tuple(spread(t) for t in tops)
+        host = (spread(toks), spread(lps), spread(n_new), spread(stopped), status, tops)
+        return host, (None if lg is None else spread(lg))
 
     def decode_read(self, held) -> int | None:
         """The `read_tokens` of a decode dispatch after which its rows hold `held` tokens (an iterable

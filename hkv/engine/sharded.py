@@ -363,6 +363,7 @@ class _ShardEngine(Engine):
     def __init__(self, group: MeshEngine, shard: int, model, config: CacheConfig, **kwargs):
         self._group, self.shard = group, shard
         super().__init__(model, config, **kwargs)
+        self.compile_plan.compact = False  # the mesh's decode runs every shard's slots at once
 
     def _bind_model(self, model, block_tokens: int, model_id: str) -> None:
         g = self._group

@@ -108,13 +108,42 @@ def test_read_buckets_bound_prefill_reads_and_stay_exact(model, oracle):
     assert hkv.Engine(model, config, prefill_chunk=64, block_tokens=16).read_sizes == (320,)
     assert hkv.default_read_buckets(8224) == (1024, 2048, 4096) and hkv.default_read_buckets(1024) == ()
     assert hkv.default_read_buckets(65536) == (1024, 2048, 4096, 8192, 16384, 32768)
-    # decode too: the 57-token prompt alone decodes reading 64 tokens' entries (decode[k@64])
+    # decode too: the 57-token prompt alone decodes reading 64 tokens' entries (decode[1xk@64]: one row)
     alone = hkv.Engine(model, config, prefill_chunk=64, read_buckets=(128, 64), block_tokens=16)
     _assert_oracle(alone.generate(PROMPTS[1:], NEW, return_logits=True), [o[1:] for o in oracle])
-    assert {n for n in alone.compilations if n.startswith("decode")} == {f"decode[{alone.decode_steps}@64]+logits"}
+    assert {n for n in alone.compilations if n.startswith("decode")} == {f"decode[1x{alone.decode_steps}@64]+logits"}
     for bad in ((0,), (321,), 64, (True,), (64.0,)):
         with pytest.raises(ValueError, match=r"read_buckets=.* must be a sequence of integers in \[1, 320\]"):
             hkv.Engine(model, config, prefill_chunk=64, read_buckets=bad, block_tokens=16)
+
+
+def test_a_decode_dispatch_runs_only_the_rows_its_requests_need(model, oracle):
+    """Four slots: one request decodes in a 1-row step, then two together in a 2-row one (the running
+    slots first, idle rows on free slots), each with the stateless forward's tokens and logits."""
+    config = hkv.CacheConfig(slots=4, max_context=320, page_size=8, prefix_records=0)
+    engine = hkv.Engine(model, config, prefill_chunk=64, block_tokens=16)
+    k = engine.decode_steps
+    _assert_oracle(engine.generate(PROMPTS[1:], NEW, return_logits=True), [o[1:] for o in oracle])
+    two = [PROMPTS[1], PROMPTS[1][3:]]  # 20 tokens: the first still decodes once the second joins
+    _assert_oracle(engine.generate(two, 20, return_logits=True), greedy_stateless(model, two, 20))
+    assert {n for n in engine.compilations if n.startswith("decode")} == {
+        f"decode[1x{k}]+logits",
+        f"decode[2x{k}]+logits",
+    }
+
+
+@pytest.mark.slow  # warms up every decode row count (1, 2, 4) with and without logits
+def test_after_warmup_every_decode_row_count_is_built(model, oracle):
+    """warmup() builds the decode step for every row count (1, 2 and all 4 slots): a request after it
+    decodes in the 1-row step, exact, and compiles nothing."""
+    config = hkv.CacheConfig(slots=4, max_context=320, page_size=8, prefix_records=0)
+    k = 8
+    warm = hkv.Engine(model, config, prefill_chunk=64, block_tokens=16, decode_steps=k)
+    warm.warmup(logits=True)
+    before = dict(warm.compilations)
+    assert {n for n in before if n.startswith("decode[")} >= {f"decode[1x{k}]", f"decode[2x{k}]", f"decode[{k}]"}
+    _assert_oracle(warm.generate(PROMPTS[1:], NEW, return_logits=True), [o[1:] for o in oracle])
+    assert warm.compilations == before
 
 
 def test_a_step_past_its_read_bound_is_refused_with_the_cache_unchanged(model):

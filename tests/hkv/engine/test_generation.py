@@ -707,7 +707,7 @@ def test_compilations_name_every_bucket_once(model, truth):
     engine.generate([B], 8, stop_token_ids=[toks[5], toks[6], toks[7]])  # 3 ids -> a 4-column table
     engine.generate([B], 8, stop_token_ids=[toks[7], toks[6], toks[5], toks[4]])
     names = engine.compilations
-    assert "decode[4]+stops4" in names and set(names.values()) == {1}
+    assert "decode[1x4]+stops4" in names and set(names.values()) == {1}  # (one request: a 1-row step)
 
 
 def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact(model, truth, monkeypatch):
@@ -733,8 +733,9 @@ def test_decoding_through_the_prefill_step_while_the_decode_step_builds_is_exact
             st = engine.stats()
             assert st["decode_dispatches"] == 0 and st["decode_via_prefill"] > 0
             assert not any(name.startswith("decode") for name in engine.compilations)
-            # the decode step was asked for (per variant: with and then without logits) after a prefill step ran
-            assert len(held.asked) == 2 and all(held.asked)
+            # the decode step was asked for (per variant: with and then without logits, for one and for
+            # two rows) after a prefill step ran
+            assert len(held.asked) == 4 and all(held.asked)
     want, got = results["decode"], results["prefill"]
     for w, g in zip(want, got, strict=True):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason and g.seed == w.seed
@@ -799,7 +800,7 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
         hint = [m for m in said if "through the prefill step" in m]
         assert hint == [
             (
-                "decoding one token per step through the prefill step while decode[5] is not built (several "
+                "decoding one token per step through the prefill step while decode[1x5] is not built (several "
                 "times slower per token; it builds once this has cost about a compile; Engine.warmup() or "
                 "decode_while_building=False build it first)"
             )
@@ -807,7 +808,7 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
         engine.compile_plan.build_seconds = 0.0  # nothing costly to build: the first decode starts the build
         (g,) = engine.generate([C], 8)
         assert g.tokens == truth[tuple(C)][0]
-        assert ("decode", 1, False) in engine.compile_plan.asked
+        assert ("decode", 1, False, "1x") in engine.compile_plan.asked
         compiled.wait_for_ahead()  # the decode build ends; the next call decodes with it
         via = engine.stats()["decode_via_prefill"]
         (g,) = engine.generate([B], 8)
@@ -817,7 +818,7 @@ def test_decoding_through_prefill_builds_the_decode_step_once_it_has_cost_a_buil
     assert sum("through the prefill step" in m for m in said) == 1
     built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
     assert built["decode"] == "hkv-step-ahead"
-    assert engine.compilations["decode[5]"] == 1 and xla["jit(decode)"] == 1
+    assert engine.compilations["decode[1x5]"] == 1 and xla["jit(decode)"] == 1
     _idle_ok(engine)
 
 
@@ -837,7 +838,7 @@ def test_the_decode_step_builds_on_another_thread_while_the_first_prefill_builds
     built = {name.split("[")[0]: thread.rsplit("_", 1)[0] for name, thread in threads}
     assert built["decode"] == "hkv-step-ahead"  # (the prefill step, when not built by an earlier test: here)
     assert built.get("prefill", "MainThread") == "MainThread"
-    assert engine.compilations["decode[3]"] == 1 and xla["jit(decode)"] == 1
+    assert engine.compilations["decode[1x3]"] == 1 and xla["jit(decode)"] == 1
     # the slot release and the record step are built ahead too (unless an earlier test built them)
     assert xla["jit(release_slot)"] <= 1 and xla["jit(record_many)"] <= 1
     _idle_ok(engine)
