@@ -140,11 +140,13 @@ class CompilePlan:
 
     def decode_rows(self, n: int) -> int:
         """Rows of a decode dispatch for `n` running requests (the rest idle): the smallest row count
-        this engine has dispatched (or warmed up) that holds them, else the smallest of
-        `decode_row_sizes` that does. Idle rows cost a decode step what a running one does (the
-        weights' products and the MoE of every row), so one request in an 8-slot cache decodes
-        about as fast as in a 1-slot cache; reusing a larger program already built, rather than
-        compiling the exact size when requests finish, keeps compilations to one per size reached."""
+        this engine has dispatched, built ahead or warmed up that holds them, else the smallest of
+        `decode_row_sizes` that does (recorded as used). Idle rows cost a decode step what a running
+        one does (the weights' products and the MoE of every row), so one request in an 8-slot cache
+        decodes about as fast as in a 1-slot cache. Reusing a larger program already built, rather
+        than compiling the exact size when requests finish, keeps compilations to one per size
+        reached (and a decode never waits for a compile a built program spares); after warmup()
+        every size is built, so a dispatch always takes the smallest."""
         fits = [b for b in self.decode_rows_used if b >= n]
         b = min(fits) if fits else next(b for b in self.decode_row_sizes() if b >= n)
         self.decode_rows_used.add(b)
@@ -233,28 +235,30 @@ class CompilePlan:
                 build(self.layout, self.cache(), *args())
 
     # --------------------------------------------------------------------------- build ahead
-    def build_ahead(self, rows: list[LiveRequest], *, decode: bool, prefix: bool) -> None:
+    def build_ahead(self, rows: list[LiveRequest], *, decode: bool, prefix: bool, decoding: int = 0) -> None:
         """Before their prefill, start building the steps these requests run next on background
         threads (`_Step.build_ahead`): once per engine, the prefix cache's record step (`prefix`)
         and the slot release, so that they compile while the prefill step compiles and runs (or,
         in a new process, load from the step store while it loads). Each variant is asked for once
         per engine; one already built is not built again. The decode step too when `decode` (an
-        engine that does not decode while building; otherwise `via_prefill` decides when)."""
+        engine that does not decode while building; otherwise `via_prefill` decides when), for
+        `decoding` requests (those holding slots) decoding at once."""
         if decode:
-            self.build_decode_ahead(rows)  # first: the longest build (two threads build ahead)
+            self.build_decode_ahead(rows, decoding)  # first: the longest build (two threads build ahead)
         ahead = {("release",): (self.steps.release, lambda: (jnp.int32(0),))}  # the slot as requests pass it
         if prefix:
             ahead[("record_many",)] = (self.steps.record_many, lambda: self.record_args(jnp.int32(0)))
         self.ask_ahead(ahead)
 
-    def build_decode_ahead(self, rows: list[LiveRequest]) -> None:
+    def build_decode_ahead(self, rows: list[LiveRequest], decoding: int = 0) -> None:
         """Start building (`_Step.build_ahead`) the decode step these requests need first (their stop
-        width, logits choice and the read bound of their first dispatch), unless none of them decodes."""
+        width, logits choice, the read bound of their first dispatch and the rows of `decoding`
+        requests, at least theirs: `decode_rows`), unless none of them decodes."""
         if not any(q.max_new > 1 for q in rows):
             return
         keep, n_stop = any(q.keep_logits for q in rows), stop_width(rows)
         read = self.read_bound(max(len(q.prompt) + self.decode_steps for q in rows))
-        b = next(b for b in self.decode_row_sizes() if b >= len(rows))
+        b = self.decode_rows(max(decoding, len(rows))) if self.compact else self.layout.slots
         b = None if b == self.layout.slots else b
         args = lambda: self.idle_decode_args(n_stop, keep, read, b)
         variant = ("decode", n_stop, keep) + (() if read is None else (read,)) + (() if b is None else (f"{b}x",))

@@ -305,7 +305,9 @@ class Scheduler:
             return
         left = max(len(seq.ids) - seq.fed for seq in rows)
         c = next(w for w in self.opts.prefill_widths if w >= left or w == self.opts.prefill_chunk)
-        self.plan.build_ahead(rows, decode=not self.hooks.while_building(), prefix=self.prefix.enabled)
+        decoding = len(self.running) + len(self.prefilling)  # (the requests holding slots)
+        self.plan.build_ahead(rows, decode=not self.hooks.while_building(), prefix=self.prefix.enabled,
+                              decoding=decoding)  # fmt: skip
         ran = self._run_chunk(rows, c, lambda seq: seq.ids[seq.fed : seq.fed + c])
         if ran is None:
             return
