@@ -275,6 +275,25 @@ def pack_decode(o) -> jax.Array:
     return jnp.concatenate(parts, axis=1)
 
 
+def per_slot(slots: np.ndarray, host: tuple, lg, s: int) -> tuple:
+    """A decode step's outputs per row (`unpack_decode`'s tuple; the logits, or None where no row
+    keeps them) -> per slot: row i's at `slots[i]` of arrays over the `s` slots (the rest zeros), as
+    `Scheduler.decode_outputs` reads them. Returns (host tuple, logits)."""
+    if len(slots) == s and np.array_equal(slots, np.arange(s)):
+        return host, lg
+
+    def spread(a):
+        a = np.asarray(a)
+        out = np.zeros((s, *a.shape[1:]), a.dtype)
+        out[slots] = a
+        return out
+
+    toks, lps, n_new, stopped, status, tops = host
+    tops = None if tops is None else tuple(spread(t) for t in tops)
+    host = (spread(toks), spread(lps), spread(n_new), spread(stopped), status, tops)
+    return host, (None if lg is None else spread(lg))
+
+
 def unpack_decode(host: np.ndarray, steps: int, top_n: int = 0) -> tuple:
     """`pack_decode`'s array on the host -> (tokens int32[B, steps], logprobs float32[B, steps],
     n_new int32[B], stopped bool[B], status int, tops): tops is None, or (ids int32[B, steps, N],

@@ -289,6 +289,43 @@ class LiveRequest:
             "prompt_top_logprobs": [None] + [None if g is None else list(g[1]) for g in got],
         }
 
+    def emit(self, tokens: list[int], logprobs: list[float], logits, tops=None) -> int:
+        """Append new tokens and hand them to the request's handle as `TokenOutput`s; returns how many
+        were reported (the engine counts them as generated). A stop id, the budget or a stop string
+        in the decoded text (`LiveRequest.reader`) ends the request; tokens the device produced after
+        a stop string are kept as fed (the prefix manager records what the cache holds) but never
+        reported (`LiveRequest.stop_at`)."""
+        events = []
+        seq = self
+        reader = seq.reader
+        for j, t in enumerate(tokens):
+            seq.tokens.append(t)
+            seq.logprobs.append(logprobs[j])
+            if seq.keep_logits:
+                seq.logits.append(np.asarray(logits[j], np.float32))
+            n_top = seq.sampling.logprobs
+            top = None
+            if n_top is not None:
+                top = tuple((int(i), float(v)) for i, v in zip(tops[0][j][:n_top], tops[1][j][:n_top], strict=True))
+                seq.top.append(top)
+            if seq.finish_reason:  # after a stop string earlier in this dispatch
+                continue
+            text = None
+            if reader is not None:
+                text = reader.feed(t).text
+                if reader.stopped:
+                    seq.finish_reason, seq.stop_at = "stop", len(seq.tokens)
+            if t in seq.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= seq.max_new:
+                seq.finish_reason = seq.finish_reason or "length"
+            if seq.finish_reason and reader is not None and not reader.stopped:
+                text += reader.finish().text
+            events.append(TokenOutput(t, float(logprobs[j]), top, text))
+        if seq.handle is not None:
+            seq.handle._push(events)
+        return len(events)
+
     def generation(self, vocab: int) -> Generation:
         n = len(self.tokens) if self.stop_at is None else self.stop_at
         logits = None

@@ -29,13 +29,13 @@ from ..core import prefix as px
 from ..core.layout import CacheLayout, Status
 from ..core.sampling import GREEDY, RowHistory, SamplingBatch
 from .compile_plan import CompilePlan, EngineSteps, pow2, stop_width
-from .compiled import decode_size, step_name, unpack_decode
+from .compiled import decode_size, per_slot, step_name, unpack_decode
 from .hooks import EngineHooks
 from .options import EngineOptions
 from .page_budget import fits, free_pages, pages_wanted
 from .prefix_manager import PrefixManager
 from .progress import Bars
-from .requests import LiveRequest, RequestCancelledError, TokenOutput
+from .requests import LiveRequest, RequestCancelledError
 
 __all__ = ["CacheCapacityError", "Chunk", "Scheduler", "SchedulerStats", "cancelled"]
 
@@ -76,7 +76,7 @@ class Chunk(NamedTuple):
 
     def row(self, j: int) -> tuple:
         """Row `j`'s token, logprob, last logits [1, vocab] (or None) and top-N ([1, N] ids and
-        logprobs, or None), as `Scheduler._emit` takes them."""
+        logprobs, or None), as `LiveRequest.emit` takes them."""
         tops = None if self.tops is None else (self.tops[0][j : j + 1], self.tops[1][j : j + 1])
         return ([int(self.ids[j])], [float(self.logprobs[j])],
                 None if self.logits is None else self.logits[j : j + 1], tops)  # fmt: skip
@@ -329,7 +329,7 @@ class Scheduler:
             self.prefilling.pop(seq.slot)
             self.running[seq.slot] = seq
             self.hooks.say(f"prefilled prompt {seq.index} ({len(seq.ids)} tokens) into slot {seq.slot}")
-            self._emit(seq, *ran.row(j))
+            self.stats.generated_tokens += seq.emit(*ran.row(j))
             if seq.done:
                 self.close(seq)
 
@@ -446,7 +446,7 @@ class Scheduler:
             return
         out, dt, fresh = self.plan.timed(self.steps.decode, *args, name=name)
         host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
-        host, lg = self.by_slot(args[2], host, out[1] if args[7] else None)
+        host, lg = per_slot(args[2], host, out[1] if args[7] else None, self.layout.slots)
         self._dispatch_ahead(rows, args, host)
         self.decode_outputs(rows, host, lg, dt, fresh)
 
@@ -457,7 +457,7 @@ class Scheduler:
         self.ahead = None
         host = unpack_decode(jax.device_get(out[0]), self.opts.decode_steps, args[3].top_n)
         dt = time.perf_counter() - t0
-        host, lg = self.by_slot(args[2], host, out[1] if args[7] else None)
+        host, lg = per_slot(args[2], host, out[1] if args[7] else None, self.layout.slots)
         self._dispatch_ahead(rows, args, host)
         # a request cancelled since (its handle, or `generate_text`'s stop string) would not have run
         # this dispatch: its tokens are dropped (`_reap` releases its slot next); one released since
@@ -524,7 +524,7 @@ class Scheduler:
 
         A decoding row is a prefill of one token (its last sampled one) at its position: the same
         cached step, the same sampling key (seed, position), the same stop-id and length checks
-        (`_emit`), block recording (`PrefixManager.after_step`) and page handling (`_run_chunk`).
+        (`LiveRequest.emit`), block recording (`PrefixManager.after_step`) and page handling (`_run_chunk`).
         Only the compiled program differs (one padded `prefill_chunk`-wide row per token instead of
         `decode_steps` tokens per dispatch), as it does between prefill widths. Returns False (the
         caller runs the decode step, waiting for its build) when the decode step is built, or when no
@@ -548,7 +548,7 @@ class Scheduler:
             if ran is None:
                 continue
             for j, q in enumerate(ran.rows):
-                self._emit(q, *ran.row(j))
+                self.stats.generated_tokens += q.emit(*ran.row(j))
                 q.fed += 1
                 self.prefix.after_step(q)
                 if q.done:
@@ -575,7 +575,7 @@ class Scheduler:
         """(the decoding requests, the decode step's arguments after (layout, cache), its name).
         The step's rows: the running requests' slots, then idle rows on free slots, as many as
         `CompilePlan.decode_rows` picks (every slot, row i on slot i, when the plan does not compact:
-        a `MeshEngine` shard). Its outputs are per row: `by_slot` puts them per slot."""
+        a `MeshEngine` shard). Its outputs are per row: `compiled.per_slot` puts them per slot."""
         s, k = self.layout.slots, self.opts.decode_steps
         rows = list(self.running.values())
         if self.plan.compact:
@@ -603,25 +603,6 @@ class Scheduler:
         name = step_name("decode", size, stops=n_stop, logits=keep, read=read, variant=params.variant)
         args = (self.hooks.weights(), tokens, slots, params, budget, stop_ids, k, keep, read)
         return rows, args, name
-
-    def by_slot(self, slots: np.ndarray, host: tuple, lg):
-        """A decode step's outputs per row (`unpack_decode`'s tuple; the logits, or None where no row
-        keeps them) -> per slot: row i's at `slots[i]` of arrays over every slot (the rest zeros), as
-        `decode_outputs` reads them."""
-        s = self.layout.slots
-        if len(slots) == s and np.array_equal(slots, np.arange(s)):
-            return host, lg
-
-        def spread(a):
-            a = np.asarray(a)
-            out = np.zeros((s, *a.shape[1:]), a.dtype)
-            out[slots] = a
-            return out
-
-        toks, lps, n_new, stopped, status, tops = host
-        tops = None if tops is None else tuple(spread(t) for t in tops)
-        host = (spread(toks), spread(lps), spread(n_new), spread(stopped), status, tops)
-        return host, (None if lg is None else spread(lg))
 
     def decode_read(self, held) -> int | None:
         """The `read_tokens` of a decode dispatch after which its rows hold `held` tokens (an iterable
@@ -657,8 +638,8 @@ class Scheduler:
             n = int(n_new[q.slot])
             if n:  # fed: its last token and the first n - 1 new ones
                 top = None if tops is None else (tops[0][q.slot, :n], tops[1][q.slot, :n])
-                self._emit(
-                    q, toks[q.slot, :n].tolist(), lps[q.slot, :n].tolist(), lg[q.slot, :n] if keep else None, top
+                self.stats.generated_tokens += q.emit(
+                    toks[q.slot, :n].tolist(), lps[q.slot, :n].tolist(), lg[q.slot, :n] if keep else None, top
                 )
                 q.fed += n
                 self.prefix.after_step(q)
@@ -669,41 +650,6 @@ class Scheduler:
             self._preempt(victim)
         elif status not in (Status.OK, Status.NO_PAGES):
             raise CacheCapacityError(f"decode step failed: {Status(status).name}")
-
-    def _emit(self, seq: LiveRequest, tokens: list[int], logprobs: list[float], logits, tops=None) -> None:
-        """Append new tokens and hand them to the request's handle as `TokenOutput`s. A stop id, the
-        budget or a stop string in the decoded text (`LiveRequest.reader`) ends the request; tokens
-        the device produced after a stop string are kept as fed (the prefix manager records what the
-        cache holds) but never reported (`LiveRequest.stop_at`)."""
-        events = []
-        reader = seq.reader
-        for j, t in enumerate(tokens):
-            seq.tokens.append(t)
-            seq.logprobs.append(logprobs[j])
-            if seq.keep_logits:
-                seq.logits.append(np.asarray(logits[j], np.float32))
-            n_top = seq.sampling.logprobs
-            top = None
-            if n_top is not None:
-                top = tuple((int(i), float(v)) for i, v in zip(tops[0][j][:n_top], tops[1][j][:n_top], strict=True))
-                seq.top.append(top)
-            if seq.finish_reason:  # after a stop string earlier in this dispatch
-                continue
-            text = None
-            if reader is not None:
-                text = reader.feed(t).text
-                if reader.stopped:
-                    seq.finish_reason, seq.stop_at = "stop", len(seq.tokens)
-            if t in seq.stop_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.tokens) >= seq.max_new:
-                seq.finish_reason = seq.finish_reason or "length"
-            if seq.finish_reason and reader is not None and not reader.stopped:
-                text += reader.finish().text
-            events.append(TokenOutput(t, float(logprobs[j]), top, text))
-        self.stats.generated_tokens += len(events)
-        if seq.handle is not None:
-            seq.handle._push(events)
 
     def _preempt(self, seq: LiveRequest) -> None:
         """Release seq's slot and re-queue it first, with the tokens it has (recomputed exactly later)."""
