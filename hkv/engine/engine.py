@@ -278,9 +278,8 @@ class Engine(TextMethods):
     @property
     def compilations(self) -> dict[str, int]:
         """Compilations of each compiled step this engine has used, e.g. {"prefill[1x32]": 1,
-        "decode[8]": 1, "decode[2x8@1024]": 1} (8 tokens per decode dispatch over every slot; over 2
-        rows, reading 1024 tokens' rows): one per bucket (steps are shared with other engines of the same model,
-        layout and kernel options, so a second engine reports the first one's single compilation)."""
+        "decode[8]": 1, "decode[2x8@1024]": 1 (2 rows, reading 1024 tokens)}: one per bucket (steps
+        are shared with engines of the same model, layout and kernel options)."""
         return self.compile_plan.compilations()
 
     def generate(

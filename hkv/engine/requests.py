@@ -296,34 +296,33 @@ class LiveRequest:
         a stop string are kept as fed (the prefix manager records what the cache holds) but never
         reported (`LiveRequest.stop_at`)."""
         events = []
-        seq = self
-        reader = seq.reader
+        reader = self.reader
         for j, t in enumerate(tokens):
-            seq.tokens.append(t)
-            seq.logprobs.append(logprobs[j])
-            if seq.keep_logits:
-                seq.logits.append(np.asarray(logits[j], np.float32))
-            n_top = seq.sampling.logprobs
+            self.tokens.append(t)
+            self.logprobs.append(logprobs[j])
+            if self.keep_logits:
+                self.logits.append(np.asarray(logits[j], np.float32))
+            n_top = self.sampling.logprobs
             top = None
             if n_top is not None:
                 top = tuple((int(i), float(v)) for i, v in zip(tops[0][j][:n_top], tops[1][j][:n_top], strict=True))
-                seq.top.append(top)
-            if seq.finish_reason:  # after a stop string earlier in this dispatch
+                self.top.append(top)
+            if self.finish_reason:  # after a stop string earlier in this dispatch
                 continue
             text = None
             if reader is not None:
                 text = reader.feed(t).text
                 if reader.stopped:
-                    seq.finish_reason, seq.stop_at = "stop", len(seq.tokens)
-            if t in seq.stop_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.tokens) >= seq.max_new:
-                seq.finish_reason = seq.finish_reason or "length"
-            if seq.finish_reason and reader is not None and not reader.stopped:
+                    self.finish_reason, self.stop_at = "stop", len(self.tokens)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.max_new:
+                self.finish_reason = self.finish_reason or "length"
+            if self.finish_reason and reader is not None and not reader.stopped:
                 text += reader.finish().text
             events.append(TokenOutput(t, float(logprobs[j]), top, text))
-        if seq.handle is not None:
-            seq.handle._push(events)
+        if self.handle is not None:
+            self.handle._push(events)
         return len(events)
 
     def generation(self, vocab: int) -> Generation:
