@@ -416,8 +416,17 @@ def attend(
     """
     _, _, h, g, _ = q.shape
     sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
+    shared = all(src.k.shape[1] == 1 and src.v.shape[1] == 1 for src in sources)
     if sum(_score_elements(q, src) for src in sources) > BLOCKED_SCORES:
-        return _attend_blocked(q, sources, scale=scale, sink=sink, softcap=softcap)
+        walk = _attend_blocked_shared if shared else _attend_blocked
+        return walk(q, sources, scale=scale, sink=sink, softcap=softcap)
+    if shared:
+        return _attend_shared(q, sources, scale=scale, sink=sink, softcap=softcap)
+    return _attend_whole(q, sources, scale=scale, sink=sink, softcap=softcap)
+
+
+def _attend_whole(q, sources, *, scale, sink, softcap):
+    """`attend` with every score at once, scores laid out [N, Q, T, H, G, KT] (any sources)."""
     scores = [_masked_scores(q, src, scale, softcap) for src in sources]
     m = functools.reduce(jnp.maximum, [_tile_max(s) for s in scores])  # [N, Q, H, G]
     if sink is not None:
@@ -481,10 +490,11 @@ def _tile_blocks(src: KeyTiles, per: int):
     return block
 
 
-def _tile_max(s: jax.Array) -> jax.Array:
+def _tile_max(s: jax.Array, tile_axis: int = 2) -> jax.Array:
     """max of scores [N, Q, T, H, G, KT] over T and KT, as halvings of elementwise maxima (one loop
-    fusion; XLA:CPU lowers the two-axis `jnp.max` to a slow reduce-window). Exact in any order."""
-    for axis in (5, 2):
+    fusion; XLA:CPU lowers the two-axis `jnp.max` to a slow reduce-window). Exact in any order.
+    tile_axis=1: scores laid out tile-major, [N, T, H, Q, G, KT] -> [N, H, Q, G]."""
+    for axis in (5, tile_axis):
         while s.shape[axis] > 1:
             n = s.shape[axis]
             h = n // 2
@@ -494,7 +504,7 @@ def _tile_max(s: jax.Array) -> jax.Array:
             if n % 2:
                 top = jnp.concatenate([top, lax.slice_in_dim(s, 2 * h, n, axis=axis)], axis=axis)
             s = top
-    return s.reshape(s.shape[:2] + s.shape[3:5])
+    return s.reshape(s.shape[:tile_axis] + s.shape[tile_axis + 1 : 5])
 
 
 def _live_blocks(valid: jax.Array, per: int) -> tuple[jax.Array, jax.Array]:
@@ -547,6 +557,111 @@ def _attend_blocked(q, sources, *, scale, sink, softcap):
 
         totals = lax.fori_loop(first, end, add, totals)
     return _normalized(q, *totals, shift, sink)
+
+
+# ------------------------------------------------------------- attention over shared tiles, tile-major
+# When every source's tiles are shared by a row's queries (every path but a sparse layer's picks), the
+# scores stay in the layout their products write, [N, T, H, Q, G, KT] ("tile-major"): the exp, the
+# per-tile sums and the value products read them there, and only the [N, H, Q, G(, D)] totals are
+# transposed back. The query rows a tile's product multiplies are broadcast once per call (a blocked
+# walk: once, not once per block and pass). The arithmetic is `attend`'s, element for element: the same
+# products, the same exact maxima, the same sums in the same order; only where values lie differs.
+
+
+def _query_rows(q: jax.Array, tiles: int) -> jax.Array:
+    """q [N, Q, H, G, D] -> [N, tiles, H, Q * G, D]: a score product's rows, one copy per tile."""
+    n, nq, h, g, d = q.shape
+    qm = materialized(q).transpose(0, 2, 1, 3, 4).reshape(n, 1, h, nq * g, d)
+    return jnp.broadcast_to(qm, (n, tiles, h, nq * g, d))
+
+
+def _tile_major_valid(valid: jax.Array) -> jax.Array:
+    """valid [N, Q, T, KT] -> [N, 1, T, Q, KT] (T on axis 2, where `_tile_blocks` cuts it)."""
+    return valid.transpose(0, 2, 1, 3)[:, None]
+
+
+def _masked_scores_tm(qm, src: KeyTiles, q_shape, scale: float, softcap: float | None) -> jax.Array:
+    """`_masked_scores` tile-major: qm from `_query_rows`, src.valid from `_tile_major_valid` ->
+    float32 [N, T, H, Q, G, KT]."""
+    n, nq, h, g, _ = q_shape
+    t, kt = src.k.shape[2:4]
+    km = src.k[:, 0].transpose(0, 1, 3, 4, 2)  # [N, T, H, D, KT]
+    s = mul(batched_matmul(qm, km).reshape(n, t, h, nq, g, kt), jnp.float32(scale))
+    if softcap is not None:
+        s = mul(jnp.float32(softcap), tanh(s / jnp.float32(softcap)))
+    return jnp.where(src.valid[:, 0][:, :, None, :, None, :], s, -jnp.inf)
+
+
+def _values_tm(p: jax.Array, src: KeyTiles) -> jax.Array:
+    """`_values` tile-major: p [N, T, H, Q, G, KT] (v.dtype) -> float32 [N, T, H, Q, G, D]."""
+    n, t, h, nq, g, kt = p.shape
+    vm = src.v[:, 0].transpose(0, 1, 3, 2, 4)  # [N, T, H, KT, D]
+    return batched_matmul(p.reshape(n, t, h, nq * g, kt), vm).reshape(n, t, h, nq, g, -1)
+
+
+def _shift(m_tm: jax.Array, sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The running max [N, H, Q, G] -> (shift [N, Q, H, G] as `attend` computes it, the same values
+    tile-major [N, 1, H, Q, G, 1])."""
+    m = m_tm.transpose(0, 2, 1, 3)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    return shift, shift.transpose(0, 2, 1, 3)[:, None, :, :, :, None]
+
+
+def _finish_tm(q, l_tm, o_tm, shift, sink) -> jax.Array:
+    """Totals [N, H, Q, G] and [N, H, Q, G, D] -> `_normalized` output [N, Q, H, G, D]."""
+    return _normalized(q, l_tm.transpose(0, 2, 1, 3), o_tm.transpose(0, 2, 1, 3, 4), shift, sink)
+
+
+def _attend_shared(q, sources, *, scale, sink, softcap):
+    """`attend` of sources whose tiles are all shared (k/v [N, 1, T, KT, H, D]), tile-major."""
+    tm = [KeyTiles(src.k, src.v, _tile_major_valid(src.valid)) for src in sources]
+    scores = [_masked_scores_tm(_query_rows(q, src.k.shape[2]), src, q.shape, scale, softcap) for src in tm]
+    shift, shift_tm = _shift(functools.reduce(jnp.maximum, [_tile_max(s, 1) for s in scores]), sink)
+    l_parts, o_parts = [], []
+    for s, src in zip(scores, tm, strict=True):
+        p = exp(s - shift_tm)
+        l_parts.append(fixed_sum(p, axis=-1))  # [N, T, H, Q, G]
+        o_parts.append(_values_tm(p.astype(src.v.dtype), src))  # [N, T, H, Q, G, D]
+    l = ordered_sum(jnp.concatenate(l_parts, axis=1), axis=1)
+    o = ordered_sum(jnp.concatenate(o_parts, axis=1), axis=1)
+    return _finish_tm(q, l, o, shift, sink)
+
+
+def _attend_blocked_shared(q, sources, *, scale, sink, softcap):
+    """`_attend_blocked` of sources whose tiles are all shared, tile-major, each source's query rows
+    broadcast once for both passes."""
+    n, nq, h, g, d = q.shape
+    walks = []
+    for src in sources:
+        per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
+        first, end = _live_blocks(src.valid, per)
+        tm = KeyTiles(src.k, src.v, _tile_major_valid(src.valid))
+        walks.append((_tile_blocks(tm, per), first, end, materialized(_query_rows(q, per))))
+    m = jnp.full((n, h, nq, g), -jnp.inf, jnp.float32)
+    for block, first, end, qm in walks:
+
+        def top(i, m, block=block, qm=qm):
+            return jnp.maximum(m, _tile_max(_masked_scores_tm(qm, block(i), q.shape, scale, softcap), 1))
+
+        m = lax.fori_loop(first, end, top, m)
+    shift, shift_tm = _shift(m, sink)
+    totals = (jnp.zeros((n, h, nq, g), jnp.float32), jnp.zeros((n, h, nq, g, d), jnp.float32))
+    for block, first, end, qm in walks:
+
+        def add(i, totals, block=block, qm=qm):
+            blk = block(i)
+            p = exp(_masked_scores_tm(qm, blk, q.shape, scale, softcap) - shift_tm)
+            lt = settle(fixed_sum(p, axis=-1))  # [N, per, H, Q, G]
+            ot = settle(_values_tm(p.astype(blk.v.dtype), blk))  # [N, per, H, Q, G, D]
+            l, o = totals
+            for j in range(lt.shape[1]):
+                l, o = l + lt[:, j], o + ot[:, j]
+            return l, o
+
+        totals = lax.fori_loop(first, end, add, totals)
+    return _finish_tm(q, *totals, shift, sink)
 
 
 def paged_rows(

@@ -296,6 +296,36 @@ def test_blocked_attention_walks_only_the_blocks_with_visible_keys_bit_for_bit(m
     np.testing.assert_array_equal(run([source(0, 0)]), np.zeros(q.shape, np.float32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("blocked", [False, True], ids=["at-once", "blocked"])
+def test_shared_tiles_tile_major_give_the_bits_of_the_general_layout(monkeypatch, dtype, blocked):
+    """Shared tiles (every path but a sparse layer's picks) are attended tile-major, in the layout the
+    score products write (`_attend_shared`, `_attend_blocked_shared`): the same bits as the general
+    path that lays scores out per query (`_attend_whole`, `_attend_blocked`), with two sources, a sink,
+    a soft cap and a query that sees nothing."""
+    n, nq, h, g, d = 2, 6, 2, 3, 16
+    q = jnp.asarray(RNG.normal(0, 1, (n, nq, h, g, d)), dtype)
+
+    def source(t):
+        valid = RNG.uniform(size=(n, nq, t, nm.KEY_TILE)) < 0.5
+        valid[:, 0] = False
+        k, v = (jnp.asarray(RNG.normal(0, 1, (n, 1, t, nm.KEY_TILE, h, d)), dtype) for _ in range(2))
+        seen = jnp.asarray(valid.any(axis=1))[:, None, :, :, None, None]
+        return nm.KeyTiles(jnp.where(seen, k, 0), jnp.where(seen, v, 0), jnp.asarray(valid))
+
+    sources = [source(5), source(2)]
+    sinks = jnp.asarray(RNG.normal(0, 1, (h * g,)), jnp.float32)
+    if blocked:
+        monkeypatch.setattr(nm, "BLOCKED_SCORES", 0)
+        monkeypatch.setattr(nm, "BLOCK_SCORES", 2 * n * nq * h * g * nm.KEY_TILE)
+    general = nm._attend_blocked if blocked else nm._attend_whole
+    kw = {"scale": 0.4, "softcap": 5.0}
+    tile_major = nm.jit(lambda q, s: nm.attend(q, s, sinks=sinks, **kw))(q, sources)
+    per_query = nm.jit(lambda q, s: general(q, s, sink=sinks.reshape(h, g), **kw))(q, sources)
+    np.testing.assert_array_equal(_f32(tile_major), _f32(per_query))
+    assert not np.any(_f32(tile_major)[:, 0])
+
+
 def test_compiler_options_are_for_cpu_only():
     assert nm.compiler_options("gpu") is None and nm.compiler_options("tpu") is None
     opts = nm.compiler_options("cpu")
