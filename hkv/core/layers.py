@@ -547,25 +547,50 @@ def _attend_picked(q, k_tiles, v_tiles, valid, entries, picks, *, scale, sinks, 
     return _in_query_blocks(one, block, (q, valid, picks), (0, False, -1))
 
 
-def _attend_banded(q, k_tiles, v_tiles, valid, window: int, *, scale, sinks, softcap) -> jax.Array:
+def _attend_banded(q, k_tiles, v_tiles, valid, window: int, first=None, *, scale, sinks, softcap) -> jax.Array:
     """`_attend_tiles` of a sliding-window layer's chunk, its queries in blocks of KEY_TILE: block j
     (queries j * KT .. j * KT + KT - 1) attends only tiles j .. j + W - 1 of the run (W = the tiles one
     block's windows span), the only tiles holding keys its queries see; the others hold invisible keys
     only, which `attend` ignores bit for bit. A 512-query chunk at window 128 then scores 4 tiles per
     query instead of 11. The run's tiles start at the tile boundary below `start - (window - 1)`, so
-    block j's first visible key is in tile j whatever the alignment (`tiles_from_rows`).
+    block j's first visible key is in tile j whatever the alignment (`tiles_from_rows`). With `first`
+    (int32[B], each row's `start - (window - 1)`), a chunk whose rows all start where a block's windows
+    span one tile fewer (a chunk starting on a tile boundary: 3 tiles at window 128) attends W - 1 tiles
+    (`lax.cond`; the same bits, the dropped tile being invisible).
 
     q [B, C, H, D]; k/v tiles [B, T, KT, Hkv, D] with T = tile_count(window - 1 + C); valid [B, C, T, KT].
     Falls back to `_attend_tiles` when C is not a multiple of KT or the band covers every tile."""
+    c = q.shape[1]
+    kt = nm.KEY_TILE
+    band = -(-(kt + window - 1) // kt) + 1
+    kw = {"scale": scale, "sinks": sinks, "softcap": softcap}
+    if c % kt or band >= k_tiles.shape[1]:
+        return _attend_tiles(q, k_tiles, v_tiles, valid, None, **kw)
+    if first is None:
+        return _attend_band(q, k_tiles, v_tiles, valid, band, **kw)
+    return jax.lax.cond(
+        _band_fits(first, window, band - 1),
+        lambda: _attend_band(q, k_tiles, v_tiles, valid, band - 1, **kw),
+        lambda: _attend_band(q, k_tiles, v_tiles, valid, band, **kw),
+    )
+
+
+def _band_fits(first: jax.Array, window: int, width: int) -> jax.Array:
+    """Whether a band of `width` tiles holds every key a block of KEY_TILE queries sees, in every row:
+    from block j's first visible key (tile j) to its last query's position. first int32[B]."""
+    kt = nm.KEY_TILE
+    span = (first + (window - 1) + (kt - 1)) // kt - first // kt + 1
+    return jnp.all(span <= width)
+
+
+def _attend_band(q, k_tiles, v_tiles, valid, band: int, *, scale, sinks, softcap) -> jax.Array:
+    """`_attend_banded`'s blocks of KEY_TILE queries, block j over tiles j .. j + band - 1."""
     b, c, h, d = q.shape
     kt = nm.KEY_TILE
     t = k_tiles.shape[1]
-    band = -(-(kt + window - 1) // kt) + 1
-    if c % kt or band >= t:
-        return _attend_tiles(q, k_tiles, v_tiles, valid, None, scale=scale, sinks=sinks, softcap=softcap)
     nb = c // kt
     idx = np.arange(nb)[:, None] + np.arange(band)[None, :]  # [nb, band] tile of each block's band
-    assert idx[-1, -1] < t, (c, window, t)  # tile_count(window - 1 + C) = nb - 1 + band
+    assert idx[-1, -1] < t, (c, band, t)  # tile_count(window - 1 + C) = nb - 1 + band
 
     def per_block(x):  # [B, T, ...] -> [B * nb, band, ...]
         return x[:, idx].reshape((b * nb, band) + x.shape[2:])
@@ -997,7 +1022,9 @@ class LayerCache:
                                       scale=scale, sinks=sinks, softcap=softcap)  # fmt: skip
             extra = _compressed_source(entries.astype(rows.dtype), limit, None)
         if extra is None and self.window is not None:
-            return _attend_banded(q, k_tiles, v_tiles, valid, self.window, scale=scale, sinks=sinks, softcap=softcap)
+            return _attend_banded(
+                q, k_tiles, v_tiles, valid, self.window, first, scale=scale, sinks=sinks, softcap=softcap
+            )
         return _attend_tiles(q, k_tiles, v_tiles, valid, extra, scale=scale, sinks=sinks, softcap=softcap)
 
     def _split_tiles(self, tiles: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -132,6 +132,34 @@ def test_sliding_window_chunks_attend_only_their_band_with_the_same_bits(dtype):
         _assert_bitwise([g], [warm], ref, f"warm, chunk {chunk}")
 
 
+@pytest.mark.parametrize("window", [16, 128])
+def test_a_chunk_on_a_tile_boundary_attends_a_band_one_tile_narrower_with_the_same_bits(window):
+    """A sliding layer's chunk whose rows all start on a tile boundary attends, per block of 64
+    queries, one tile fewer (3 at window 128, 2 at window 16; `layers._band_fits`); a batch with an
+    unaligned row keeps the wider band. Either way the bits are those of attending every tile."""
+    from hkv.core import layers
+    from pallas_kernels import numerics as nm
+
+    rng = np.random.default_rng(window)
+    keep, c, hkv_heads, g, d = window - 1, 128, 2, 2, 16
+    kw = {"scale": 0.3, "sinks": None, "softcap": None}
+    for starts in ([0, 64], [128, 320], [64, 65], [13, 192]):
+        start = jnp.asarray(starts, jnp.int32)
+        first = start - keep
+        rows = jnp.asarray(rng.normal(0, 1, (2, keep + c, hkv_heads, d)), jnp.float32)
+        tiles = nm.tiles_from_rows(rows, first, keep + c)
+        pos = nm.tile_positions(first, tiles.shape[1])[:, None]
+        t = (start[:, None] + jnp.arange(c))[:, :, None, None]
+        valid = (pos >= 0) & (pos <= t) & (pos > t - window)
+        q = jnp.asarray(rng.normal(0, 1, (2, c, hkv_heads * g, d)), jnp.float32)
+        banded = nm.jit(lambda q, k, m, f: layers._attend_banded(q, k, k, m, window, f, **kw))(q, tiles, valid, first)
+        every = nm.jit(lambda q, k, m: layers._attend_tiles(q, k, k, m, None, **kw))(q, tiles, valid)
+        np.testing.assert_array_equal(np.asarray(banded), np.asarray(every), err_msg=f"starts {starts}")
+        band = -(-(64 + window - 1) // 64) + 1
+        aligned = all(s % 64 == 0 for s in starts)
+        assert bool(layers._band_fits(first, window, band - 1)) == aligned, starts
+
+
 def _toy_layer(kind: str, window: int | None, kv_heads: int):
     if kind == "attn":
         return toy.Attn(window=window, num_kv_heads=kv_heads)
