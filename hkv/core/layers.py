@@ -547,6 +547,11 @@ def _attend_picked(q, k_tiles, v_tiles, valid, entries, picks, *, scale, sinks, 
     return _in_query_blocks(one, block, (q, valid, picks), (0, False, -1))
 
 
+# Queries per chunk from which a sliding layer's banded attention also compiles the band one tile
+# narrower (`_attend_banded`): both branches of its `lax.cond` compile, and a small chunk saves little.
+NARROW_BAND_QUERIES = 512
+
+
 def _attend_banded(q, k_tiles, v_tiles, valid, window: int, first=None, *, scale, sinks, softcap) -> jax.Array:
     """`_attend_tiles` of a sliding-window layer's chunk, its queries in blocks of KEY_TILE: block j
     (queries j * KT .. j * KT + KT - 1) attends only tiles j .. j + W - 1 of the run (W = the tiles one
@@ -554,9 +559,10 @@ def _attend_banded(q, k_tiles, v_tiles, valid, window: int, first=None, *, scale
     only, which `attend` ignores bit for bit. A 512-query chunk at window 128 then scores 4 tiles per
     query instead of 11. The run's tiles start at the tile boundary below `start - (window - 1)`, so
     block j's first visible key is in tile j whatever the alignment (`tiles_from_rows`). With `first`
-    (int32[B], each row's `start - (window - 1)`), a chunk whose rows all start where a block's windows
-    span one tile fewer (a chunk starting on a tile boundary: 3 tiles at window 128) attends W - 1 tiles
-    (`lax.cond`; the same bits, the dropped tile being invisible).
+    (int32[B], each row's `start - (window - 1)`) and at least `NARROW_BAND_QUERIES` queries, a chunk
+    whose rows all start where a block's windows span one tile fewer (a chunk starting on a tile
+    boundary: 3 tiles at window 128) attends W - 1 tiles (`lax.cond`; the same bits, the dropped tile
+    being invisible).
 
     q [B, C, H, D]; k/v tiles [B, T, KT, Hkv, D] with T = tile_count(window - 1 + C); valid [B, C, T, KT].
     Falls back to `_attend_tiles` when C is not a multiple of KT or the band covers every tile."""
@@ -566,7 +572,7 @@ def _attend_banded(q, k_tiles, v_tiles, valid, window: int, first=None, *, scale
     kw = {"scale": scale, "sinks": sinks, "softcap": softcap}
     if c % kt or band >= k_tiles.shape[1]:
         return _attend_tiles(q, k_tiles, v_tiles, valid, None, **kw)
-    if first is None:
+    if first is None or c < NARROW_BAND_QUERIES:
         return _attend_band(q, k_tiles, v_tiles, valid, band, **kw)
     return jax.lax.cond(
         _band_fits(first, window, band - 1),

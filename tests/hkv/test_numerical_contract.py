@@ -133,12 +133,14 @@ def test_sliding_window_chunks_attend_only_their_band_with_the_same_bits(dtype):
 
 
 @pytest.mark.parametrize("window", [16, 128])
-def test_a_chunk_on_a_tile_boundary_attends_a_band_one_tile_narrower_with_the_same_bits(window):
+def test_a_chunk_on_a_tile_boundary_attends_a_band_one_tile_narrower_with_the_same_bits(monkeypatch, window):
     """A sliding layer's chunk whose rows all start on a tile boundary attends, per block of 64
     queries, one tile fewer (3 at window 128, 2 at window 16; `layers._band_fits`); a batch with an
     unaligned row keeps the wider band. Either way the bits are those of attending every tile."""
     from hkv.core import layers
     from pallas_kernels import numerics as nm
+
+    monkeypatch.setattr(layers, "NARROW_BAND_QUERIES", 128)  # (512 in use: a chunk of 128 compiles one band)
 
     rng = np.random.default_rng(window)
     keep, c, hkv_heads, g, d = window - 1, 128, 2, 2, 16
