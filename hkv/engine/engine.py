@@ -277,9 +277,8 @@ class Engine(TextMethods):
     # ---------------------------------------------------------------------------------- api
     @property
     def compilations(self) -> dict[str, int]:
-        """Compilations of each compiled step this engine has used, e.g. {"prefill[1x32]": 1,
-        "decode[8]": 1, "decode[2x8@1024]": 1 (2 rows, reading 1024 tokens)}: one per bucket (steps
-        are shared with engines of the same model, layout and kernel options)."""
+        """Compilations of each step this engine has used, e.g. {"prefill[1x32]": 1, "decode[8]": 1, "decode[2x8@1024]":
+        1 (2 rows reading 1024 tokens)}: one per bucket (shared with engines of the same model, layout and kernels)."""
         return self.compile_plan.compilations()
 
     def generate(
