@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import kv_quant as kvq
 from .layout import CacheLayout, Status, set_tail_row
 from .spec import ObjectKind
 from .state import HybridCache
@@ -52,7 +53,7 @@ def swap_in(
             lo, hi = l0 // grp.unit, l1 // grp.unit
         pos = lo + jnp.arange(vals.shape[1])
         page, off, _ = locate_rows(layout, g, s[None], pos[None], (ok & (pos < hi))[None])
-        groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(vals.astype(g.pool.dtype), mode="drop"))
+        groups[gi] = g.replace(pool=g.pool.at[:, page[0], off[0]].set(kvq.to_pool(vals, g.pool.dtype), mode="drop"))
     new_tails = [set_tail_row(t, s, ok, src, skip_empty=True) for t, src in zip(c.tails, tails, strict=True)]
     pools = [g.pool for g in groups]  # written under `ok` above: unchanged where it is False
     # the metadata transitions see the old pools: `ok` selects only the small leaves, so a failed

@@ -9,6 +9,9 @@ only by e4m3's own rounding (round to nearest even; a value the rounding would c
 largest finite one saturates there), and `round_rows` — what a model's stateless forward applies to
 its K/V — gives exactly the values a cached path reads back.
 
+`to_pool` / `from_pool` convert between rows and a pool's elements where the two dtypes differ (a
+bfloat16 pool held as uint16 bit patterns on CPU: `hkv.core.layout.CacheLayout.pool_bits`).
+
 Everything here is pure jnp, jittable and elementwise per row (no reduction crosses rows).
 """
 
@@ -119,6 +122,26 @@ def load(spec: CacheSpec, stored: jax.Array, dim: int) -> jax.Array:
     if spec.kv_quant is None:
         return stored
     return unpack_rows(spec.kv_quant, stored, dim, spec.storage_dtype)
+
+
+# ------------------------------------------------------------------ the pools' elements
+def to_pool(values: jax.Array, pool_dtype) -> jax.Array:
+    """Stored rows (`store`'s result, or any float rows: cast to bfloat16 first) -> the elements of a
+    pool of `pool_dtype` (`CacheLayout.pool_dtype`): their uint16 bit patterns for a uint16 pool of
+    bfloat16 rows (`CacheLayout.pool_bits`), else cast to `pool_dtype`."""
+    pool_dtype = jnp.dtype(pool_dtype)
+    if pool_dtype == jnp.uint16 and jnp.issubdtype(values.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return values.astype(pool_dtype)
+
+
+def from_pool(values: jax.Array, row_dtype) -> jax.Array:
+    """Elements read from a pool (or the whole pool) -> rows of `row_dtype` (`CacheSpec.row_dtype`):
+    a uint16 pool's bit patterns as the bfloat16 values they are, anything else unchanged. On XLA:CPU
+    a view of the whole pool costs nothing where a gather reads it (the conversion fuses into it)."""
+    if values.dtype == jnp.uint16 and jnp.dtype(row_dtype) == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(values, jnp.bfloat16)
+    return values
 
 
 PAGES_PER_PASS = 8  # pages `dequantized_pages` converts per loop iteration when it knows the rows held

@@ -732,19 +732,20 @@ class LayerCache:
             g = cache.groups[gi]
             page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
             vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
-            vals = jnp.where(ok[..., None], vals, 0)
+            vals = jnp.where(ok[..., None], kvq.from_pool(vals, self._layout.spec.row_dtype()), 0)
         return kvq.load(self._layout.spec, vals, self._dim(kind))
 
     def _pages(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array, int | jax.Array]:
         """(pool, this step's page table int32[B, M], layer index) of this layer's `kind` object as the
-        decode kernels read it: the stacked pool itself, or with `kv_quant` the step's pages
+        decode kernels read it: the stacked pool itself (a uint16 pool viewed as its bfloat16 rows:
+        `kv_quant.from_pool`), or with `kv_quant` the step's pages
         dequantized (`kv_quant.dequantized_pages`, those below the rows held; layer index None)."""
         gi, li = self._group(kind)
         g = cache.groups[gi]
         pt = self._step_table(g, gi)
         spec = self._layout.spec
         if spec.kv_quant is None:
-            return g.pool, pt, li
+            return kvq.from_pool(g.pool, spec.row_dtype()), pt, li  # a view of uint16 bit patterns
         lengths = self.step.kernel_lengths
         window = self.window if kind == ObjectKind.SWA else None  # a sliding layer: its window's pages
         held = lengths if kind == ObjectKind.SWA else im.div(lengths, self.ratio)  # rows, or entries / keys

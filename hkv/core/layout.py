@@ -145,14 +145,31 @@ class Budget:
     cached_blocks: int
 
 
+def default_pool_bits() -> bool:
+    """`CacheLayout.pool_bits` where it is None: True on a CPU backend (`jax.default_backend()`)."""
+    return jax.default_backend() == "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Spec + config resolved into every static shape. Hashable: used as a jit static argument."""
+    """Spec + config resolved into every static shape. Hashable: used as a jit static argument.
+
+    pool_bits: whether bfloat16 pools hold their rows as uint16 bit patterns (`pool_dtype`); None
+    (the default) resolves to True on a CPU backend (`jax.default_backend()`) and False elsewhere.
+    XLA:CPU widens a bfloat16 array to float32 around every in-place write into it, so each row a
+    step wrote into a bfloat16 pool converted the whole pool twice; integer pools are written in
+    place. The bits read back are the same either way (`hkv.core.kv_quant.to_pool` / `from_pool`).
+    """
 
     spec: CacheSpec
     config: CacheConfig
+    pool_bits: bool | None = None
 
     def __post_init__(self):
+        if self.pool_bits is None:
+            object.__setattr__(self, "pool_bits", default_pool_bits())
+        elif not isinstance(self.pool_bits, bool):
+            raise ValueError(f"pool_bits={self.pool_bits!r} must be True, False or None (True on a CPU backend)")
         if self.config.pool_pages is not None and len(self.config.pool_pages) != len(self.groups):
             raise ValueError(
                 f"len(pool_pages)={len(self.config.pool_pages)} must equal the number of groups {len(self.groups)}"
@@ -252,6 +269,13 @@ class CacheLayout:
     def pool_pages(self, g: int) -> int:
         """Physical pages of group g (the resolved config's `pool_pages[g]`)."""
         return self.config.pool_pages[g]
+
+    @property
+    def pool_dtype(self) -> np.dtype:
+        """The pools' element dtype: `CacheSpec.row_dtype()`, or uint16 for bfloat16 rows with
+        `pool_bits` (the rows' bit patterns)."""
+        rdt = self.spec.row_dtype()
+        return np.dtype(np.uint16) if self.pool_bits and rdt == jnp.bfloat16 else np.dtype(rdt)
 
 
 @struct.dataclass

@@ -4,7 +4,7 @@ Static capacities live in `CacheLayout` (hashable, a jit static argument); every
 lives in `HybridCache` and is only ever replaced by a transition (`hkv.core.transitions`).
 
 Per group g (see `CacheSpec.groups`), with S slots, P_g physical pages of `page_size` rows:
-    pool        [L_g, P_g, page_size, dim_g]   rows of every layer of the group (storage dtype)
+    pool        [L_g, P_g, page_size, dim_g]   rows of every layer of the group (`CacheLayout.pool_dtype`)
     page_table  int32[S, M_g]                  logical page -> physical page, -1 = unmapped
     page_gen    int32[S, M_g]                  generation of the physical page when it was mapped
     refcount    int32[P_g]                     references from page tables (0 = free)
@@ -96,7 +96,7 @@ def _init_cache(layout: CacheLayout) -> HybridCache:
         p, m = layout.pool_pages(g), layout.logical_pages(g)
         groups.append(
             GroupState(
-                pool=jnp.zeros((len(grp.layers), p, layout.page_size, spec.row_width(grp.dim)), spec.row_dtype()),
+                pool=jnp.zeros((len(grp.layers), p, layout.page_size, spec.row_width(grp.dim)), layout.pool_dtype),
                 page_table=jnp.full((s, m), -1, jnp.int32),
                 page_gen=jnp.zeros((s, m), jnp.int32),
                 refcount=jnp.zeros((p,), jnp.int32),

@@ -15,6 +15,7 @@ import numpy as np
 
 from pallas_kernels import index_math as im
 
+from . import kv_quant as kvq
 from .layout import CacheLayout, Residency, Status, TailState
 from .spec import ObjectKind
 from .state import HybridCache, form_bits
@@ -341,7 +342,7 @@ def put_rows(pool: jax.Array, layer, page: jax.Array, off: jax.Array, values: ja
     """
     d = pool.shape[-1]
     page, off, ok = page.reshape(-1), off.reshape(-1), ok.reshape(-1)
-    vals = values.reshape(-1, d).astype(pool.dtype)
+    vals = kvq.to_pool(values.reshape(-1, d), pool.dtype)
     last = pool.shape[1] - 1
     layer = jnp.asarray(layer, jnp.int32)
 
@@ -457,7 +458,7 @@ def read_rows(layout, cache, kind: ObjectKind, layer: int, slots, rows, valid) -
     g = cache.groups[gi]
     li = layout.groups[gi].layers.index(layer)
     page, off, ok = locate_rows(layout, g, slots, rows, valid)
-    vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
+    vals = kvq.from_pool(g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off], layout.spec.row_dtype())
     return jnp.where(ok[..., None], vals, 0)
 
 

@@ -652,6 +652,9 @@ def _reject_constant(name: str):
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
+# A bfloat16 pool is held as uint16 bit patterns on CPU (`hkv.CacheLayout.pool_bits`) and as bfloat16
+# elsewhere: a checkpoint of either restores into the other (the same bytes, viewed).
+_POOL_BITS = ("uint16", "bfloat16")
 _DTYPES = frozenset(
     {
         "bool",
@@ -1103,7 +1106,8 @@ class _RestoreChecks:
             )
         for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True)):
             name, dtype = jax.tree_util.keystr(kp), jnp.dtype(fresh.dtype).name
-            if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or m["dtype"] != dtype:
+            same_bits = {m["dtype"], dtype} == set(_POOL_BITS)  # a bfloat16 pool held as uint16 or not
+            if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or (m["dtype"] != dtype and not same_bits):
                 raise EngineCheckpointError(
                     f"leaf {i}: checkpoint has cache{_show(m['path'])[1:-1]} {m['dtype']}{m['shape']}, this engine "
                     f"needs cache{name} {dtype}{list(fresh.shape)}"
@@ -1242,7 +1246,7 @@ def _read_verified_leaves(checks: _RestoreChecks, fresh_with_path) -> list[np.nd
     """
     metas = checks.doc["leaves"]
     target = {
-        _leaf_key(i): np.zeros(fresh.shape, fresh.dtype)
+        _leaf_key(i): np.zeros(fresh.shape, jnp.dtype(m["dtype"]))
         for i, ((_, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True))
         if m["stored"]
     }
@@ -1295,16 +1299,17 @@ def _verified_leaf(i: int, name: str, fresh, meta: dict[str, Any], restored: Any
     else:
         a = np.zeros(fresh.shape, fresh.dtype)
     # orbax casts to the target dtype silently: re-check what came back, then the bytes.
-    if a.shape != tuple(fresh.shape) or a.dtype != fresh.dtype:
+    saved = jnp.dtype(fresh.dtype if not meta["stored"] else meta["dtype"])
+    if a.shape != tuple(fresh.shape) or a.dtype != saved:
         raise EngineCheckpointError(
-            f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected {fresh.dtype}{list(fresh.shape)}"
+            f"leaf {i} cache{name}: restored {a.dtype}{list(a.shape)}, expected {saved}{list(fresh.shape)}"
         )
     crc = _crc32(a)
     if crc != meta["crc32"]:
         raise EngineCheckpointError(
             f"leaf {i} cache{name}: crc32 {crc:#010x} != saved {meta['crc32']:#010x}: the array data is corrupt"
         )
-    return a
+    return a.view(fresh.dtype)  # a pool saved as uint16 bit patterns (a CPU layout) or as bfloat16: the same bytes
 
 
 def _check_host_cache(path: Path, layout: CacheLayout, host_cache, shard: int | None = None) -> None:

@@ -80,16 +80,16 @@ def _gather(pool: jax.Array, ids: jax.Array) -> jax.Array:
 def _rows_of(layout: CacheLayout, cache: HybridCache, gi: int, page_row: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Host copy of rows [lo, hi) of group gi through a record's page row int32[M]: [L_g, hi - lo, dim]."""
     grp, ps = layout.groups[gi], layout.page_size
-    pool = cache.groups[gi].pool
+    pool, rdt = cache.groups[gi].pool, np.dtype(layout.spec.row_dtype())
     if hi <= lo:
-        return np.zeros((len(grp.layers), 0, pool.shape[-1]), np.dtype(pool.dtype))
+        return np.zeros((len(grp.layers), 0, pool.shape[-1]), rdt)
     p0, p1 = lo // ps, -(-hi // ps)
     ids = np.zeros((bucket(p1 - p0),), np.int32)
     ids[: p1 - p0] = page_row[p0:p1]
     if np.any(ids[: p1 - p0] < 0):
         raise RuntimeError(f"record maps no page for rows [{lo}, {hi}) of group {gi}")  # an invariant, not input
     got = np.asarray(jax.device_get(_gather(pool, jnp.asarray(ids))))  # [L_g, n, ps, dim]
-    got = got.reshape(got.shape[0], -1, got.shape[-1])
+    got = got.reshape(got.shape[0], -1, got.shape[-1]).view(rdt)  # a uint16 pool's bit patterns: its rows
     return got[:, lo - p0 * ps : hi - p0 * ps]
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import hkv
+from hkv.core import layout as layout_module
 from hkv.core.policy import RetentionPolicy
 from hkv.engine import checkpoint as hc
 from models.deepseek_v4 import init, tiny_config
@@ -124,22 +125,30 @@ def test_second_turn_restores_its_prefix_and_matches_the_original(saved, restore
     hkv.check_invariants(restored.layout, restored.cache)
 
 
-def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path):
-    """bfloat16 storage (the production dtype) through orbax: every bit, NaN payloads and -0.0 too."""
+@pytest.mark.parametrize("saved_bits, restored_bits", [(True, True), (False, True), (True, False)])
+def test_bfloat16_pools_with_nan_payloads_round_trip_bit_exact(tmp_path, monkeypatch, saved_bits, restored_bits):
+    """bfloat16 storage (the production dtype) through orbax: every bit, NaN payloads and -0.0 too, from
+    and into pools held as uint16 bit patterns (a CPU layout, `CacheLayout.pool_bits`) or as bfloat16
+    (a GPU / TPU one)."""
     bf = init(CFG, seed=0, dtype=jnp.bfloat16)
+    monkeypatch.setattr(layout_module, "default_pool_bits", lambda: saved_bits)
     engine = make_engine(bf, model_id="tiny-bf16")
     rng = np.random.default_rng(1)
     groups = []
     for g in engine.cache.groups:
         bits = rng.integers(0, 2**16, g.pool.shape, dtype=np.uint16)
         bits.flat[:3] = (0x7FC1, 0x8000, 0xFF81)  # NaN with payload, -0.0, negative NaN
-        groups.append(g.replace(pool=jnp.asarray(bits.view(ml_dtypes.bfloat16))))
+        groups.append(g.replace(pool=jnp.asarray(bits if saved_bits else bits.view(ml_dtypes.bfloat16))))
     engine.cache = engine.cache.replace(groups=tuple(groups))
-    assert engine.cache.groups[0].pool.dtype == jnp.bfloat16
+    pool_dtype = {True: np.dtype(np.uint16), False: np.dtype(ml_dtypes.bfloat16)}
+    assert engine.cache.groups[0].pool.dtype == pool_dtype[saved_bits]
     want = host_leaves(engine.cache)
     hc.save_engine(engine, tmp_path / "bf")
+    monkeypatch.setattr(layout_module, "default_pool_bits", lambda: restored_bits)
     back = hkv.Engine.restore(tmp_path / "bf", bf)
-    assert all(same_bits(g, w) for g, w in zip(host_leaves(back.cache), want, strict=True))
+    assert {g.pool.dtype for g in back.cache.groups} == {pool_dtype[restored_bits]}
+    got = host_leaves(back.cache)
+    assert all(same_bits(g.view(w.dtype), w) for g, w in zip(got, want, strict=True))
     assert back.spec.model_id == "tiny-bf16" and back.spec.dtype == "bfloat16"
     # the same checkpoint does not restore into a float32 model: different ABI
     with pytest.raises(hc.EngineCheckpointError, match="dtype"):
