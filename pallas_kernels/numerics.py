@@ -41,7 +41,7 @@ one order per element (not yet measured: no accelerator has been available).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -417,29 +417,9 @@ def attend(
     _, _, h, g, _ = q.shape
     sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(h, g)
     shared = all(src.k.shape[1] == 1 and src.v.shape[1] == 1 for src in sources)
-    if sum(_score_elements(q, src) for src in sources) > BLOCKED_SCORES:
-        walk = _attend_blocked_shared if shared else _attend_blocked
-        return walk(q, sources, scale=scale, sink=sink, softcap=softcap)
-    if shared:
-        return _attend_shared(q, sources, scale=scale, sink=sink, softcap=softcap)
-    return _attend_whole(q, sources, scale=scale, sink=sink, softcap=softcap)
-
-
-def _attend_whole(q, sources, *, scale, sink, softcap):
-    """`attend` with every score at once, scores laid out [N, Q, T, H, G, KT] (any sources)."""
-    scores = [_masked_scores(q, src, scale, softcap) for src in sources]
-    m = functools.reduce(jnp.maximum, [_tile_max(s) for s in scores])  # [N, Q, H, G]
-    if sink is not None:
-        m = jnp.maximum(m, sink)
-    shift = jnp.where(jnp.isfinite(m), m, 0.0)
-    l_parts, o_parts = [], []
-    for s, src in zip(scores, sources, strict=True):
-        p = exp(s - shift[:, :, None, :, :, None])  # masked: exp(-inf) = 0
-        l_parts.append(fixed_sum(p, axis=-1))  # [N, Q, T, H, G]
-        o_parts.append(_values(p.astype(src.v.dtype), src))  # [N, Q, T, H, G, D]
-    l = ordered_sum(jnp.concatenate(l_parts, axis=2), axis=2)
-    o = ordered_sum(jnp.concatenate(o_parts, axis=2), axis=2)
-    return _normalized(q, l, o, shift, sink)
+    layout = TILE_MAJOR if shared else PER_QUERY
+    walk = _attend_blocked if sum(_score_elements(q, src) for src in sources) > BLOCKED_SCORES else _attend_whole
+    return walk(q, sources, scale=scale, sink=sink, softcap=softcap, layout=layout)
 
 
 # Scores ([N, Q, T, H, G, KEY_TILE] float32 elements) above which `attend` walks the key tiles in blocks
@@ -457,10 +437,14 @@ def _score_elements(q: jax.Array, src: KeyTiles) -> int:
 
 def _masked_scores(q: jax.Array, src: KeyTiles, scale: float, softcap: float | None) -> jax.Array:
     """Scaled (and soft-capped) scores [N, Q, T, H, G, KT], -inf where a key is not visible."""
-    s = mul(_scores(q, src), jnp.float32(scale))
+    return _masked(_scores(q, src), src.valid[:, :, :, None, None, :], scale, softcap)
+
+
+def _masked(s: jax.Array, valid: jax.Array, scale: float, softcap: float | None) -> jax.Array:
+    s = mul(s, jnp.float32(scale))
     if softcap is not None:
         s = mul(jnp.float32(softcap), tanh(s / jnp.float32(softcap)))
-    return jnp.where(src.valid[:, :, :, None, None, :], s, -jnp.inf)
+    return jnp.where(valid, s, -jnp.inf)
 
 
 def _normalized(q: jax.Array, l: jax.Array, o: jax.Array, shift: jax.Array, sink: jax.Array | None) -> jax.Array:
@@ -521,51 +505,31 @@ def _live_blocks(valid: jax.Array, per: int) -> tuple[jax.Array, jax.Array]:
     return first, end
 
 
-def _attend_blocked(q, sources, *, scale, sink, softcap):
-    """`attend` over blocks of key tiles, two passes (bit for bit the same result): the max over every
-    visible score, block by block (exact in any order); then per block p = exp(s - max) and each tile's
-    sum and value product, added to running totals tile after tile — the `ordered_sum` order. Only the
-    blocks holding a visible key are walked (`_live_blocks`): a prefill chunk that reads a bucket of
-    8192 keys of which it sees 4608 scores 4608."""
-    n, nq, h, g, d = q.shape
-    walks = []
-    for src in sources:
-        per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
-        walks.append((_tile_blocks(src, per), *_live_blocks(src.valid, per)))
-    m = jnp.full((n, nq, h, g), -jnp.inf, jnp.float32)
-    for block, first, end in walks:
+# ---------------------------------------------------------------------------- the scores' layouts
+# `attend`'s walks (at once, or over blocks of tiles) run in one of two layouts of the scores, with the
+# same arithmetic element for element: the same products, the same exact maxima, the same sums in the
+# same order; only where values lie differs. PER_QUERY lays scores out [N, Q, T, H, G, KT] and serves
+# any sources (a sparse layer's picks: tiles per query). TILE_MAJOR, for sources whose tiles every query
+# of a row shares (every other path), keeps them [N, T, H, Q, G, KT] as the score products write them:
+# the exp, the per-tile sums and the value products read them there and only the [N, H, Q, G(, D)]
+# totals are transposed back; the query rows a tile's product multiplies are broadcast once per call (a
+# blocked walk: once, not once per block and pass).
+class _ScoreLayout(NamedTuple):
+    tile_axis: int  # of the scores, and of the per-tile sums and value products
+    source: Callable  # KeyTiles -> KeyTiles as the layout's `scores` takes them
+    query_rows: Callable  # (q, tiles) -> what `scores` multiplies
+    scores: Callable  # (rows, src, q.shape, scale, softcap) -> masked scores
+    values: Callable  # (p in v.dtype, src) -> float32 value products
+    totals: Callable  # q.shape -> the shape of the running max and sum
+    shift: Callable  # (max, sink) -> (shift [N, Q, H, G], the same broadcast against the scores)
+    finish: Callable  # (q, l, o, shift, sink) -> out [N, Q, H, G, D]
 
-        def top(i, m, block=block):
-            return jnp.maximum(m, _tile_max(_masked_scores(q, block(i), scale, softcap)))
 
-        m = lax.fori_loop(first, end, top, m)
+def _shift(m: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """The running max [N, Q, H, G] (and the sink) -> the exp's shift: the max, 0 where nothing is seen."""
     if sink is not None:
         m = jnp.maximum(m, sink)
-    shift = jnp.where(jnp.isfinite(m), m, 0.0)
-    totals = (jnp.zeros((n, nq, h, g), jnp.float32), jnp.zeros((n, nq, h, g, d), jnp.float32))
-    for block, first, end in walks:
-
-        def add(i, totals, block=block):
-            blk = block(i)
-            p = exp(_masked_scores(q, blk, scale, softcap) - shift[:, :, None, :, :, None])
-            lt = settle(fixed_sum(p, axis=-1))  # [N, Q, per, H, G]
-            ot = settle(_values(p.astype(blk.v.dtype), blk))  # [N, Q, per, H, G, D]
-            l, o = totals
-            for j in range(lt.shape[2]):
-                l, o = l + lt[:, :, j], o + ot[:, :, j]
-            return l, o
-
-        totals = lax.fori_loop(first, end, add, totals)
-    return _normalized(q, *totals, shift, sink)
-
-
-# ------------------------------------------------------------- attention over shared tiles, tile-major
-# When every source's tiles are shared by a row's queries (every path but a sparse layer's picks), the
-# scores stay in the layout their products write, [N, T, H, Q, G, KT] ("tile-major"): the exp, the
-# per-tile sums and the value products read them there, and only the [N, H, Q, G(, D)] totals are
-# transposed back. The query rows a tile's product multiplies are broadcast once per call (a blocked
-# walk: once, not once per block and pass). The arithmetic is `attend`'s, element for element: the same
-# products, the same exact maxima, the same sums in the same order; only where values lie differs.
+    return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
 def _query_rows(q: jax.Array, tiles: int) -> jax.Array:
@@ -575,21 +539,13 @@ def _query_rows(q: jax.Array, tiles: int) -> jax.Array:
     return jnp.broadcast_to(qm, (n, tiles, h, nq * g, d))
 
 
-def _tile_major_valid(valid: jax.Array) -> jax.Array:
-    """valid [N, Q, T, KT] -> [N, 1, T, Q, KT] (T on axis 2, where `_tile_blocks` cuts it)."""
-    return valid.transpose(0, 2, 1, 3)[:, None]
-
-
-def _masked_scores_tm(qm, src: KeyTiles, q_shape, scale: float, softcap: float | None) -> jax.Array:
-    """`_masked_scores` tile-major: qm from `_query_rows`, src.valid from `_tile_major_valid` ->
-    float32 [N, T, H, Q, G, KT]."""
+def _scores_tm(qm, src: KeyTiles, q_shape, scale: float, softcap: float | None) -> jax.Array:
+    """Masked scores tile-major: qm from `_query_rows`, src.valid [N, 1, T, Q, KT] -> [N, T, H, Q, G, KT]."""
     n, nq, h, g, _ = q_shape
     t, kt = src.k.shape[2:4]
     km = src.k[:, 0].transpose(0, 1, 3, 4, 2)  # [N, T, H, D, KT]
-    s = mul(batched_matmul(qm, km).reshape(n, t, h, nq, g, kt), jnp.float32(scale))
-    if softcap is not None:
-        s = mul(jnp.float32(softcap), tanh(s / jnp.float32(softcap)))
-    return jnp.where(src.valid[:, 0][:, :, None, :, None, :], s, -jnp.inf)
+    s = batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
+    return _masked(s, src.valid[:, 0][:, :, None, :, None, :], scale, softcap)
 
 
 def _values_tm(p: jax.Array, src: KeyTiles) -> jax.Array:
@@ -599,69 +555,86 @@ def _values_tm(p: jax.Array, src: KeyTiles) -> jax.Array:
     return batched_matmul(p.reshape(n, t, h, nq * g, kt), vm).reshape(n, t, h, nq, g, -1)
 
 
-def _shift(m_tm: jax.Array, sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """The running max [N, H, Q, G] -> (shift [N, Q, H, G] as `attend` computes it, the same values
-    tile-major [N, 1, H, Q, G, 1])."""
-    m = m_tm.transpose(0, 2, 1, 3)
-    if sink is not None:
-        m = jnp.maximum(m, sink)
-    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+def _shift_tm(m_tm: jax.Array, sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    shift = _shift(m_tm.transpose(0, 2, 1, 3), sink)
     return shift, shift.transpose(0, 2, 1, 3)[:, None, :, :, :, None]
 
 
-def _finish_tm(q, l_tm, o_tm, shift, sink) -> jax.Array:
-    """Totals [N, H, Q, G] and [N, H, Q, G, D] -> `_normalized` output [N, Q, H, G, D]."""
-    return _normalized(q, l_tm.transpose(0, 2, 1, 3), o_tm.transpose(0, 2, 1, 3, 4), shift, sink)
+PER_QUERY = _ScoreLayout(
+    tile_axis=2,
+    source=lambda src: src,
+    query_rows=lambda q, tiles: q,
+    scores=lambda q, src, q_shape, scale, softcap: _masked_scores(q, src, scale, softcap),
+    values=_values,
+    totals=lambda q_shape: q_shape[:4],
+    shift=lambda m, sink: (lambda shift: (shift, shift[:, :, None, :, :, None]))(_shift(m, sink)),
+    finish=_normalized,
+)
+TILE_MAJOR = _ScoreLayout(
+    tile_axis=1,
+    source=lambda src: KeyTiles(src.k, src.v, src.valid.transpose(0, 2, 1, 3)[:, None]),  # T on axis 2
+    query_rows=_query_rows,
+    scores=_scores_tm,
+    values=_values_tm,
+    totals=lambda q_shape: (q_shape[0], q_shape[2], q_shape[1], q_shape[3]),
+    shift=_shift_tm,
+    finish=lambda q, l, o, shift, sink: _normalized(q, l.swapaxes(1, 2), o.swapaxes(1, 2), shift, sink),
+)
 
 
-def _attend_shared(q, sources, *, scale, sink, softcap):
-    """`attend` of sources whose tiles are all shared (k/v [N, 1, T, KT, H, D]), tile-major."""
-    tm = [KeyTiles(src.k, src.v, _tile_major_valid(src.valid)) for src in sources]
-    scores = [_masked_scores_tm(_query_rows(q, src.k.shape[2]), src, q.shape, scale, softcap) for src in tm]
-    shift, shift_tm = _shift(functools.reduce(jnp.maximum, [_tile_max(s, 1) for s in scores]), sink)
+def _attend_whole(q, sources, *, scale, sink, softcap, layout: _ScoreLayout = PER_QUERY):
+    """`attend` with every score at once."""
+    ax = layout.tile_axis
+    srcs = [layout.source(src) for src in sources]
+    scores = [layout.scores(layout.query_rows(q, src.k.shape[2]), src, q.shape, scale, softcap) for src in srcs]
+    shift, shift_b = layout.shift(functools.reduce(jnp.maximum, [_tile_max(s, ax) for s in scores]), sink)
     l_parts, o_parts = [], []
-    for s, src in zip(scores, tm, strict=True):
-        p = exp(s - shift_tm)
-        l_parts.append(fixed_sum(p, axis=-1))  # [N, T, H, Q, G]
-        o_parts.append(_values_tm(p.astype(src.v.dtype), src))  # [N, T, H, Q, G, D]
-    l = ordered_sum(jnp.concatenate(l_parts, axis=1), axis=1)
-    o = ordered_sum(jnp.concatenate(o_parts, axis=1), axis=1)
-    return _finish_tm(q, l, o, shift, sink)
+    for s, src in zip(scores, srcs, strict=True):
+        p = exp(s - shift_b)  # masked: exp(-inf) = 0
+        l_parts.append(fixed_sum(p, axis=-1))  # per tile
+        o_parts.append(layout.values(p.astype(src.v.dtype), src))
+    l = ordered_sum(jnp.concatenate(l_parts, axis=ax), axis=ax)
+    o = ordered_sum(jnp.concatenate(o_parts, axis=ax), axis=ax)
+    return layout.finish(q, l, o, shift, sink)
 
 
-def _attend_blocked_shared(q, sources, *, scale, sink, softcap):
-    """`_attend_blocked` of sources whose tiles are all shared, tile-major, each source's query rows
-    broadcast once for both passes."""
+def _attend_blocked(q, sources, *, scale, sink, softcap, layout: _ScoreLayout = PER_QUERY):
+    """`attend` over blocks of key tiles, two passes (bit for bit the same result): the max over every
+    visible score, block by block (exact in any order); then per block p = exp(s - max) and each tile's
+    sum and value product, added to running totals tile after tile — the `ordered_sum` order. Only the
+    blocks holding a visible key are walked (`_live_blocks`): a prefill chunk that reads a bucket of
+    8192 keys of which it sees 4608 scores 4608."""
     n, nq, h, g, d = q.shape
+    ax = layout.tile_axis
     walks = []
     for src in sources:
         per = max(1, min(src.k.shape[2], BLOCK_SCORES // max(1, n * nq * h * g * src.k.shape[3])))
         first, end = _live_blocks(src.valid, per)
-        tm = KeyTiles(src.k, src.v, _tile_major_valid(src.valid))
-        walks.append((_tile_blocks(tm, per), first, end, materialized(_query_rows(q, per))))
-    m = jnp.full((n, h, nq, g), -jnp.inf, jnp.float32)
-    for block, first, end, qm in walks:
+        rows = materialized(layout.query_rows(q, per))  # broadcast once for both passes
+        walks.append((_tile_blocks(layout.source(src), per), first, end, rows))
+    m = jnp.full(layout.totals(q.shape), -jnp.inf, jnp.float32)
+    for block, first, end, rows in walks:
 
-        def top(i, m, block=block, qm=qm):
-            return jnp.maximum(m, _tile_max(_masked_scores_tm(qm, block(i), q.shape, scale, softcap), 1))
+        def top(i, m, block=block, rows=rows):
+            return jnp.maximum(m, _tile_max(layout.scores(rows, block(i), q.shape, scale, softcap), ax))
 
         m = lax.fori_loop(first, end, top, m)
-    shift, shift_tm = _shift(m, sink)
-    totals = (jnp.zeros((n, h, nq, g), jnp.float32), jnp.zeros((n, h, nq, g, d), jnp.float32))
-    for block, first, end, qm in walks:
+    shift, shift_b = layout.shift(m, sink)
+    totals = (jnp.zeros(m.shape, jnp.float32), jnp.zeros((*m.shape, d), jnp.float32))
+    for block, first, end, rows in walks:
 
-        def add(i, totals, block=block, qm=qm):
+        def add(i, totals, block=block, rows=rows):
             blk = block(i)
-            p = exp(_masked_scores_tm(qm, blk, q.shape, scale, softcap) - shift_tm)
-            lt = settle(fixed_sum(p, axis=-1))  # [N, per, H, Q, G]
-            ot = settle(_values_tm(p.astype(blk.v.dtype), blk))  # [N, per, H, Q, G, D]
+            p = exp(layout.scores(rows, blk, q.shape, scale, softcap) - shift_b)
+            lt = settle(fixed_sum(p, axis=-1))  # per tile
+            ot = settle(layout.values(p.astype(blk.v.dtype), blk))
             l, o = totals
-            for j in range(lt.shape[1]):
-                l, o = l + lt[:, j], o + ot[:, j]
+            for j in range(lt.shape[ax]):
+                l, o = l + lax.index_in_dim(lt, j, ax, False), o + lax.index_in_dim(ot, j, ax, False)
             return l, o
 
         totals = lax.fori_loop(first, end, add, totals)
-    return _finish_tm(q, *totals, shift, sink)
+    return layout.finish(q, *totals, shift, sink)
 
 
 def paged_rows(

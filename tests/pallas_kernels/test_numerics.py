@@ -300,9 +300,9 @@ def test_blocked_attention_walks_only_the_blocks_with_visible_keys_bit_for_bit(m
 @pytest.mark.parametrize("blocked", [False, True], ids=["at-once", "blocked"])
 def test_shared_tiles_tile_major_give_the_bits_of_the_general_layout(monkeypatch, dtype, blocked):
     """Shared tiles (every path but a sparse layer's picks) are attended tile-major, in the layout the
-    score products write (`_attend_shared`, `_attend_blocked_shared`): the same bits as the general
-    path that lays scores out per query (`_attend_whole`, `_attend_blocked`), with two sources, a sink,
-    a soft cap and a query that sees nothing."""
+    score products write (`TILE_MAJOR`): the same bits as the general layout that lays scores out per
+    query (`PER_QUERY`, at once and blocked), with two sources, a sink, a soft cap and a query that
+    sees nothing."""
     n, nq, h, g, d = 2, 6, 2, 3, 16
     q = jnp.asarray(RNG.normal(0, 1, (n, nq, h, g, d)), dtype)
 
