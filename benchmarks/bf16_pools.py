@@ -8,8 +8,9 @@ XLA:CPU widens a bfloat16 array to float32 around every in-place write into it, 
 into a bfloat16 pool converts the whole pool; uint16 pools are written in place. Per model (the small
 models of `benchmarks/numerics_cost.py`, random weights, bfloat16) and layout, one engine
 (`Engine(CacheConfig(slots, max_context), block_tokens=64, prefill_chunk=512)`, one untimed request of
-the same shape first to compile, the prefix cache emptied before each request): cold time to first token of a --prompt-token prompt and decode
-ms/token (`decode_steps=8` dispatches of one request, the median over --new tokens), the best of --rounds
+the same shape first to compile, the prefix cache emptied before each request): cold time to first
+token of a --prompt-tokens prompt and decode ms/token (`decode_steps=8` dispatches of one request, the
+median over --new tokens), the best of --rounds
 rounds alternated between the layouts; tokens must be equal (the bits are the same by construction).
 """
 
