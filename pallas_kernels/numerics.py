@@ -369,13 +369,10 @@ def _scores(q: jax.Array, src: KeyTiles) -> jax.Array:
     """float32 q . k per tile: q [N, Q, H, G, D] -> [N, Q, T, H, G, KT], as products of KEY_TILE columns
     batched over (row, tile, head) (the tile is a batch dimension: the column count never changes)."""
     n, nq, h, g, d = q.shape
-    t, kt = src.k.shape[2:4]
-    q = materialized(q)
+    t = src.k.shape[2]
     if src.k.shape[1] == 1:  # shared tiles: one product of the Q * G query rows per (row, tile, head)
-        qm = jnp.broadcast_to(q.transpose(0, 2, 1, 3, 4).reshape(n, 1, h, nq * g, d), (n, t, h, nq * g, d))
-        km = src.k[:, 0].transpose(0, 1, 3, 4, 2)  # [N, T, H, D, KT]
-        s = batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
-        return s.transpose(0, 3, 1, 2, 4, 5)
+        return _products_tm(_query_rows(q, t), src, q.shape).transpose(0, 3, 1, 2, 4, 5)
+    q = materialized(q)
     qm = jnp.broadcast_to(q[:, :, None], (n, nq, t, h, g, d))
     km = src.k.transpose(0, 1, 2, 4, 5, 3)  # [N, Q, T, H, D, KT]
     return batched_matmul(qm, km)
@@ -383,12 +380,8 @@ def _scores(q: jax.Array, src: KeyTiles) -> jax.Array:
 
 def _values(p: jax.Array, src: KeyTiles) -> jax.Array:
     """Per-tile value products: p [N, Q, T, H, G, KT] (v.dtype) -> float32 [N, Q, T, H, G, D]."""
-    n, nq, t, h, g, kt = p.shape
-    d = src.v.shape[-1]
     if src.v.shape[1] == 1:
-        pm = p.transpose(0, 2, 3, 1, 4, 5).reshape(n, t, h, nq * g, kt)
-        vm = src.v[:, 0].transpose(0, 1, 3, 2, 4)  # [N, T, H, KT, D]
-        return batched_matmul(pm, vm).reshape(n, t, h, nq, g, d).transpose(0, 3, 1, 2, 4, 5)
+        return _values_tm(p.transpose(0, 2, 3, 1, 4, 5), src).transpose(0, 3, 1, 2, 4, 5)
     vm = src.v.transpose(0, 1, 2, 4, 3, 5)  # [N, Q, T, H, KT, D]
     return batched_matmul(p, vm)
 
@@ -539,13 +532,17 @@ def _query_rows(q: jax.Array, tiles: int) -> jax.Array:
     return jnp.broadcast_to(qm, (n, tiles, h, nq * g, d))
 
 
-def _scores_tm(qm, src: KeyTiles, q_shape, scale: float, softcap: float | None) -> jax.Array:
-    """Masked scores tile-major: qm from `_query_rows`, src.valid [N, 1, T, Q, KT] -> [N, T, H, Q, G, KT]."""
+def _products_tm(qm, src: KeyTiles, q_shape) -> jax.Array:
+    """float32 q . k of shared tiles, tile-major: qm from `_query_rows` -> [N, T, H, Q, G, KT]."""
     n, nq, h, g, _ = q_shape
     t, kt = src.k.shape[2:4]
     km = src.k[:, 0].transpose(0, 1, 3, 4, 2)  # [N, T, H, D, KT]
-    s = batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
-    return _masked(s, src.valid[:, 0][:, :, None, :, None, :], scale, softcap)
+    return batched_matmul(qm, km).reshape(n, t, h, nq, g, kt)
+
+
+def _scores_tm(qm, src: KeyTiles, q_shape, scale: float, softcap: float | None) -> jax.Array:
+    """Masked scores tile-major: qm from `_query_rows`, src.valid [N, 1, T, Q, KT] -> [N, T, H, Q, G, KT]."""
+    return _masked(_products_tm(qm, src, q_shape), src.valid[:, 0][:, :, None, :, None, :], scale, softcap)
 
 
 def _values_tm(p: jax.Array, src: KeyTiles) -> jax.Array:
@@ -553,6 +550,11 @@ def _values_tm(p: jax.Array, src: KeyTiles) -> jax.Array:
     n, t, h, nq, g, kt = p.shape
     vm = src.v[:, 0].transpose(0, 1, 3, 2, 4)  # [N, T, H, KT, D]
     return batched_matmul(p.reshape(n, t, h, nq * g, kt), vm).reshape(n, t, h, nq, g, -1)
+
+
+def _shift_pq(m: jax.Array, sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    shift = _shift(m, sink)
+    return shift, shift[:, :, None, :, :, None]
 
 
 def _shift_tm(m_tm: jax.Array, sink: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -567,7 +569,7 @@ PER_QUERY = _ScoreLayout(
     scores=lambda q, src, q_shape, scale, softcap: _masked_scores(q, src, scale, softcap),
     values=_values,
     totals=lambda q_shape: q_shape[:4],
-    shift=lambda m, sink: (lambda shift: (shift, shift[:, :, None, :, :, None]))(_shift(m, sink)),
+    shift=_shift_pq,
     finish=_normalized,
 )
 TILE_MAJOR = _ScoreLayout(

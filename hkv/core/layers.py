@@ -730,9 +730,7 @@ class LayerCache:
         else:
             gi, li = self._group(kind)
             g = cache.groups[gi]
-            page, off, ok = tr.locate_rows(self._layout, g, self.step.slots, rows, valid)
-            vals = g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off]
-            vals = jnp.where(ok[..., None], kvq.from_pool(vals, self._layout.spec.row_dtype()), 0)
+            vals = tr.rows_at(self._layout, g, li, *tr.locate_rows(self._layout, g, self.step.slots, rows, valid))
         return kvq.load(self._layout.spec, vals, self._dim(kind))
 
     def _pages(self, cache: HybridCache, kind: ObjectKind) -> tuple[jax.Array, jax.Array, int | jax.Array]:

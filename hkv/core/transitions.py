@@ -457,7 +457,12 @@ def read_rows(layout, cache, kind: ObjectKind, layer: int, slots, rows, valid) -
     gi = layout.spec.group_of(kind, layer)
     g = cache.groups[gi]
     li = layout.groups[gi].layers.index(layer)
-    page, off, ok = locate_rows(layout, g, slots, rows, valid)
+    return rows_at(layout, g, li, *locate_rows(layout, g, slots, rows, valid))
+
+
+def rows_at(layout, g, li, page, off, ok) -> jax.Array:
+    """Group state g's pool rows of layer index li (int or traced) at `locate_rows`' (page, off, ok):
+    [..., D] as the spec's rows (`kv_quant.from_pool`), 0 where not ok."""
     vals = kvq.from_pool(g.pool[li, jnp.minimum(page, g.pool.shape[1] - 1), off], layout.spec.row_dtype())
     return jnp.where(ok[..., None], vals, 0)
 

@@ -654,7 +654,7 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 # A bfloat16 pool is held as uint16 bit patterns on CPU (`hkv.CacheLayout.pool_bits`) and as bfloat16
 # elsewhere: a checkpoint of either restores into the other (the same bytes, viewed).
-_POOL_BITS = ("uint16", "bfloat16")
+_POOL_BITS = frozenset({"uint16", "bfloat16"})
 _DTYPES = frozenset(
     {
         "bool",
@@ -1106,7 +1106,7 @@ class _RestoreChecks:
             )
         for i, ((kp, fresh), m) in enumerate(zip(fresh_with_path, metas, strict=True)):
             name, dtype = jax.tree_util.keystr(kp), jnp.dtype(fresh.dtype).name
-            same_bits = {m["dtype"], dtype} == set(_POOL_BITS)  # a bfloat16 pool held as uint16 or not
+            same_bits = {m["dtype"], dtype} == _POOL_BITS  # a bfloat16 pool held as uint16 or not
             if m["path"] != name or tuple(m["shape"]) != tuple(fresh.shape) or (m["dtype"] != dtype and not same_bits):
                 raise EngineCheckpointError(
                     f"leaf {i}: checkpoint has cache{_show(m['path'])[1:-1]} {m['dtype']}{m['shape']}, this engine "
